@@ -1,0 +1,225 @@
+"""Every code example in the documentation runs: the Markdown pages and the docstrings.
+
+Markdown (``README.md`` and ``docs/**/*.md``), one test per fenced block, named
+``<file>::block<N>:L<line>`` so that a failure points at the block:
+
+* a ```` ```python ```` block is **executed, standalone**: in a fresh module namespace, in a
+  fresh temporary working directory, sharing nothing with the other blocks of its page. A
+  block must therefore carry its own imports and data; a reader can copy any one block and
+  run it.
+* a ```` ```python ```` block that imports a peer library of the optional ``peers`` extra
+  (``torch``, ``jmp``) is skipped, with a reason, when that library is not installed.
+* a ```` ```py ```` block is shown, highlighted like Python, and **not executed**: it is for
+  code of other libraries that cannot run here (DeepSpeed, Megatron-LM, Keras, Cerebras).
+  It must not use jdls; jdls code goes in ```` ```python ````, where it runs.
+* ``<!-- skip-test -->`` on the line before a ```` ```python ```` fence opts that one block
+  out. Use it sparingly and say why next to it.
+
+Docstrings: the doctests of every module of the ``jdls`` package run too, one test per module.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import doctest
+import importlib
+import importlib.util
+import pkgutil
+import re
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+import jdls
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+
+#: Optional libraries (the ``peers`` extra): a block importing one is skipped without it.
+OPTIONAL_MODULES = frozenset({"torch", "jmp"})
+SKIP_MARKER = "<!-- skip-test -->"
+RUN_LANGUAGE = "python"
+SHOW_ONLY_LANGUAGE = "py"
+
+_FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})[ \t]*(?P<info>[^`]*)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    """One fenced code block of a Markdown file."""
+
+    path: Path
+    index: int  # 0-based, among all fenced blocks of the file
+    line: int  # 1-based line of the opening fence
+    language: str
+    source: str
+    skip: bool
+
+    @property
+    def id(self) -> str:
+        return f"{self.path.relative_to(ROOT).as_posix()}::block{self.index}:L{self.line}"
+
+
+def markdown_files() -> list[Path]:
+    """README.md and every page under docs/, in a stable order."""
+    files = sorted(DOCS.rglob("*.md"))
+    readme = ROOT / "README.md"
+    return ([readme] if readme.exists() else []) + files
+
+
+def extract_blocks(path: Path) -> list[Block]:
+    """The fenced code blocks of one Markdown file (fences may be indented, e.g. in tabs)."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    blocks: list[Block] = []
+    i = 0
+    while i < len(lines):
+        match = _FENCE.match(lines[i])
+        if not match:
+            i += 1
+            continue
+        indent, fence, info = match["indent"], match["fence"], match["info"].strip()
+        language = info.split()[0].lower() if info else ""
+        previous = next((s.strip() for s in reversed(lines[:i]) if s.strip()), "")
+        body: list[str] = []
+        j = i + 1
+        closing = re.compile(rf"^[ \t]*{re.escape(fence[0])}{{{len(fence)},}}[ \t]*$")
+        while j < len(lines) and not closing.match(lines[j]):
+            line = lines[j]
+            body.append(line[len(indent) :] if line.startswith(indent) else line.lstrip())
+            j += 1
+        if j == len(lines):
+            raise ValueError(f"{path}:{i + 1}: code fence {fence!r} is never closed")
+        blocks.append(
+            Block(
+                path=path,
+                index=len(blocks),
+                line=i + 1,
+                language=language,
+                source="\n".join(body) + "\n",
+                skip=previous == SKIP_MARKER,
+            )
+        )
+        i = j + 1
+    return blocks
+
+
+ALL_BLOCKS = [b for p in markdown_files() for b in extract_blocks(p)]
+RUN_BLOCKS = [b for b in ALL_BLOCKS if b.language == RUN_LANGUAGE]
+SHOW_ONLY_BLOCKS = [b for b in ALL_BLOCKS if b.language == SHOW_ONLY_LANGUAGE]
+
+
+def _imported_top_modules(source: str) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+@pytest.mark.parametrize("block", RUN_BLOCKS, ids=[b.id for b in RUN_BLOCKS])
+def test_python_block_runs(block: Block, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ```python block of the docs runs, standalone, without error."""
+    if block.skip:
+        pytest.skip(f"marked {SKIP_MARKER}")
+    code = compile(block.source, f"{block.id}", "exec")  # a SyntaxError fails here, precisely
+    missing = sorted(
+        name
+        for name in _imported_top_modules(block.source) & OPTIONAL_MODULES
+        if importlib.util.find_spec(name) is None
+    )
+    if missing:
+        pytest.skip(f"needs the optional peer libraries {missing} (pip install -e '.[peers]')")
+    monkeypatch.chdir(tmp_path)
+    module = types.ModuleType(f"docs_block_{block.index}")
+    module.__file__ = str(tmp_path / "block.py")
+    monkeypatch.setitem(sys.modules, module.__name__, module)  # dataclasses look it up
+    exec(code, module.__dict__)
+
+
+@pytest.mark.parametrize("block", SHOW_ONLY_BLOCKS, ids=[b.id for b in SHOW_ONLY_BLOCKS])
+def test_show_only_block_holds_no_jdls_code(block: Block) -> None:
+    """A ```py block is not executed, so it must not hide a jdls example."""
+    assert not re.search(r"\bjdls\b", block.source), (
+        f"{block.id}: a ```py block is not executed; jdls code belongs in a ```python block, "
+        "where the docs tests run it"
+    )
+
+
+def test_blocks_were_found() -> None:
+    """The extractor sees the pages (a broken glob would make every other test vanish)."""
+    assert (DOCS / "index.md").exists()
+    assert len(RUN_BLOCKS) >= 10, [b.id for b in RUN_BLOCKS]
+
+
+def test_skip_markers_precede_python_blocks() -> None:
+    """A stray ``<!-- skip-test -->`` (not followed by a ```python fence) is a mistake."""
+    for path in markdown_files():
+        lines = path.read_text(encoding="utf-8").splitlines()
+        for n, line in enumerate(lines):
+            if line.strip() != SKIP_MARKER:
+                continue
+            following = next((s.strip() for s in lines[n + 1 :] if s.strip()), "")
+            assert re.match(r"^(`{3,}|~{3,})\s*python\b", following), (
+                f"{path.relative_to(ROOT)}:{n + 1}: {SKIP_MARKER} must come right before a "
+                "```python fence"
+            )
+
+
+# ------------------------------------------------------------------------------------------
+# The site's navigation lists exactly the pages that exist.
+# ------------------------------------------------------------------------------------------
+
+
+def _nav_files(node: object) -> list[str]:
+    if isinstance(node, str):
+        return [node] if node.endswith(".md") else []
+    if isinstance(node, list):
+        return [f for item in node for f in _nav_files(item)]
+    if isinstance(node, dict):
+        return [f for value in node.values() for f in _nav_files(value)]
+    return []
+
+
+def test_nav_matches_pages() -> None:
+    """Every page in mkdocs.yml's nav exists, and every page under docs/ is in the nav."""
+    yaml = pytest.importorskip("yaml")
+    config = yaml.safe_load((ROOT / "mkdocs.yml").read_text(encoding="utf-8"))
+    in_nav = _nav_files(config["nav"])
+    present = {p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md")}
+    assert not [f for f in in_nav if f not in present], "nav lists pages that do not exist"
+    assert not sorted(present - set(in_nav)), "pages under docs/ missing from the nav"
+    assert len(in_nav) == len(set(in_nav)), "a page is listed twice in the nav"
+
+
+# ------------------------------------------------------------------------------------------
+# Doctests of the package.
+# ------------------------------------------------------------------------------------------
+
+
+def _package_modules() -> list[str]:
+    names = [jdls.__name__]
+    for info in pkgutil.walk_packages(jdls.__path__, prefix=f"{jdls.__name__}."):
+        names.append(info.name)
+    return sorted(names)
+
+
+@pytest.mark.parametrize("module_name", _package_modules())
+def test_doctests(module_name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ``>>>`` examples in the docstrings of one module of jdls pass."""
+    monkeypatch.chdir(tmp_path)
+    module = importlib.import_module(module_name)
+    finder = doctest.DocTestFinder(exclude_empty=True)
+    runner = doctest.DocTestRunner(
+        optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE, verbose=False
+    )
+    report: list[str] = []
+    for test in finder.find(module, module_name, globs={}):
+        runner.run(test, out=report.append)
+    result = runner.summarize(verbose=False)
+    assert result.failed == 0, "".join(report)
+
