@@ -631,7 +631,9 @@ class DynamicScale(LossScale):
         overflows = self.overflows + overflow.astype(_I32)
 
         if rule.backoff_factor is None:
-            backed_off = scale / _F32(rule.growth_factor)
+            # ``scale / factor``, as XLA compiles a division by a constant: a multiplication by
+            # the float32 reciprocal. Written out, it gives the same bits jitted or not.
+            backed_off = scale * (np.float32(1.0) / np.float32(rule.growth_factor))
         else:
             backed_off = scale * _F32(rule.backoff_factor)
         grown = scale * _F32(rule.growth_factor)

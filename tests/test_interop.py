@@ -1,0 +1,108 @@
+"""State-dict interop: a run migrated from PyTorch or Cerebras keeps its scale and counters."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import reference_rules as ref
+
+import jdls
+
+FLAGS_BEFORE = [True, True, False, True, True, True, False, True, True]
+FLAGS_AFTER = [True, True, True, False, True, True, True, True, False, True]
+
+
+def torch_scaler_after(flags, **kwargs):
+    """A real torch.amp.GradScaler on the CPU, stepped with real gradients."""
+    torch = pytest.importorskip("torch")
+    scaler = torch.amp.GradScaler("cpu", **kwargs)
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([p], lr=0.1)
+    return scaler, p, opt
+
+
+def torch_step(torch, scaler, p, opt, finite):
+    opt.zero_grad()
+    loss = (p * (1.0 if finite else float("inf"))).sum()
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+
+
+def test_pytorch_state_dict_round_trip_with_real_gradscaler():
+    torch = pytest.importorskip("torch")
+    kwargs = dict(init_scale=1024.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=3)
+    scaler, p, opt = torch_scaler_after(FLAGS_BEFORE, **kwargs)
+    for f in FLAGS_BEFORE:
+        torch_step(torch, scaler, p, opt, f)
+    state = scaler.state_dict()
+    ours = jdls.presets.from_pytorch_state_dict(state)
+    assert (
+        float(ours.loss_scale) == state["scale"] and int(ours.counter) == state["_growth_tracker"]
+    )
+    assert jdls.presets.to_pytorch_state_dict(ours) == state
+    # Both continue with the same steps: same scale and tracker after each.
+    for f in FLAGS_AFTER:
+        torch_step(torch, scaler, p, opt, f)
+        ours = ours.adjust(f)
+        assert float(ours.loss_scale) == scaler.get_scale()
+        assert int(ours.counter) == scaler.state_dict()["_growth_tracker"]
+    # And back: torch loads jdls's state dict and continues identically.
+    fresh = torch.amp.GradScaler("cpu", **kwargs)
+    fresh.load_state_dict(jdls.presets.to_pytorch_state_dict(ours))
+    assert fresh.state_dict() == scaler.state_dict()
+
+
+def test_pytorch_disabled_scaler_maps_to_noop():
+    assert isinstance(jdls.presets.from_pytorch_state_dict({}), jdls.NoOpScale)
+    assert jdls.presets.to_pytorch_state_dict(jdls.NoOpScale()) == {}
+
+
+def test_pytorch_state_dict_errors():
+    with pytest.raises(ValueError, match=r"missing keys \['_growth_tracker'\]"):
+        jdls.presets.from_pytorch_state_dict(
+            {"scale": 1.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 3}
+        )
+    with pytest.raises(TypeError, match="state_dict must be a dict"):
+        jdls.presets.from_pytorch_state_dict([("scale", 1.0)])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"made by jdls.presets.pytorch"):
+        jdls.presets.to_pytorch_state_dict(jdls.presets.flax())
+
+
+def test_cerebras_state_dict_round_trip_and_continuation():
+    kwargs = dict(steps_per_increase=4, overflow_tolerance=0.25, max_loss_scale=2.0**20)
+    reference = ref.Cerebras(init_scale=2.0**12, **kwargs)
+    for f in FLAGS_BEFORE:
+        reference.step(f)
+    state = {
+        "loss_scale": float(reference.loss_scale),
+        "steps_since_rescale": reference.steps_since_rescale,
+        "overflows_since_rescale": reference.overflows_since_rescale,
+        "num_skipped_steps": reference.num_skipped_steps,
+    }
+    ours = jdls.presets.from_cerebras_state_dict(state, **kwargs)
+    assert jdls.presets.to_cerebras_state_dict(ours) == state
+    for f in FLAGS_AFTER:
+        value = reference.step(f)
+        ours = ours.adjust(f)
+        assert np.float32(ours.loss_scale) == value
+    assert (
+        jdls.presets.to_cerebras_state_dict(ours)["num_skipped_steps"]
+        == reference.num_skipped_steps
+    )
+
+
+def test_cerebras_state_dict_errors():
+    with pytest.raises(ValueError, match="missing keys"):
+        jdls.presets.from_cerebras_state_dict({"loss_scale": 2.0})
+    with pytest.raises(ValueError, match="loss_scale must be a finite number > 0"):
+        jdls.presets.from_cerebras_state_dict(
+            {
+                "loss_scale": float("inf"),
+                "steps_since_rescale": 0,
+                "overflows_since_rescale": 0,
+                "num_skipped_steps": 0,
+            }
+        )
+    with pytest.raises(ValueError, match="made by jdls.presets.cerebras"):
+        jdls.presets.to_cerebras_state_dict(jdls.DynamicScale())

@@ -1,0 +1,389 @@
+"""The scale objects: pytree structure, scale/unscale dtypes, value_and_grad, all_finite."""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from absl.testing import parameterized
+
+import jdls
+
+F32_MAX = float(np.finfo(np.float32).max)
+
+
+def kinds():
+    return [
+        ("dynamic", jdls.DynamicScale(1024.0)),
+        ("static", jdls.StaticScale(1024.0)),
+        ("noop", jdls.NoOpScale()),
+    ]
+
+
+# --------------------------------------------------------------------------------------------
+# Pytree structure.
+# --------------------------------------------------------------------------------------------
+
+
+def test_dynamic_scale_children_are_arrays_and_config_is_static():
+    scale = jdls.DynamicScale(256.0, growth_interval=7, min_loss_scale=0.25, hysteresis=3)
+    leaves, treedef = jax.tree_util.tree_flatten(scale)
+    assert [leaf.dtype for leaf in leaves] == [jnp.float32] + [jnp.int32] * 5
+    assert all(leaf.shape == () for leaf in leaves)
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(scale)[0]]
+    assert paths == [
+        ".loss_scale",
+        ".counter",
+        ".hysteresis",
+        ".overflows",
+        ".skipped",
+        ".min_scale_overflows",
+    ]
+    restored = jax.tree_util.tree_unflatten(treedef, leaves)
+    assert restored.rule == scale.rule  # every piece of configuration survives
+
+
+def test_round_trip_keeps_minimum_unlike_jmp():
+    """jmp's DynamicLossScale drops min_loss_scale when flattened; jdls keeps it."""
+    scale = jdls.presets.jmp(loss_scale=4.0, min_loss_scale=2.0)
+
+    @jax.jit
+    def three_overflows(s):
+        for _ in range(3):
+            s = s.adjust(False)
+        return s
+
+    out = three_overflows(scale)
+    assert out.rule.min_loss_scale == 2.0
+    assert float(out.loss_scale) == 2.0  # clamped at the minimum, under jit
+
+    jmp = pytest.importorskip("jmp")
+    peer = jmp.DynamicLossScale(jnp.float32(4.0), min_loss_scale=jnp.float32(2.0))
+    leaves, treedef = jax.tree_util.tree_flatten(peer)
+    peer_restored = jax.tree_util.tree_unflatten(treedef, leaves)
+    # The peer's defect this test guards against: its minimum is reset to 1.
+    assert float(peer_restored.min_loss_scale) == 1.0
+
+
+def test_rule_changes_recompile_data_changes_do_not():
+    traces = []
+
+    @jax.jit
+    def f(s):
+        traces.append(1)
+        return s.adjust(True)
+
+    f(jdls.DynamicScale(8.0))
+    f(jdls.DynamicScale(16.0))
+    assert len(traces) == 1
+    f(jdls.DynamicScale(8.0, growth_interval=3))
+    assert len(traces) == 2
+
+
+def test_static_and_noop_are_pytrees():
+    static = jdls.StaticScale(3.0)
+    leaves, treedef = jax.tree_util.tree_flatten(static)
+    assert len(leaves) == 1 and float(leaves[0]) == 3.0
+    assert float(jax.tree_util.tree_unflatten(treedef, leaves).loss_scale) == 3.0
+    noop = jdls.NoOpScale()
+    assert jax.tree_util.tree_leaves(noop) == []
+    assert float(jax.tree_util.tree_map(lambda x: x, noop).loss_scale) == 1.0
+
+
+def test_vmap_over_a_batch_of_scales():
+    scales = jax.vmap(lambda s: jdls.DynamicScale(2.0).replace(loss_scale=s))(
+        jnp.array([4.0, 8.0, 16.0])
+    )
+    finite = jnp.array([True, False, True])
+    out = jax.vmap(lambda s, f: s.adjust(f))(scales, finite)
+    np.testing.assert_array_equal(out.loss_scale, [4.0, 4.0, 16.0])
+    np.testing.assert_array_equal(out.counter, [1, 0, 1])
+    np.testing.assert_array_equal(out.skipped, [0, 1, 0])
+
+
+# --------------------------------------------------------------------------------------------
+# The default scale.
+# --------------------------------------------------------------------------------------------
+
+
+def test_default_documented_values():
+    s = jdls.DynamicScale()
+    r = s.rule
+    assert float(s.loss_scale) == 2.0**15
+    assert (r.growth_factor, r.backoff_factor, r.growth_interval) == (2.0, 0.5, 2000)
+    assert (r.min_loss_scale, r.max_loss_scale, r.hysteresis) == (1.0, 2.0**24, 1)
+
+
+def test_default_never_reaches_zero_inf_or_nan():
+    s = jdls.DynamicScale(growth_interval=1)  # fastest possible growth
+    scan = jax.jit(
+        lambda s, flags: jax.lax.scan(lambda c, f: (c.adjust(f), c.loss_scale), s, flags)
+    )
+    s, hist = scan(s, jnp.zeros(300, bool))  # 300 overflows in a row
+    assert float(s.loss_scale) == 1.0 and float(hist.min()) == 1.0
+    s, hist = scan(s, jnp.ones(300, bool))  # 300 growths in a row
+    assert float(s.loss_scale) == 2.0**24 and float(hist.max()) == 2.0**24
+    s = jdls.DynamicScale()  # the true default: 20k finite steps, 10 growths, then clamped
+    s, hist = scan(s, jnp.ones(20_000 * 2, bool))
+    assert float(s.loss_scale) == 2.0**24
+    assert bool(jnp.all(jnp.isfinite(hist) & (hist >= 1.0)))
+
+
+class AdjustTest(chex.TestCase):
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_exact_trajectory(self):
+        adjust = self.variant(lambda s, f: s.adjust(f))
+        s = jdls.DynamicScale(8.0, growth_interval=2, min_loss_scale=2.0, max_loss_scale=16.0)
+        got = []
+        for f in [True, True, True, True, False, False, False, True, False, True, True]:
+            s = adjust(s, f)
+            got.append((float(s.loss_scale), int(s.counter), int(s.skipped)))
+        assert got == [
+            (8.0, 1, 0),
+            (16.0, 0, 0),
+            (16.0, 1, 0),
+            (16.0, 0, 0),  # growth clamped at the maximum
+            (8.0, 0, 1),
+            (4.0, 0, 2),
+            (2.0, 0, 3),
+            (2.0, 1, 3),
+            (2.0, 0, 4),  # backoff clamped at the minimum
+            (2.0, 1, 4),
+            (4.0, 0, 4),
+        ]
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_hysteresis(self):
+        adjust = self.variant(lambda s, f: s.adjust(f))
+        s = jdls.DynamicScale(64.0, hysteresis=3, growth_interval=2)
+        seq = [False, False, False, False, True, True, False, False]
+        got = []
+        for f in seq:
+            s = adjust(s, f)
+            got.append((float(s.loss_scale), int(s.hysteresis)))
+        # Two overflows forgiven, then every overflow backs off until a growth refills.
+        assert got == [
+            (64.0, 2),
+            (64.0, 1),
+            (32.0, 1),
+            (16.0, 1),
+            (16.0, 1),
+            (32.0, 3),
+            (32.0, 2),
+            (32.0, 1),
+        ]
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_static_and_noop_never_change(self):
+        for _, scale in kinds()[1:]:
+            out = self.variant(lambda s: s.adjust(False).adjust(True))(scale)
+            assert float(out.loss_scale) == float(scale.loss_scale)
+
+
+# --------------------------------------------------------------------------------------------
+# scale / unscale.
+# --------------------------------------------------------------------------------------------
+
+
+class ScaleUnscaleTest(chex.TestCase):
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters(*kinds())
+    def test_dtypes(self, scale):
+        tree = {
+            "f16": jnp.full((2,), 3.0, jnp.float16),
+            "bf16": jnp.full((2,), 3.0, jnp.bfloat16),
+            "f32": jnp.full((2,), 3.0, jnp.float32),
+            "int": jnp.arange(2, dtype=jnp.int32),
+            "bool": jnp.array([True, False]),
+            "none": None,
+        }
+        scaled = self.variant(scale.scale)(tree)
+        unscaled = self.variant(scale.unscale)(tree)
+        assert scaled["none"] is None and unscaled["none"] is None
+        for k in ("f16", "bf16", "f32", "int", "bool"):
+            assert scaled[k].dtype == tree[k].dtype, k
+        assert unscaled["f16"].dtype == jnp.float32
+        assert unscaled["bf16"].dtype == jnp.float32
+        assert unscaled["f32"].dtype == jnp.float32
+        np.testing.assert_array_equal(unscaled["int"], tree["int"])
+        np.testing.assert_array_equal(unscaled["bool"], tree["bool"])
+        s = float(scale.loss_scale)
+        np.testing.assert_array_equal(scaled["f32"], np.float32(3.0 * s))
+        np.testing.assert_array_equal(unscaled["f32"], np.float32(3.0 / s))
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_unscale_of_half_gradients_loses_nothing(self):
+        # 2**-14 / 2**16 = 2**-30: a float16 result would flush to zero; float32 keeps it.
+        grads = jnp.array([2.0**-14, 65504.0, 2.0**-24], jnp.float16)
+        out = self.variant(jdls.StaticScale(2.0**16).unscale)(grads)
+        assert out.dtype == jnp.float32
+        np.testing.assert_array_equal(
+            out, np.array([2.0**-30, 65504.0 / 2**16, 2.0**-40], np.float32)
+        )
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_scale_float16_forms_product_in_float32(self):
+        # 0.001 * 2**20 = 1048.576 fits float16, though 2**20 itself does not.
+        out = self.variant(jdls.StaticScale(2.0**20).scale)(jnp.float16(0.001))
+        assert out.dtype == jnp.float16
+        assert float(out) == float(np.float16(np.float32(np.float16(0.001)) * np.float32(2**20)))
+        # A product beyond float16's range really overflows: that is what loss scaling detects.
+        assert np.isinf(float(jdls.StaticScale(2.0**20).scale(jnp.float16(1.0))))
+
+
+# --------------------------------------------------------------------------------------------
+# value_and_grad.
+# --------------------------------------------------------------------------------------------
+
+
+def loss_fn(w, x):
+    return jnp.mean((x @ w.astype(jnp.float16)).astype(jnp.float32) ** 2) * 1e-3
+
+
+class ValueAndGradTest(chex.TestCase):
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters(*kinds())
+    def test_matches_jax_value_and_grad(self, scale):
+        w = jnp.linspace(-1, 1, 12, dtype=jnp.float32).reshape(4, 3)
+        x = jnp.linspace(0, 2, 8, dtype=jnp.float32).reshape(2, 4)
+        f = lambda w, x: jnp.sum((x @ w) ** 2)  # noqa: E731
+        value, grads = self.variant(scale.value_and_grad(f))(w, x)
+        ref_value, ref_grads = jax.value_and_grad(f)(w, x)
+        assert float(value) == float(ref_value)  # the value is the loss, never re-divided
+        np.testing.assert_allclose(grads, ref_grads, rtol=1e-6)  # power-of-2 scale: exact-ish
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_has_aux_and_argnums(self):
+        scale = jdls.DynamicScale(2.0**10)
+
+        def f(a, b):
+            return jnp.sum(a * b), {"aux": a.sum()}
+
+        a, b = jnp.array([1.0, 2.0]), jnp.array([3.0, 4.0])
+        (value, aux), (ga, gb) = self.variant(
+            scale.value_and_grad(f, argnums=(0, 1), has_aux=True)
+        )(a, b)
+        (rv, raux), (rga, rgb) = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(a, b)
+        assert float(value) == float(rv) and float(aux["aux"]) == float(raux["aux"])
+        np.testing.assert_array_equal(ga, rga)
+        np.testing.assert_array_equal(gb, rgb)
+
+    def test_float16_underflow_is_rescued_by_scaling(self):
+        w = jnp.full((4, 3), 1e-2, jnp.float32)
+        x = jnp.full((2, 4), 1e-2, jnp.float32)
+        _, unscaled = jdls.NoOpScale().value_and_grad(loss_fn)(w, x)
+        _, scaled = jdls.StaticScale(2.0**14).value_and_grad(loss_fn)(w, x)
+        assert unscaled.dtype == scaled.dtype == jnp.float32
+        assert float(jnp.abs(unscaled).max()) == 0.0  # flushed in float16
+        assert float(jnp.abs(scaled).min()) > 0.0
+        exact = jax.grad(lambda w: jnp.mean((x @ w) ** 2) * 1e-3)(w)  # all in float32
+        np.testing.assert_allclose(scaled, exact, rtol=1e-2)
+
+    def test_overflowing_scaled_loss_gives_nonfinite_grads_but_exact_value(self):
+        f = lambda w: jnp.sum(w.astype(jnp.float16) * 1000.0)  # noqa: E731
+        value, grads = jdls.StaticScale(2.0**16).value_and_grad(f)(jnp.ones(2))
+        assert float(value) == 2000.0
+        assert not bool(jdls.all_finite(grads))
+
+    def test_has_aux_requires_pair(self):
+        with pytest.raises(TypeError, match="pair"):
+            jdls.DynamicScale().value_and_grad(lambda w: w.sum(), has_aux=True)(jnp.ones(2))
+
+
+# --------------------------------------------------------------------------------------------
+# all_finite.
+# --------------------------------------------------------------------------------------------
+
+
+class AllFiniteTest(chex.TestCase):
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.parameters(np.inf, -np.inf, np.nan)
+    def test_detects_each_special(self, special):
+        tree = {"a": jnp.ones(3), "b": [jnp.zeros((2, 2), jnp.float16), None]}
+        bad = {"a": jnp.ones(3), "b": [jnp.zeros((2, 2), jnp.float16).at[1, 0].set(special), None]}
+        f = self.variant(jdls.all_finite)
+        assert bool(f(tree)) is True
+        assert bool(f(bad)) is False
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_ignores_non_float_and_handles_empty(self):
+        f = self.variant(jdls.all_finite)
+        assert bool(f({"step": jnp.array(3), "mask": jnp.array([True])})) is True
+        assert bool(f({})) is True
+        assert bool(f([None, ()])) is True
+        assert f({}).dtype == jnp.bool_ and f({}).shape == ()
+
+    def test_large_finite_values_are_finite(self):
+        # A sum-based check would overflow here and report a false non-finite.
+        assert bool(jdls.all_finite(jnp.full((1000,), F32_MAX))) is True
+
+
+# --------------------------------------------------------------------------------------------
+# Validation.
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"growth_factor": 0.5}, "growth_factor must be > 1, got 0.5"),
+        ({"growth_factor": 1.0}, "growth_factor must be > 1, got 1.0"),
+        ({"growth_factor": float("inf")}, "growth_factor must be > 1"),
+        ({"backoff_factor": 1.0}, r"backoff_factor must be in the open interval \(0, 1\), got 1.0"),
+        ({"backoff_factor": 0.0}, "backoff_factor must be in the open interval"),
+        ({"backoff_factor": -0.5}, "backoff_factor must be in the open interval"),
+        ({"growth_interval": 0}, "growth_interval must be >= 1, got 0"),
+        ({"growth_interval": -3}, "growth_interval must be >= 1, got -3"),
+        ({"loss_scale": 0.0}, "loss_scale must be a finite number > 0, got 0.0"),
+        ({"loss_scale": -1.0}, "loss_scale must be a finite number > 0"),
+        ({"loss_scale": float("inf")}, "loss_scale must be a finite number > 0"),
+        ({"loss_scale": float("nan")}, "loss_scale must be a number, got nan"),
+        ({"loss_scale": 1e39}, "loss_scale must fit in float32"),
+        ({"min_loss_scale": 0.0}, "min_loss_scale must be a finite number > 0"),
+        ({"max_loss_scale": float("inf")}, "max_loss_scale must be a finite number > 0"),
+        (
+            {"min_loss_scale": 8.0, "max_loss_scale": 4.0},
+            "min_loss_scale must be <= max_loss_scale",
+        ),
+        ({"hysteresis": 0}, "hysteresis must be >= 1, got 0"),
+    ],
+)
+def test_invalid_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        jdls.DynamicScale(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"growth_interval": 2.5}, "growth_interval must be an int, got 2.5"),
+        ({"hysteresis": True}, "hysteresis must be an int"),
+        ({"loss_scale": "big"}, "loss_scale must be a real number, got 'big'"),
+    ],
+)
+def test_invalid_types(kwargs, message):
+    with pytest.raises(TypeError, match=message):
+        jdls.DynamicScale(**kwargs)
+
+
+def test_static_scale_validation():
+    for bad in (0.0, -2.0, float("inf")):
+        with pytest.raises(ValueError, match="loss_scale must be a finite number > 0"):
+            jdls.StaticScale(bad)
+
+
+def test_rule_validation_and_from_rule_counters():
+    with pytest.raises(ValueError, match="overflow_tolerance must be >= 0, got -0.1"):
+        jdls.ScaleRule(overflow_tolerance=-0.1)
+    with pytest.raises(ValueError, match="counter_after_growth must be 0 or 1"):
+        jdls.ScaleRule(counter_after_growth=2)
+    with pytest.raises(ValueError, match=r"counter must be < growth_interval \(5\), got 5"):
+        jdls.DynamicScale.from_rule(jdls.ScaleRule(growth_interval=5), 1.0, counter=5)
+    with pytest.raises(ValueError, match=r"hysteresis must be in \[1, 2\]"):
+        jdls.DynamicScale.from_rule(jdls.ScaleRule(hysteresis=2), 1.0, hysteresis=3)
+    with pytest.raises(TypeError, match="rule must be a jdls.ScaleRule"):
+        jdls.DynamicScale.from_rule({"growth_interval": 3}, 1.0)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="unknown fields"):
+        jdls.DynamicScale().replace(scale=1.0)
