@@ -1,7 +1,9 @@
 """jdls: dynamic loss scaling for mixed-precision training in JAX and optax."""
 
 from jdls import presets
+from jdls._clip import clip
 from jdls._formats import FloatFormat, FormatInfo, cbfloat16, compress, decompress, finfo
+from jdls._optax import wrap
 from jdls._policy import Policy, get_policy
 from jdls._scale import (
     DynamicScale,
@@ -12,8 +14,16 @@ from jdls._scale import (
     StaticScale,
     all_finite,
 )
+from jdls._state import (
+    Stats,
+    StepStats,
+    WrapState,
+    get_dynamic_scale,
+    nonfinite_paths,
+    set_dynamic_scale,
+    stats,
+)
 
-# -- optax integration (issue 3) --
 # -- flax integration (issue 5) --
 
 __version__ = "0.1.0"
@@ -28,11 +38,20 @@ __all__ = [
     "Policy",
     "ScaleRule",
     "StaticScale",
+    "Stats",
+    "StepStats",
+    "WrapState",
     "all_finite",
     "cbfloat16",
+    "clip",
     "compress",
     "decompress",
     "finfo",
+    "get_dynamic_scale",
     "get_policy",
+    "nonfinite_paths",
     "presets",
+    "set_dynamic_scale",
+    "stats",
+    "wrap",
 ]

@@ -1,0 +1,253 @@
+"""The state of ``jdls.wrap`` and the functions that find it in any optimizer state.
+
+``jdls.wrap`` keeps its loss scale, the inner optimizer's state and the statistics of the last
+step in a :class:`WrapState`. That state may sit anywhere in a larger optimizer state (a chain,
+``MultiSteps``, ``inject_hyperparams``, ``multi_transform``, a Flax ``TrainState``);
+:func:`get_dynamic_scale`, :func:`set_dynamic_scale`, :func:`stats` and
+:func:`nonfinite_paths` find it by walking the pytree with
+``is_leaf=lambda x: isinstance(x, WrapState)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jdls._scale import LossScale
+
+__all__ = [
+    "Stats",
+    "StepStats",
+    "WrapState",
+    "get_dynamic_scale",
+    "nonfinite_paths",
+    "set_dynamic_scale",
+    "stats",
+]
+
+
+class StepStats(NamedTuple):
+    """What ``jdls.wrap`` records about the last step (part of :class:`WrapState`).
+
+    Attributes:
+      finite: bool scalar, whether the last step's gradients were all finite (True before
+        the first step). A step that was not finite was skipped.
+      skipped_steps: int32 scalar, the number of skipped steps since ``init``.
+      consecutive_skips: int32 scalar, skipped steps in a row up to the last one.
+      grad_norm: float32 scalar, the global L2 norm of the last step's (unclipped, unscaled)
+        gradients: inf when a gradient is inf or when the norm exceeds float32's range, NaN
+        when a gradient is NaN, and NaN before the first step and when it is not known
+        (``axis_name`` given without ``sharded``).
+      nonfinite: with ``track_nonfinite=True``, a pytree with the structure of the gradients
+        holding one bool scalar per leaf (True where the leaf held an inf or NaN on the last
+        step; always False for integer and boolean leaves); None otherwise.
+    """
+
+    finite: jax.Array
+    skipped_steps: jax.Array
+    consecutive_skips: jax.Array
+    grad_norm: jax.Array
+    nonfinite: Any
+
+
+class WrapState(NamedTuple):
+    """The optimizer state of :func:`jdls.wrap`.
+
+    Attributes:
+      scale: the loss scale (a :class:`jdls.LossScale`) to use on the next step.
+      inner_state: the state of the wrapped transformation, untouched by skipped steps.
+      stats: a :class:`StepStats` about the last step.
+    """
+
+    scale: LossScale
+    inner_state: Any
+    stats: StepStats
+
+
+class Stats(NamedTuple):
+    """On-device statistics of the last step, from :func:`jdls.stats`.
+
+    Every field is an array (no host synchronisation): log them, or use them inside ``jit``.
+
+    Attributes:
+      loss_scale: float32, the loss scale for the next step (after this step's adjustment).
+      finite: bool, whether the last step's gradients were all finite.
+      skipped_steps: int32, skipped steps in total.
+      consecutive_skips: int32, skipped steps in a row up to the last one.
+      grad_norm: float32, global norm of the last step's gradients before clipping (see
+        :class:`StepStats` for inf and NaN).
+      nonfinite: per-leaf bool flags with ``track_nonfinite=True``, else None.
+    """
+
+    loss_scale: jax.Array
+    finite: jax.Array
+    skipped_steps: jax.Array
+    consecutive_skips: jax.Array
+    grad_norm: jax.Array
+    nonfinite: Any
+
+    @property
+    def skipped(self) -> jax.Array:
+        """Whether the last step was skipped (``~finite``)."""
+        return jnp.logical_not(self.finite)
+
+
+def _is_wrap_state(x: Any) -> bool:
+    return isinstance(x, WrapState)
+
+
+def _wrap_states(opt_state: Any) -> list[tuple[str, WrapState]]:
+    found, _ = jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=_is_wrap_state)
+    return [(jax.tree_util.keystr(path), x) for path, x in found if isinstance(x, WrapState)]
+
+
+def _the_wrap_state(opt_state: Any, what: str) -> WrapState:
+    found = _wrap_states(opt_state)
+    if len(found) == 1:
+        return found[0][1]
+    if not found:
+        raise ValueError(
+            f"{what}: found no jdls.wrap state in this {type(opt_state).__name__}; build the "
+            "optimizer with jdls.wrap(...) and pass its state (or the Flax TrainState)"
+        )
+    paths = ", ".join(path or "<root>" for path, _ in found)
+    raise ValueError(
+        f"{what}: found {len(found)} jdls.wrap states (at {paths}); a train step needs exactly "
+        "one, so wrap the whole optimizer once, or pass the part of the state holding the one "
+        "you mean"
+    )
+
+
+def get_dynamic_scale(opt_state: Any) -> LossScale:
+    """The loss scale held by the one :func:`jdls.wrap` inside an optimizer state.
+
+    Works wherever the wrap sits: alone, in ``optax.chain`` or ``named_chain``, inside or
+    around ``MultiSteps``, ``inject_hyperparams`` or ``multi_transform``, and in a Flax
+    ``TrainState`` (pass the ``TrainState`` itself or its ``opt_state``). Runs inside ``jit``.
+
+    Args:
+      opt_state: an optimizer state (any pytree) holding exactly one :class:`WrapState`.
+
+    Returns:
+      The loss scale to use for this step (any :class:`jdls.LossScale`).
+
+    Raises:
+      ValueError: no wrap state, or more than one (the message lists their paths).
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jdls
+      >>> tx = optax.chain(jdls.clip(1.0), jdls.wrap(optax.sgd(0.1)))
+      >>> float(jdls.get_dynamic_scale(tx.init({"w": jnp.zeros(2)})).loss_scale)
+      32768.0
+    """
+    return _the_wrap_state(opt_state, "get_dynamic_scale").scale
+
+
+def set_dynamic_scale(opt_state: Any, scale: LossScale) -> Any:
+    """A copy of an optimizer state with the loss scale of its one :func:`jdls.wrap` replaced.
+
+    Use it to continue a run from a checkpoint of another library, e.g. with
+    ``jdls.presets.from_pytorch_state_dict(...)``.
+
+    Args:
+      opt_state: an optimizer state holding exactly one :class:`WrapState`.
+      scale: the new loss scale.
+
+    Returns:
+      The optimizer state, same structure, with ``scale`` in place of the old one.
+
+    Raises:
+      TypeError: ``scale`` is not a :class:`jdls.LossScale`.
+      ValueError: no wrap state, or more than one.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jdls
+      >>> state = jdls.wrap(optax.sgd(0.1)).init({"w": jnp.zeros(2)})
+      >>> state = jdls.set_dynamic_scale(state, jdls.DynamicScale(1024.0))
+      >>> float(jdls.get_dynamic_scale(state).loss_scale)
+      1024.0
+    """
+    if not isinstance(scale, LossScale):
+        raise TypeError(
+            f"scale must be a jdls loss scale (jdls.DynamicScale(...), jdls.StaticScale(...), "
+            f"jdls.NoOpScale() or a jdls.presets scale), got {type(scale).__name__}"
+        )
+    _the_wrap_state(opt_state, "set_dynamic_scale")
+
+    def replace(x: Any) -> Any:
+        return x._replace(scale=scale) if isinstance(x, WrapState) else x
+
+    return jax.tree_util.tree_map(replace, opt_state, is_leaf=_is_wrap_state)
+
+
+def stats(opt_state: Any) -> Stats:
+    """Statistics of the last step of the one :func:`jdls.wrap` in an optimizer state.
+
+    On-device values, no host synchronisation: usable inside ``jit`` and cheap to log.
+
+    Args:
+      opt_state: an optimizer state (or Flax ``TrainState``) holding one :class:`WrapState`.
+
+    Returns:
+      A :class:`Stats`; ``jdls.stats(opt_state).skipped`` says whether the last step was
+      skipped.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jdls
+      >>> tx = jdls.wrap(optax.sgd(0.1))
+      >>> params = {"w": jnp.zeros(2)}
+      >>> _, state = tx.update({"w": jnp.array([1.0, jnp.nan])}, tx.init(params), params)
+      >>> s = jdls.stats(state)
+      >>> bool(s.skipped), int(s.skipped_steps), float(s.loss_scale)
+      (True, 1, 16384.0)
+    """
+    state = _the_wrap_state(opt_state, "stats")
+    step = state.stats
+    return Stats(
+        loss_scale=state.scale.loss_scale,
+        finite=step.finite,
+        skipped_steps=step.skipped_steps,
+        consecutive_skips=step.consecutive_skips,
+        grad_norm=step.grad_norm,
+        nonfinite=step.nonfinite,
+    )
+
+
+def nonfinite_paths(opt_state: Any) -> list[str]:
+    """Key paths of the gradient leaves that held an inf or NaN on the last step (host side).
+
+    Needs ``jdls.wrap(..., track_nonfinite=True)``. Reads the flags from the device, so call
+    it outside ``jit``, e.g. when ``jdls.stats(state).skipped`` is True. With ``pmap`` the
+    flags of all devices are combined.
+
+    Args:
+      opt_state: an optimizer state (or Flax ``TrainState``) holding one :class:`WrapState`.
+
+    Returns:
+      A list of ``jax.tree_util.keystr`` paths, in tree order, e.g.
+      ``["['params']['dense']['kernel']"]``; empty when the last step was finite.
+
+    Raises:
+      ValueError: the wrap was built without ``track_nonfinite=True``.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jdls
+      >>> tx = jdls.wrap(optax.sgd(0.1), track_nonfinite=True)
+      >>> params = {"a": jnp.zeros(2), "b": jnp.zeros(2)}
+      >>> grads = {"a": jnp.ones(2), "b": jnp.array([jnp.inf, 0.0])}
+      >>> _, state = tx.update(grads, tx.init(params), params)
+      >>> jdls.nonfinite_paths(state)
+      ["['b']"]
+    """
+    flags = _the_wrap_state(opt_state, "nonfinite_paths").stats.nonfinite
+    if flags is None:
+        raise ValueError(
+            "nonfinite_paths needs per-leaf flags: build the optimizer with "
+            "jdls.wrap(..., track_nonfinite=True)"
+        )
+    flags = jax.device_get(flags)
+    found, _ = jax.tree_util.tree_flatten_with_path(flags)
+    return [jax.tree_util.keystr(path) for path, flag in found if bool(np.any(flag))]
