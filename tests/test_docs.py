@@ -197,6 +197,71 @@ def test_nav_matches_pages() -> None:
 
 
 # ------------------------------------------------------------------------------------------
+# The float-format table of docs/concepts.md is true.
+# ------------------------------------------------------------------------------------------
+
+
+def _format_table_rows() -> list[list[str]]:
+    text = (DOCS / "concepts.md").read_text(encoding="utf-8")
+    rows = []
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| ") and cells[0].startswith(("float", "bfloat", "cbfloat")):
+            rows.append(cells)
+    return rows
+
+
+def _code_value(cell: str) -> float:
+    """The number written as code in a cell (``2**-24``), evaluated exactly."""
+    match = re.search(r"`([^`]+)`", cell)
+    assert match, cell
+    assert re.fullmatch(r"[0-9*+\-()./ ]+", match[1]), cell  # arithmetic only
+    return float(eval(match[1], {"__builtins__": {}}))
+
+
+def _approx_ok(cell: str, value: float) -> None:
+    """A decimal in parentheses, if any, is the value to two significant digits."""
+    match = re.search(r"\(([0-9.e+\-]+)\)\s*$", cell)
+    if match:
+        assert float(f"{value:.1e}") == float(match[1]), (cell, value)
+
+
+def test_concepts_float_table() -> None:
+    """Every number of the float-format table is what ml_dtypes (or jdls, for cbfloat16) says."""
+    import jax.numpy as jnp
+    import ml_dtypes
+    import numpy as np
+
+    rows = _format_table_rows()
+    assert {r[0] for r in rows} >= {"float32", "float16", "bfloat16", "cbfloat16"}
+    for name, bits, largest, normal, subnormal, eps, has_inf in rows:
+        if name == "cbfloat16":
+            info = jdls.finfo("cbfloat16")
+            inf_kept = bool(jnp.isinf(jdls.cbfloat16.round(jnp.float32(jnp.inf))))
+            # The reference reading: bias 31, IEEE-style specials and subnormals.
+            assert float(info.max) == (2 - 2**-9) * 2.0**31
+            assert float(info.smallest_normal) == 2.0**-30
+            assert float(info.smallest_subnormal) == 2.0**-39
+            assert float(info.eps) == 2.0**-9
+        else:
+            dtype = np.dtype(getattr(ml_dtypes, name, None) or name)
+            info = ml_dtypes.finfo(dtype)
+            with np.errstate(over="ignore", invalid="ignore"):
+                inf_kept = bool(np.isinf(np.array(np.inf, np.float32).astype(dtype)))
+        expected_bits = f"1 / {info.nexp} / {info.nmant}"
+        assert bits == expected_bits, (name, bits, expected_bits)
+        for cell, value in [
+            (largest, info.max),
+            (normal, info.smallest_normal),
+            (subnormal, info.smallest_subnormal),
+            (eps, info.eps),
+        ]:
+            assert _code_value(cell) == float(value), (name, cell, float(value))
+            _approx_ok(cell, float(value))
+        assert has_inf == ("yes" if inf_kept else "no"), (name, has_inf)
+
+
+# ------------------------------------------------------------------------------------------
 # Doctests of the package.
 # ------------------------------------------------------------------------------------------
 
