@@ -786,3 +786,51 @@ def _init_dynamic(
 _register(NoOpScale, (), ())
 _register(StaticScale, ("loss_scale",), ())
 _register(DynamicScale, _DYNAMIC_DATA, ("rule",))
+
+
+# --------------------------------------------------------------------------------------------
+# flax.serialization: ``to_bytes``/``from_bytes``/``to_state_dict`` of any state holding a scale.
+# --------------------------------------------------------------------------------------------
+
+
+def _register_flax_serialization() -> None:
+    """Teach ``flax.serialization`` the three scales (data only; the rule comes from the target).
+
+    Without this, ``flax.serialization.to_bytes`` of a ``TrainState`` whose optimizer state
+    holds a scale fails with "can not serialize 'DynamicScale' object".
+    """
+    try:
+        from flax import serialization
+    except ImportError:  # pragma: no cover - flax is a dependency
+        return
+
+    def restore(target: Any, state: dict[str, Any], fields: tuple[str, ...]) -> dict[str, Any]:
+        missing = [f for f in fields if f not in state]
+        if missing:
+            raise ValueError(
+                f"the saved {type(target).__name__} is missing the fields {missing} (got "
+                f"{sorted(state)}); restore with a target of the same kind of scale as the one "
+                "that was saved"
+            )
+        return {f: serialization.from_state_dict(getattr(target, f), state[f], f) for f in fields}
+
+    def dynamic_from(target: DynamicScale, state: dict[str, Any]) -> DynamicScale:
+        return DynamicScale._make(target.rule, **restore(target, state, _DYNAMIC_DATA))
+
+    def static_from(target: StaticScale, state: dict[str, Any]) -> StaticScale:
+        obj = object.__new__(StaticScale)
+        object.__setattr__(obj, "loss_scale", restore(target, state, ("loss_scale",))["loss_scale"])
+        return obj
+
+    serialization.register_serialization_state(
+        DynamicScale,
+        lambda s: {f: serialization.to_state_dict(getattr(s, f)) for f in _DYNAMIC_DATA},
+        dynamic_from,
+    )
+    serialization.register_serialization_state(
+        StaticScale, lambda s: {"loss_scale": s.loss_scale}, static_from
+    )
+    serialization.register_serialization_state(NoOpScale, lambda s: {}, lambda target, _: target)
+
+
+_register_flax_serialization()
