@@ -299,13 +299,14 @@ def wrap(
         )
         finite = n.finite
 
-        # 2. Clip, with the same norm.
-        if max_norm is not None:
-            leaves = _clip_by_norm(leaves, float_idx, n, max_norm)
-        grads = jax.tree_util.tree_unflatten(treedef, leaves)
-
-        # 3. Update only if finite.
+        # 2-3. Clip with the same norm and update, only if finite. The clipping happens inside
+        # the branch so that XLA fuses it into the inner update instead of writing the clipped
+        # gradients out (and skipped steps do not pay for it).
         def apply(_: Any) -> tuple[Any, Any]:
+            clipped = leaves
+            if max_norm is not None:
+                clipped = _clip_by_norm(leaves, float_idx, n, max_norm)
+            grads = jax.tree_util.tree_unflatten(treedef, clipped)
             return inner_tx.update(grads, state.inner_state, params, **extra_args)
 
         if skip_with == "cond":
