@@ -805,12 +805,11 @@ def _register_flax_serialization() -> None:
         return
 
     def restore(target: Any, state: dict[str, Any], fields: tuple[str, ...]) -> dict[str, Any]:
-        missing = [f for f in fields if f not in state]
-        if missing:
+        if set(state) != set(fields):
             raise ValueError(
-                f"the saved {type(target).__name__} is missing the fields {missing} (got "
-                f"{sorted(state)}); restore with a target of the same kind of scale as the one "
-                "that was saved"
+                f"cannot restore a {type(target).__name__} from the saved fields "
+                f"{sorted(state)} (a {type(target).__name__} has {sorted(fields)}): build the "
+                "target with the same kind of scale as the one that was saved"
             )
         return {f: serialization.from_state_dict(getattr(target, f), state[f], f) for f in fields}
 
@@ -830,7 +829,12 @@ def _register_flax_serialization() -> None:
     serialization.register_serialization_state(
         StaticScale, lambda s: {"loss_scale": s.loss_scale}, static_from
     )
-    serialization.register_serialization_state(NoOpScale, lambda s: {}, lambda target, _: target)
+
+    def noop_from(target: NoOpScale, state: dict[str, Any]) -> NoOpScale:
+        restore(target, state, ())
+        return target
+
+    serialization.register_serialization_state(NoOpScale, lambda s: {}, noop_from)
 
 
 _register_flax_serialization()
