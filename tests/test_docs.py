@@ -25,6 +25,7 @@ import dataclasses
 import doctest
 import importlib
 import importlib.util
+import linecache
 import pkgutil
 import re
 import sys
@@ -126,7 +127,9 @@ def test_python_block_runs(block: Block, tmp_path: Path, monkeypatch: pytest.Mon
     """A ```python block of the docs runs, standalone, without error."""
     if block.skip:
         pytest.skip(f"marked {SKIP_MARKER}")
-    code = compile(block.source, f"{block.id}", "exec")  # a SyntaxError fails here, precisely
+    filename = f"<{block.id}>"
+    linecache.cache[filename] = (len(block.source), None, block.source.splitlines(True), filename)
+    code = compile(block.source, filename, "exec")  # a SyntaxError fails here, precisely
     missing = sorted(
         name
         for name in _imported_top_modules(block.source) & OPTIONAL_MODULES
