@@ -18,6 +18,7 @@ untouched, so ``jdls.wrap`` behind it still sees them, skips the step and, with
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, NamedTuple
@@ -140,6 +141,51 @@ class _Norm(NamedTuple):
     leaf_nonfinite: jax.Array | None  # bool[number of float leaves], when asked for
 
 
+@functools.lru_cache(maxsize=256)
+def _norm_branches(
+    axis_name: AxisName | None, is_sharded: tuple[bool, ...]
+) -> tuple[Callable[..., jax.Array], Callable[..., Any], Callable[..., Any]]:
+    """The reduction and the two branches of :func:`_global_norm` for one configuration.
+
+    Built once per configuration so that ``lax.cond`` finds its branches in its cache when
+    called outside ``jit`` (closures made anew on every call would be compiled every call).
+    """
+
+    def reduce(parts: list[jax.Array]) -> jax.Array:
+        local = [p for p, s in zip(parts, is_sharded, strict=True) if not s]
+        split = [p for p, s in zip(parts, is_sharded, strict=True) if s]
+        total = _ordered_sum(local)
+        if split:
+            total = total + lax.psum(_ordered_sum(split), axis_name)
+        return jnp.asarray(total)
+
+    def usual(operands: tuple[list[jax.Array], jax.Array]) -> tuple[jax.Array, ...]:
+        xs, total = operands
+        norm = jnp.sqrt(total)
+        flags = jnp.zeros((len(xs),), jnp.bool_)
+        return jnp.array(True), norm, norm, jnp.ones((), total.dtype), flags
+
+    def careful(operands: tuple[list[jax.Array], jax.Array]) -> tuple[jax.Array, ...]:
+        xs, total = operands
+        dtype = total.dtype
+        flags = jnp.stack([~jnp.all(jnp.isfinite(x)) for x in xs])
+        if axis_name is not None:
+            flags = lax.pmax(flags.astype(jnp.int32), axis_name) > 0
+        finite = ~jnp.any(flags)
+        biggest = jnp.max(jnp.stack([_abs_max(x) for x in xs]).astype(dtype))
+        if axis_name is not None:
+            biggest = lax.pmax(biggest, axis_name)
+        usable = finite & (biggest > 0)
+        m = jnp.where(usable, biggest, jnp.ones((), dtype))
+        r = jnp.sqrt(reduce([_square_sum(_wide(x) / m.astype(_wide(x).dtype)) for x in xs]))
+        norm = jnp.where(usable, m * r, jnp.sqrt(total))
+        divisor = jnp.where(usable, m, norm)
+        extra = jnp.where(usable, r, jnp.ones((), dtype))
+        return finite, norm, divisor, extra, flags
+
+    return reduce, usual, careful
+
+
 def _global_norm(
     leaves: Sequence[jax.Array],
     *,
@@ -167,48 +213,16 @@ def _global_norm(
         one = jnp.ones((), _F32)
         return _Norm(jnp.array(True), jnp.zeros((), _F32), one, one, no_flags)
     xs = [leaves[i] for i in keep]
-    is_sharded = [False] * len(xs) if sharded is None else [sharded[i] for i in keep]
+    is_sharded = (False,) * len(xs) if sharded is None else tuple(sharded[i] for i in keep)
     norm_known = axis_name is None or sharded is not None
-
-    def reduce(parts: list[jax.Array]) -> jax.Array:
-        local = [p for p, s in zip(parts, is_sharded, strict=True) if not s]
-        split = [p for p, s in zip(parts, is_sharded, strict=True) if s]
-        total = _ordered_sum(local)
-        if split:
-            total = total + lax.psum(_ordered_sum(split), axis_name)
-        return jnp.asarray(total)
-
-    sums = [_square_sum(x) for x in xs]
-    total = reduce(sums)
-    dtype = total.dtype
+    reduce, usual, careful = _norm_branches(axis_name, is_sharded)
+    total = reduce([_square_sum(x) for x in xs])
     unsure = ~jnp.isfinite(total)
     if axis_name is not None and not all(is_sharded):
         unsure = _any_across(unsure, axis_name)  # the cond below must branch alike everywhere
-
-    def usual(_: Any) -> tuple[jax.Array, ...]:
-        norm = jnp.sqrt(total)
-        flags = jnp.zeros((len(xs),), jnp.bool_)
-        return jnp.array(True), norm, norm, jnp.ones((), dtype), flags
-
-    def careful(_: Any) -> tuple[jax.Array, ...]:
-        flags = jnp.stack([~jnp.all(jnp.isfinite(x)) for x in xs])
-        if axis_name is not None:
-            flags = lax.pmax(flags.astype(jnp.int32), axis_name) > 0
-        finite = ~jnp.any(flags)
-        biggest = jnp.max(jnp.stack([_abs_max(x) for x in xs]).astype(dtype))
-        if axis_name is not None:
-            biggest = lax.pmax(biggest, axis_name)
-        usable = finite & (biggest > 0)
-        m = jnp.where(usable, biggest, jnp.ones((), dtype))
-        r = jnp.sqrt(reduce([_square_sum(_wide(x) / m.astype(_wide(x).dtype)) for x in xs]))
-        norm = jnp.where(usable, m * r, jnp.sqrt(total))
-        divisor = jnp.where(usable, m, norm)
-        extra = jnp.where(usable, r, jnp.ones((), dtype))
-        return finite, norm, divisor, extra, flags
-
-    finite, norm, divisor, extra, flags = lax.cond(unsure, careful, usual, None)
+    finite, norm, divisor, extra, flags = lax.cond(unsure, careful, usual, (xs, total))
     if not norm_known:
-        norm = jnp.full((), jnp.nan, dtype)
+        norm = jnp.full((), jnp.nan, total.dtype)
     leaf_flags = None
     if per_leaf:
         leaf_flags = jnp.zeros((n,), jnp.bool_).at[np.asarray(keep)].set(flags)

@@ -15,6 +15,7 @@ updates are zero and the inner state is returned untouched; then ``scale.adjust(
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -144,6 +145,12 @@ def _check_match(updates: Any, params: Any) -> None:
 # --------------------------------------------------------------------------------------------
 # Skipping.
 # --------------------------------------------------------------------------------------------
+
+
+def _is_arrays(x: Any) -> bool:
+    """Whether ``x`` is a non-empty pytree of arrays (an extra argument passed as an operand)."""
+    leaves = jax.tree_util.tree_leaves(x)
+    return bool(leaves) and all(isinstance(v, jax.Array | np.ndarray) for v in leaves)
 
 
 def _skip_value(s: jax.ShapeDtypeStruct) -> jax.Array:
@@ -276,6 +283,29 @@ def wrap(
             ),
         )
 
+    @functools.lru_cache(maxsize=64)
+    def branches(
+        treedef: Any, float_idx: tuple[int, ...], static: tuple[tuple[str, Any], ...]
+    ) -> tuple[Callable[..., Any], Callable[..., Any]]:
+        # The two branches of the update, built once per gradient structure so that lax.cond
+        # finds them in its cache outside jit too. All arrays come in as operands.
+        static_args = dict(static)
+
+        def apply(operands: tuple[Any, ...]) -> tuple[Any, Any]:
+            leaves, inner_state, params, n, dynamic = operands
+            if max_norm is not None:
+                # Inside the branch, so that XLA fuses the clipping into the inner update
+                # instead of writing the clipped gradients out, and skipped steps skip it.
+                leaves = _clip_by_norm(leaves, list(float_idx), n, max_norm)
+            grads = jax.tree_util.tree_unflatten(treedef, leaves)
+            return inner_tx.update(grads, inner_state, params, **dynamic, **static_args)
+
+        def skip(operands: tuple[Any, ...]) -> tuple[Any, Any]:
+            shapes, _ = jax.eval_shape(apply, operands)
+            return jax.tree_util.tree_map(_skip_value, shapes), operands[1]
+
+        return apply, skip
+
     def update_fn(
         updates: Any, state: WrapState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, WrapState]:
@@ -299,25 +329,18 @@ def wrap(
         )
         finite = n.finite
 
-        # 2-3. Clip with the same norm and update, only if finite. The clipping happens inside
-        # the branch so that XLA fuses it into the inner update instead of writing the clipped
-        # gradients out (and skipped steps do not pay for it).
-        def apply(_: Any) -> tuple[Any, Any]:
-            clipped = leaves
-            if max_norm is not None:
-                clipped = _clip_by_norm(leaves, float_idx, n, max_norm)
-            grads = jax.tree_util.tree_unflatten(treedef, clipped)
-            return inner_tx.update(grads, state.inner_state, params, **extra_args)
-
+        # 2-3. Clip with the same norm and update, only if finite.
+        dynamic = {k: v for k, v in extra_args.items() if _is_arrays(v)}
+        static = tuple(sorted((k, v) for k, v in extra_args.items() if k not in dynamic))
+        try:
+            apply, skip = branches(treedef, tuple(float_idx), static)
+        except TypeError:  # an unhashable static argument: build the branches uncached
+            apply, skip = branches.__wrapped__(treedef, tuple(float_idx), static)
+        operands = (leaves, state.inner_state, params, n, dynamic)
         if skip_with == "cond":
-            shapes, _ = jax.eval_shape(apply, None)
-
-            def skip(_: Any) -> tuple[Any, Any]:
-                return jax.tree_util.tree_map(_skip_value, shapes), state.inner_state
-
-            new_updates, inner_state = lax.cond(finite, apply, skip, None)
+            new_updates, inner_state = lax.cond(finite, apply, skip, operands)
         else:
-            computed, computed_state = apply(None)
+            computed, computed_state = apply(operands)
             new_updates = jax.tree_util.tree_map(
                 lambda u: jnp.where(finite, u, _skip_value(u)), computed
             )

@@ -96,13 +96,13 @@ class WrapTest(chex.TestCase):
         assert np.isinf(float(stats.grad_norm)) == np.isinf(bad)
 
     @chex.variants(with_jit=True, without_jit=True)
-    @parameterized.product(seed=[0, 1, 2], skip_with=["cond", "select"])
+    @parameterized.product(seed=[0, 1], skip_with=["cond", "select"])
     def test_skips_are_exact(self, seed, skip_with):
         """Injected inf/NaN steps leave params and inner state as if those steps never were."""
         rng = np.random.default_rng(seed)
         params = small_params()
-        n_steps = 8
-        bad_steps = set(rng.choice(n_steps, size=3, replace=False).tolist())
+        n_steps = 6
+        bad_steps = set(rng.choice(n_steps, size=2, replace=False).tolist())
         grads_seq = [random_grads(100 * seed + t, params) for t in range(n_steps)]
         poisoned = [poison(g, rng) if t in bad_steps else g for t, g in enumerate(grads_seq)]
         clean = [g for t, g in enumerate(grads_seq) if t not in bad_steps]
@@ -194,6 +194,18 @@ class WrapTest(chex.TestCase):
         params = {"w": jnp.zeros(2)}
         updates, _ = jax.jit(tx.update)({"w": jnp.ones(2)}, tx.init(params), params, factor=3.0)
         np.testing.assert_array_equal(updates["w"], [3.0, 3.0])
+
+        # Non-array extra arguments (a function, a Python number, an unhashable list) too.
+        def update2(updates, state, params=None, *, fn, offset, more):
+            return jax.tree_util.tree_map(lambda g: fn(g) + offset + sum(more), updates), state
+
+        inner = optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(), update2)
+        tx = jdls.wrap(inner)
+        for offset in (1.0, 2.0):
+            updates, _ = tx.update(
+                {"w": jnp.ones(2)}, tx.init(params), params, fn=jnp.exp, offset=offset, more=[1.0]
+            )
+            np.testing.assert_allclose(updates["w"], np.exp(1.0) + offset + 1.0, rtol=1e-6)
         # An inner transformation without extra-args support ignores them.
         tx = jdls.wrap(optax.sgd(1.0))
         updates, _ = tx.update({"w": jnp.ones(2)}, tx.init(params), params, factor=3.0)
