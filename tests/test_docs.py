@@ -194,9 +194,32 @@ def test_nav_matches_pages() -> None:
     config = yaml.safe_load((ROOT / "mkdocs.yml").read_text(encoding="utf-8"))
     in_nav = _nav_files(config["nav"])
     present = {p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md")}
-    assert not [f for f in in_nav if f not in present], "nav lists pages that do not exist"
-    assert not sorted(present - set(in_nav)), "pages under docs/ missing from the nav"
+    listed_but_missing = [f for f in in_nav if f not in present]
+    assert not listed_but_missing, f"mkdocs.yml's nav lists missing pages: {listed_but_missing}"
+    not_listed = sorted(present - set(in_nav))
+    assert not not_listed, f"pages under docs/ missing from mkdocs.yml's nav: {not_listed}"
     assert len(in_nav) == len(set(in_nav)), "a page is listed twice in the nav"
+
+
+# ------------------------------------------------------------------------------------------
+# Tests the docs cite as evidence exist.
+# ------------------------------------------------------------------------------------------
+
+_TEST_REFERENCE = re.compile(r"`(tests/[\w/]+\.py)(?:::(\w+))?`")
+
+
+def test_cited_tests_exist() -> None:
+    """Every `tests/file.py` or `tests/file.py::test_name` the docs cite exists."""
+    missing = []
+    for path in markdown_files():
+        for match in _TEST_REFERENCE.finditer(path.read_text(encoding="utf-8")):
+            file, name = ROOT / match[1], match[2]
+            where = f"{path.relative_to(ROOT)}: {match[0]}"
+            if not file.exists():
+                missing.append(where)
+            elif name and not re.search(rf"\bdef {name}\b", file.read_text(encoding="utf-8")):
+                missing.append(where)
+    assert not missing, "the docs cite tests that do not exist:\n" + "\n".join(missing)
 
 
 # ------------------------------------------------------------------------------------------
