@@ -1,10 +1,15 @@
-"""Griffe extension: turn Sphinx roles in docstrings into links of the API reference.
+"""Griffe extension: Sphinx roles become links, ``Example:`` sections become code.
 
 The docstrings of jdls are Google style, with Sphinx-style cross references such as
 ``:class:`DynamicScale``` or ``:meth:`~jdls.DynamicScale.check```, which read well in
 ``help()``. mkdocstrings would print them verbatim. This extension rewrites each one, once the
 package is loaded, to an autorefs link (``[`DynamicScale`][jdls.DynamicScale]``) when the
 target is a public object of the package, and to plain code otherwise.
+
+Reference-style web links (```text <https://...>`_``) become Markdown links. It also
+renames ``Example:`` section headers to ``Examples:``: Griffe's Google-style parser
+turns the ``>>>`` lines of an ``Examples`` section into highlighted code, but treats a
+singular ``Example`` as a note and would render the ``>>>`` lines as nested quotes.
 
 Used by ``mkdocs.yml`` (``handlers.python.options.extensions``); not part of the package.
 """
@@ -16,7 +21,11 @@ from typing import Any
 
 import griffe
 
-_ROLE = re.compile(r":(?:py:)?(?:class|func|meth|mod|attr|data|exc|obj):`(?P<tilde>~?)(?P<target>[^`]+)`")
+_RST_LINK = re.compile(r"`(?P<text>[^`<]+?)\s*<(?P<url>https?://[^>`]+)>`__?")
+_EXAMPLE_HEADER = re.compile(r"^(?P<indent>[ \t]*)Example:[ \t]*$", re.MULTILINE)
+_ROLE = re.compile(
+    r":(?:py:)?(?:class|func|meth|mod|attr|data|exc|obj):`(?P<tilde>~?)(?P<target>[^`]+)`"
+)
 
 
 def _public(path: str) -> bool:
@@ -30,7 +39,12 @@ class SphinxRoles(griffe.Extension):
         self._pkg = pkg
         for obj in self._walk(pkg, set()):
             if obj.docstring is not None:
-                obj.docstring.value = _ROLE.sub(lambda m: self._replace(m, obj), obj.docstring.value)
+                obj.docstring.value = self._rewrite(obj.docstring.value, obj)
+
+    def _rewrite(self, value: str, obj: griffe.Object) -> str:
+        value = _ROLE.sub(lambda m: self._replace(m, obj), value)
+        value = _RST_LINK.sub(r"[\g<text>](\g<url>)", value)
+        return _EXAMPLE_HEADER.sub(r"\g<indent>Examples:", value)
 
     def _walk(self, obj: griffe.Object, seen: set[str]) -> Any:
         if obj.path in seen:
