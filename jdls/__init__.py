@@ -2,6 +2,7 @@
 
 from jdls import presets
 from jdls._clip import clip
+from jdls._flax import TrainState, nnx_value_and_grad, set_nnx_dynamic_scale
 from jdls._formats import FloatFormat, FormatInfo, cbfloat16, compress, decompress, finfo
 from jdls._optax import wrap
 from jdls._policy import Policy, get_policy
@@ -24,8 +25,6 @@ from jdls._state import (
     stats,
 )
 
-# -- flax integration (issue 5) --
-
 __version__ = "0.1.0"
 
 __all__ = [
@@ -40,6 +39,7 @@ __all__ = [
     "StaticScale",
     "Stats",
     "StepStats",
+    "TrainState",
     "WrapState",
     "all_finite",
     "cbfloat16",
@@ -49,9 +49,11 @@ __all__ = [
     "finfo",
     "get_dynamic_scale",
     "get_policy",
+    "nnx_value_and_grad",
     "nonfinite_paths",
     "presets",
     "set_dynamic_scale",
+    "set_nnx_dynamic_scale",
     "stats",
     "wrap",
 ]

@@ -1,0 +1,251 @@
+"""Flax integration: a linen ``TrainState`` with the loss scale at hand, and NNX helpers.
+
+``jdls.wrap`` is an optax transformation, so it already works unchanged in Flax:
+
+* linen: ``flax.training.train_state.TrainState.create(..., tx=jdls.wrap(optax.adam(...)))``;
+  ``apply_gradients`` checks the gradients, skips the update on inf/NaN and adjusts the scale.
+  :class:`TrainState` adds only reading the scale and a ``value_and_grad`` that uses it.
+* NNX: ``nnx.Optimizer(model, jdls.wrap(optax.adam(...)), wrt=nnx.Param)``; ``update``
+  skips and adjusts the same way. NNX keeps the optimizer state in ``nnx.Variable`` objects
+  that it updates in place, which needs two helpers: :func:`nnx_value_and_grad` (the scaled
+  ``nnx.value_and_grad``: ``jax.value_and_grad`` cannot differentiate a module holding RNG
+  keys or counters) and :func:`set_nnx_dynamic_scale` (replace the scale, its rule included).
+
+Reading the scale of an NNX optimizer: ``jdls.get_dynamic_scale(optimizer)`` and
+``jdls.stats(optimizer)`` find it, but their leaves are the optimizer's live ``Variable``
+objects, which the next ``update`` changes in place. For values that stay as they are (to log,
+or to return from ``nnx.jit``), read a pure copy: ``jdls.stats(nnx.as_pure(optimizer.opt_state))``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from flax.training import train_state
+
+from jdls._scale import LossScale
+from jdls._state import Stats, WrapState, get_dynamic_scale, stats
+
+__all__ = ["TrainState", "nnx_value_and_grad", "set_nnx_dynamic_scale"]
+
+
+class TrainState(train_state.TrainState):
+    """A Flax linen ``TrainState`` for an optimizer built with :func:`jdls.wrap`.
+
+    Identical to ``flax.training.train_state.TrainState`` (same fields, ``create`` and
+    ``apply_gradients``: ``apply_gradients`` is where ``jdls.wrap`` checks the gradients,
+    skips a non-finite step and adjusts the scale), with the loss scale at hand: the
+    properties :attr:`dynamic_scale`, :attr:`loss_scale` and :attr:`stats`, and
+    :meth:`value_and_grad`. A plain ``TrainState`` works just as well with
+    ``jdls.get_dynamic_scale(state)``; this class saves that line.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, jdls
+      >>> import flax.linen as nn
+      >>> model = nn.Dense(1)
+      >>> x, y = jnp.ones((4, 3)), jnp.ones((4, 1))
+      >>> state = jdls.TrainState.create(
+      ...     apply_fn=model.apply,
+      ...     params=model.init(jax.random.key(0), x)["params"],
+      ...     tx=jdls.wrap(optax.sgd(0.1), jdls.DynamicScale(1024.0)),
+      ... )
+      >>> def loss_fn(params):
+      ...     pred = state.apply_fn({"params": params}, x.astype(jnp.float16))
+      ...     return jnp.mean((pred.astype(jnp.float32) - y) ** 2)
+      >>> loss, grads = state.value_and_grad(loss_fn)(state.params)
+      >>> state = state.apply_gradients(grads=grads)
+      >>> float(state.loss_scale), int(state.stats.skipped_steps)
+      (1024.0, 0)
+    """
+
+    @property
+    def dynamic_scale(self) -> LossScale:
+        """The loss scale for the next step (``jdls.get_dynamic_scale(self.opt_state)``)."""
+        return get_dynamic_scale(self.opt_state)
+
+    @property
+    def loss_scale(self) -> jax.Array:
+        """The current loss scale, a float32 scalar."""
+        return self.dynamic_scale.loss_scale
+
+    @property
+    def stats(self) -> Stats:
+        """Statistics of the last step (``jdls.stats(self.opt_state)``)."""
+        return stats(self.opt_state)
+
+    def value_and_grad(
+        self,
+        fun: Callable[..., Any],
+        argnums: int | Sequence[int] = 0,
+        has_aux: bool = False,
+    ) -> Callable[..., Any]:
+        """``jax.value_and_grad`` of ``fun`` with this state's loss scale applied.
+
+        The loss is multiplied by the scale before differentiation; the returned loss is the
+        unscaled one and the gradients are unscaled (16-bit gradients come back as float32).
+        Pass the gradients to :meth:`apply_gradients` unchanged.
+
+        Args:
+          fun: the loss function; returns a scalar loss, or ``(loss, aux)`` with ``has_aux``.
+          argnums: which positional arguments to differentiate, as in ``jax.value_and_grad``.
+          has_aux: whether ``fun`` returns ``(loss, aux)``.
+
+        Returns:
+          A function with the signature of ``fun`` returning ``(loss, grads)``, or
+          ``((loss, aux), grads)`` with ``has_aux``.
+
+        Example:
+          >>> import jax.numpy as jnp, optax, jdls
+          >>> state = jdls.TrainState.create(apply_fn=None, params={"w": jnp.ones(2)},
+          ...                                tx=jdls.wrap(optax.sgd(0.1)))
+          >>> loss, grads = state.value_and_grad(lambda p: jnp.sum(p["w"] ** 2))(state.params)
+          >>> float(loss), grads["w"].tolist()
+          (2.0, [2.0, 2.0])
+        """
+        return self.dynamic_scale.value_and_grad(fun, argnums=argnums, has_aux=has_aux)
+
+
+# --------------------------------------------------------------------------------------------
+# NNX.
+# --------------------------------------------------------------------------------------------
+
+
+def _is_variable(x: Any) -> bool:
+    from flax import nnx
+
+    return isinstance(x, nnx.Variable)
+
+
+def _pure(tree: Any) -> Any:
+    """``tree`` with every ``nnx.Variable`` replaced by its current value."""
+    return jax.tree_util.tree_map(
+        lambda x: x.get_value() if _is_variable(x) else x, tree, is_leaf=_is_variable
+    )
+
+
+def nnx_value_and_grad(
+    fun: Callable[..., Any],
+    scale: LossScale,
+    argnums: int | Sequence[int] = 0,
+    *,
+    has_aux: bool = False,
+    wrt: Any = None,
+) -> Callable[..., Any]:
+    """``nnx.value_and_grad`` of ``fun`` with the loss scaled and the gradients unscaled.
+
+    The NNX counterpart of :meth:`jdls.LossScale.value_and_grad`: it differentiates NNX
+    modules with ``nnx.value_and_grad`` (only the variables selected by ``wrt``, so modules
+    holding RNG streams or batch statistics work, and their updates propagate), multiplies
+    the loss by ``scale`` before differentiation, and divides the gradients by it after
+    (16-bit gradients come back as float32). Pass the gradients to ``optimizer.update``.
+
+    Args:
+      fun: the loss function; returns a scalar loss, or ``(loss, aux)`` with ``has_aux``.
+      scale: the loss scale, usually ``jdls.get_dynamic_scale(optimizer)`` (an NNX
+        optimizer's scale, whose leaves are ``nnx.Variable`` objects, is read as values).
+      argnums: which positional arguments to differentiate, as in ``nnx.value_and_grad``.
+      has_aux: whether ``fun`` returns ``(loss, aux)``.
+      wrt: the NNX filter of the variables to differentiate (default ``nnx.Param``); it
+        should match the ``wrt`` of the ``nnx.Optimizer``.
+
+    Returns:
+      A function with the signature of ``fun`` returning ``(loss, grads)``, or
+      ``((loss, aux), grads)`` with ``has_aux``; ``loss`` is the unscaled loss.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jdls
+      >>> from flax import nnx
+      >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+      >>> optimizer = nnx.Optimizer(model, jdls.wrap(optax.sgd(0.1)), wrt=nnx.Param)
+      >>> loss_fn = lambda m: jnp.mean(m(jnp.ones((4, 2)).astype(jnp.float16)) ** 2)
+      >>> scale = jdls.get_dynamic_scale(optimizer)
+      >>> loss, grads = jdls.nnx_value_and_grad(loss_fn, scale)(model)
+      >>> _ = optimizer.update(model, grads)
+      >>> grads["kernel"].dtype, int(jdls.stats(nnx.as_pure(optimizer.opt_state)).skipped_steps)
+      (dtype('float32'), 0)
+    """
+    from flax import nnx
+
+    if not isinstance(scale, LossScale):
+        raise TypeError(
+            "scale must be a jdls loss scale, e.g. jdls.get_dynamic_scale(optimizer), got "
+            f"{type(scale).__name__}"
+        )
+    scale = _pure(scale)
+
+    def scaled(*args: Any, **kwargs: Any) -> tuple[Any, tuple[Any, Any]]:
+        out = fun(*args, **kwargs)
+        if has_aux:
+            if not (isinstance(out, tuple) and len(out) == 2):
+                raise TypeError(
+                    f"with has_aux=True, fun must return a pair (loss, aux), got "
+                    f"{type(out).__name__}"
+                )
+            loss, aux = out
+        else:
+            loss, aux = out, None
+        return scale.scale(loss), (loss, aux)
+
+    argnums_spec: Any = argnums if isinstance(argnums, int) else tuple(argnums)
+    if wrt is None:
+        wrt = nnx.Param
+    if isinstance(argnums_spec, int):
+        argnums_spec = nnx.DiffState(argnums_spec, wrt)
+    else:
+        argnums_spec = tuple(nnx.DiffState(i, wrt) for i in argnums_spec)
+    grad_fn = nnx.value_and_grad(scaled, argnums=argnums_spec, has_aux=True)
+
+    def value_and_grad_fn(*args: Any, **kwargs: Any) -> Any:
+        (_, (loss, aux)), grads = grad_fn(*args, **kwargs)
+        grads = scale.unscale(grads)
+        return ((loss, aux), grads) if has_aux else (loss, grads)
+
+    return value_and_grad_fn
+
+
+def set_nnx_dynamic_scale(optimizer: Any, scale: LossScale) -> None:
+    """Replace, in place, the loss scale of an ``nnx.Optimizer`` built with :func:`jdls.wrap`.
+
+    The NNX counterpart of :func:`jdls.set_dynamic_scale`. Use this rather than
+    ``nnx.update``: ``nnx.update`` copies array values only, so it would keep the old scale's
+    rule (its growth interval, factors and bounds) and silently mix it with the new values.
+
+    Args:
+      optimizer: an ``nnx.Optimizer`` whose ``tx`` holds exactly one ``jdls.wrap``.
+      scale: the new loss scale (any :class:`jdls.LossScale`, any rule).
+
+    Returns:
+      None; ``optimizer.opt_state`` holds the new scale.
+
+    Example:
+      >>> import optax, jdls
+      >>> from flax import nnx
+      >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+      >>> optimizer = nnx.Optimizer(model, jdls.wrap(optax.sgd(0.1)), wrt=nnx.Param)
+      >>> jdls.set_nnx_dynamic_scale(optimizer, jdls.presets.pytorch(init_scale=8.0))
+      >>> scale = jdls.get_dynamic_scale(nnx.as_pure(optimizer.opt_state))
+      >>> float(scale.loss_scale), scale.rule.name
+      (8.0, 'pytorch')
+    """
+    from flax.nnx.training.optimizer import to_opt_state
+
+    if not isinstance(scale, LossScale):
+        raise TypeError(
+            f"scale must be a jdls loss scale (jdls.DynamicScale(...), jdls.StaticScale(...), "
+            f"jdls.NoOpScale() or a jdls.presets scale), got {type(scale).__name__}"
+        )
+    if not hasattr(optimizer, "opt_state"):
+        raise TypeError(
+            f"optimizer must be an nnx.Optimizer, got {type(optimizer).__name__}; for an optax "
+            "state or a linen TrainState use jdls.set_dynamic_scale"
+        )
+    get_dynamic_scale(optimizer.opt_state)  # exactly one wrap, or a clear error
+    new_scale = to_opt_state(scale)  # its arrays as Variables, as nnx.Optimizer stores them
+
+    def replace(x: Any) -> Any:
+        return x._replace(scale=new_scale) if isinstance(x, WrapState) else x
+
+    is_leaf = lambda x: isinstance(x, WrapState) or _is_variable(x)  # noqa: E731
+    optimizer.opt_state = jax.tree_util.tree_map(replace, optimizer.opt_state, is_leaf=is_leaf)
