@@ -543,6 +543,15 @@ class DynamicScale(LossScale):
             hysteresis=hysteresis,
             name="jdls",
         )
+        value = _check_positive_finite("loss_scale", loss_scale)
+        low = -math.inf if min_loss_scale is None else min_loss_scale
+        high = math.inf if max_loss_scale is None else max_loss_scale
+        if not low <= value <= high:
+            raise ValueError(
+                f"loss_scale must be within [min_loss_scale, max_loss_scale] = "
+                f"[{min_loss_scale!r}, {max_loss_scale!r}], got {loss_scale!r}: start inside the "
+                "bounds, or widen them (None for no bound)"
+            )
         _init_dynamic(self, rule, loss_scale)
 
     @classmethod
