@@ -104,6 +104,11 @@ class FloatFormat:
       TypeError: an argument is not an int (or, for ``name``, not a str).
       ValueError: the format is outside what float32 can emulate exactly (see above).
 
+    References:
+      IEEE Std 754-2019, Standard for Floating-Point Arithmetic (binary interchange formats,
+      roundTiesToEven). ml_dtypes (https://github.com/jax-ml/ml_dtypes), whose IEEE-style
+      types this agrees with bit for bit.
+
     Example:
       >>> import jdls
       >>> fmt = jdls.FloatFormat(5, 10)  # IEEE float16
@@ -446,6 +451,8 @@ IEEE-754 reading (bias ``2**5 - 1 = 31``, subnormals, inf/NaN), which matches Ce
 default maximum loss scale of 2**31 for cbfloat16. Then the largest finite value is
 ``(2 - 2**-9) * 2**31``, the smallest normal ``2**-30``, the smallest subnormal ``2**-39``.
 For another bias use ``jdls.FloatFormat(6, 9, bias=..., name=...)``.
+
+Reference: Cerebras documentation, "Data formats" (CB16 half-precision).
 """
 
 

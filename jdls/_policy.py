@@ -196,6 +196,10 @@ class Policy:
     Python scalars and ``None`` pass through. See the module documentation for the exact
     backward rule of the casts.
 
+    References:
+      jmp, "Mixed precision training in JAX" (https://github.com/google-deepmind/jmp):
+      ``jmp.Policy`` and ``jmp.get_policy``.
+
     Attributes:
       param_dtype: format of the parameters (:meth:`cast_to_param`).
       compute_dtype: format of the computation (:meth:`cast_to_compute`).
