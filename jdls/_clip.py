@@ -6,10 +6,16 @@ wider) is finite exactly when every element is finite and the sum did not overfl
 * **finite sum** (the common case): every gradient is finite, and its square root is the
   global norm, computed exactly as ``optax.clip_by_global_norm`` computes it;
 * **inf or NaN sum** (rare): a second, exact pass decides. It checks every leaf with
-  ``isfinite``; when all are finite the sum merely overflowed (elements around ``1e20`` and
-  more), and the norm is recomputed without overflow as ``m * sqrt(sum((g / m)**2))`` with
-  ``m`` the largest absolute element. That pass sits in a ``lax.cond`` and costs nothing on
-  ordinary steps.
+  ``isfinite``; when all are finite the sum merely overflowed (elements around ``1e19`` and
+  more), and the norm is recomputed on the gradients scaled down by ``2**-96`` (exact: a power
+  of two), whose squares cannot overflow. That pass sits in a ``lax.cond`` and costs nothing
+  on ordinary steps.
+
+Clipping a gradient whose norm overflowed multiplies it by the runtime scalars ``2**-96`` and
+then ``max_norm / scaled_norm``, in that order. Dividing by a huge norm would not work: XLA
+rewrites ``g / norm`` into ``g * (1 / norm)``, and ``1 / norm`` is a subnormal number, flushed
+to zero on CPU and GPU. (Elements below about ``2**-30`` become zero on that rare path; their
+clipped values would be far below ``1e-20 * max_norm`` anyway.)
 
 Non-finite gradients are never turned into finite numbers: ``clip`` passes them through
 untouched, so ``jdls.wrap`` behind it still sees them, skips the step and, with
@@ -34,6 +40,7 @@ __all__ = ["clip"]
 AxisName = Hashable
 _F32 = jnp.float32
 _F32_MAX = float(np.finfo(np.float32).max)
+_DOWN, _UP = 2.0**-96, 2.0**96  # exact scalings of the overflow path
 
 
 # --------------------------------------------------------------------------------------------
@@ -113,10 +120,6 @@ def _square_sum(x: jax.Array) -> jax.Array:
     return jnp.sum(jnp.square(x))
 
 
-def _abs_max(x: jax.Array) -> jax.Array:
-    return jnp.max(jnp.abs(_wide(x)))
-
-
 def _ordered_sum(values: Sequence[jax.Array]) -> jax.Array | float:
     """``((0 + v0) + v1) + ...``: the order optax uses, for bit-identical norms."""
     total: jax.Array | float = 0.0
@@ -136,8 +139,9 @@ class _Norm(NamedTuple):
 
     finite: jax.Array  # every float element is finite
     norm: jax.Array  # global L2 norm; inf above float32 max or with an inf; NaN with a NaN
-    divisor: jax.Array  # clipping divides by divisor, then by extra: g / divisor / extra * c
-    extra: jax.Array
+    robust: jax.Array  # the sum of squares overflowed: clip with down and scaled_norm
+    down: jax.Array  # 2**-96 when robust (a runtime value: XLA must not fold it)
+    scaled_norm: jax.Array  # the norm of the gradients multiplied by ``down``
     leaf_nonfinite: jax.Array | None  # bool[number of float leaves], when asked for
 
 
@@ -162,8 +166,9 @@ def _norm_branches(
     def usual(operands: tuple[list[jax.Array], jax.Array]) -> tuple[jax.Array, ...]:
         xs, total = operands
         norm = jnp.sqrt(total)
+        one = jnp.ones((), total.dtype)
         flags = jnp.zeros((len(xs),), jnp.bool_)
-        return jnp.array(True), norm, norm, jnp.ones((), total.dtype), flags
+        return jnp.array(True), norm, jnp.array(False), one, one, flags
 
     def careful(operands: tuple[list[jax.Array], jax.Array]) -> tuple[jax.Array, ...]:
         xs, total = operands
@@ -172,16 +177,11 @@ def _norm_branches(
         if axis_name is not None:
             flags = lax.pmax(flags.astype(jnp.int32), axis_name) > 0
         finite = ~jnp.any(flags)
-        biggest = jnp.max(jnp.stack([_abs_max(x) for x in xs]).astype(dtype))
-        if axis_name is not None:
-            biggest = lax.pmax(biggest, axis_name)
-        usable = finite & (biggest > 0)
-        m = jnp.where(usable, biggest, jnp.ones((), dtype))
-        r = jnp.sqrt(reduce([_square_sum(_wide(x) / m.astype(_wide(x).dtype)) for x in xs]))
-        norm = jnp.where(usable, m * r, jnp.sqrt(total))
-        divisor = jnp.where(usable, m, norm)
-        extra = jnp.where(usable, r, jnp.ones((), dtype))
-        return finite, norm, divisor, extra, flags
+        down = jnp.asarray(_DOWN, dtype)
+        scaled = jnp.sqrt(reduce([_square_sum(_wide(x) * down.astype(_wide(x).dtype)) for x in xs]))
+        robust = finite
+        norm = jnp.where(robust, scaled * _UP, jnp.sqrt(total))  # may overflow to inf: right
+        return finite, norm, robust, down, scaled, flags
 
     return reduce, usual, careful
 
@@ -211,7 +211,7 @@ def _global_norm(
     no_flags = jnp.zeros((n,), jnp.bool_) if per_leaf else None
     if not keep:
         one = jnp.ones((), _F32)
-        return _Norm(jnp.array(True), jnp.zeros((), _F32), one, one, no_flags)
+        return _Norm(jnp.array(True), jnp.zeros((), _F32), jnp.array(False), one, one, no_flags)
     xs = [leaves[i] for i in keep]
     is_sharded = (False,) * len(xs) if sharded is None else tuple(sharded[i] for i in keep)
     norm_known = axis_name is None or sharded is not None
@@ -220,20 +220,22 @@ def _global_norm(
     unsure = ~jnp.isfinite(total)
     if axis_name is not None and not all(is_sharded):
         unsure = _any_across(unsure, axis_name)  # the cond below must branch alike everywhere
-    finite, norm, divisor, extra, flags = lax.cond(unsure, careful, usual, (xs, total))
+    finite, norm, robust, down, scaled, flags = lax.cond(unsure, careful, usual, (xs, total))
     if not norm_known:
         norm = jnp.full((), jnp.nan, total.dtype)
     leaf_flags = None
     if per_leaf:
         leaf_flags = jnp.zeros((n,), jnp.bool_).at[np.asarray(keep)].set(flags)
-    return _Norm(finite, norm, divisor, extra, leaf_flags)
+    return _Norm(finite, norm, robust, down, scaled, leaf_flags)
 
 
 def _clip_leaf(g: jax.Array, keep: jax.Array, n: _Norm, max_norm: Any) -> jax.Array:
     """``g`` when ``keep``, else ``g / norm * max_norm`` (as optax, in float32 or wider)."""
     x = _wide(g)
-    clipped = (x / n.divisor.astype(x.dtype)) / n.extra.astype(x.dtype) * max_norm
-    return jnp.where(keep, x, clipped).astype(g.dtype)
+    usual = (x / n.norm.astype(x.dtype)) * max_norm  # optax's expression, for equal results
+    factor = (max_norm / n.scaled_norm).astype(x.dtype)
+    robust = (x * n.down.astype(x.dtype)) * factor
+    return jnp.where(keep, x, jnp.where(n.robust, robust, usual)).astype(g.dtype)
 
 
 def _clip_value_leaf(g: jax.Array, max_value: Any) -> jax.Array:
