@@ -1,0 +1,237 @@
+"""jdls.wrap among other optax transformations and in a Flax TrainState; finding its state."""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax.training import train_state
+
+import jdls
+
+INF, NAN = float("inf"), float("nan")
+
+
+def assert_bitwise_equal(a, b):
+    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True):
+        x, y = np.asarray(x), np.asarray(y)
+        assert x.dtype == y.dtype and x.shape == y.shape
+        assert x.tobytes() == y.tobytes(), f"{x} != {y}"
+
+
+PARAMS = {"w": jnp.array([1.0, -2.0]), "b": jnp.array([0.5])}
+
+
+def grads(seed):
+    rng = np.random.default_rng(seed)
+    return jax.tree_util.tree_map(
+        lambda p: jnp.asarray(rng.standard_normal(p.shape).astype(np.float32)), PARAMS
+    )
+
+
+def bad_grads(seed, value=INF):
+    g = grads(seed)
+    g["w"] = g["w"].at[0].set(value)
+    return g
+
+
+def run(tx, seq, params=PARAMS):
+    """Apply ``tx`` to a sequence of gradients under jit; return params and state."""
+
+    @jax.jit
+    def step(params, state, g):
+        updates, state = tx.update(g, state, params)
+        return optax.apply_updates(params, updates), state
+
+    state = tx.init(params)
+    for g in seq:
+        params, state = step(params, state, g)
+    return params, state
+
+
+def loss_scale(state):
+    return float(jdls.get_dynamic_scale(state).loss_scale)
+
+
+class ChainTest(chex.TestCase):
+    def test_chain_and_named_chain(self):
+        sched = optax.linear_schedule(1.0, 0.1, 4)
+        for tx in (
+            optax.chain(jdls.clip(1.0), jdls.wrap(optax.sgd(sched)), optax.scale(0.5)),
+            optax.named_chain(("clip", jdls.clip(1.0)), ("opt", jdls.wrap(optax.sgd(sched)))),
+        ):
+            p_bad, s_bad = run(tx, [grads(0), bad_grads(1), grads(2)])
+            p_ref, _ = run(tx, [grads(0), grads(2)])
+            assert_bitwise_equal(p_bad, p_ref)
+            assert loss_scale(s_bad) == 2.0**14
+            assert int(jdls.stats(s_bad).skipped_steps) == 1
+
+    def test_schedule_in_a_chain_inside_wrap_does_not_advance_on_skips(self):
+        inner = optax.chain(
+            optax.scale_by_adam(), optax.scale_by_schedule(optax.cosine_decay_schedule(1.0, 5))
+        )
+        tx = jdls.wrap(inner)
+        p_bad, s_bad = run(tx, [grads(0), bad_grads(1, NAN), bad_grads(2), grads(3)])
+        p_ref, s_ref = run(tx, [grads(0), grads(3)])
+        assert_bitwise_equal(p_bad, p_ref)
+        assert_bitwise_equal(s_bad.inner_state, s_ref.inner_state)
+        assert int(s_bad.inner_state[1].count) == 2
+
+
+class MultiStepsTest(chex.TestCase):
+    def test_wrap_inside_multisteps_keeps_the_scale_over_a_window(self):
+        tx = optax.MultiSteps(jdls.wrap(optax.sgd(1.0), jdls.DynamicScale(64.0)), 3)
+        step = jax.jit(tx.update)
+        state = tx.init(PARAMS)
+        seen = []
+        seq = [grads(0), grads(1), grads(2), grads(3), bad_grads(4), grads(5)]
+        for g in seq:
+            updates, state = step(g, state, PARAMS)
+            seen.append((loss_scale(state), int(state.inner_opt_state.scale.counter)))
+        # The wrap sees one (averaged) gradient per window: the scale changes only at its end.
+        assert seen == [(64, 0), (64, 0), (64, 1), (64, 1), (64, 1), (32, 0)]
+        for u in jax.tree_util.tree_leaves(updates):  # the window with an inf was skipped
+            assert np.all(np.asarray(u) == 0)
+        assert bool(jdls.stats(state).skipped)
+        assert int(state.gradient_step) == 2
+
+    def test_multisteps_inside_wrap_skips_micro_batches(self):
+        """A non-finite micro-batch is left out of the accumulation; the window just takes one
+        more micro-batch, and the result is the one without the bad micro-batches."""
+        ms = optax.MultiSteps(optax.adam(0.1), 2)
+        tx = jdls.wrap(ms, jdls.DynamicScale(64.0))
+        seq = [grads(0), bad_grads(1), grads(2), grads(3), bad_grads(4, NAN), grads(5)]
+        p_bad, s_bad = run(tx, seq)
+        p_ref, s_ref = run(ms.gradient_transformation(), [grads(0), grads(2), grads(3), grads(5)])
+        assert_bitwise_equal(p_bad, p_ref)
+        assert_bitwise_equal(s_bad.inner_state, s_ref)
+        assert int(s_bad.inner_state.gradient_step) == 2
+        assert loss_scale(s_bad) == 16.0  # adjusted on every micro-batch
+
+
+class InjectHyperparamsTest(chex.TestCase):
+    def test_wrap_inside_inject_hyperparams(self):
+        tx = optax.inject_hyperparams(lambda learning_rate: jdls.wrap(optax.sgd(learning_rate)))(
+            learning_rate=0.5
+        )
+        params, state = run(tx, [grads(0), bad_grads(1)])
+        np.testing.assert_allclose(params["w"], PARAMS["w"] - 0.5 * grads(0)["w"], rtol=1e-6)
+        assert loss_scale(state) == 2.0**14 and bool(jdls.stats(state).skipped)
+        state.hyperparams["learning_rate"] = jnp.asarray(0.0)
+        updates, _ = jax.jit(tx.update)(grads(2), state, params)
+        assert float(jnp.max(jnp.abs(updates["w"]))) == 0.0
+
+    def test_inject_hyperparams_inside_wrap(self):
+        sched = optax.exponential_decay(0.1, 1, 0.5)
+        tx = jdls.wrap(optax.inject_hyperparams(optax.adam)(learning_rate=sched))
+        p_bad, s_bad = run(tx, [grads(0), bad_grads(1), grads(2), bad_grads(3, -INF)])
+        p_ref, s_ref = run(tx, [grads(0), grads(2)])
+        assert_bitwise_equal(p_bad, p_ref)
+        assert_bitwise_equal(s_bad.inner_state, s_ref.inner_state)
+        assert float(s_bad.inner_state.hyperparams["learning_rate"]) == float(sched(1))
+
+
+LABELS = {"w": "main", "b": "frozen"}
+
+
+class MultiTransformTest(chex.TestCase):
+    def test_wrap_around_multi_transform(self):
+        inner = optax.multi_transform(
+            {"main": optax.adam(0.1), "frozen": optax.set_to_zero()}, LABELS
+        )
+        tx = jdls.wrap(inner)
+        # An inf in the frozen part still skips the whole step.
+        frozen_bad = grads(1)
+        frozen_bad["b"] = frozen_bad["b"].at[0].set(INF)
+        p_bad, s_bad = run(tx, [grads(0), frozen_bad, grads(2)])
+        p_ref, s_ref = run(tx, [grads(0), grads(2)])
+        assert_bitwise_equal(p_bad, p_ref)
+        assert_bitwise_equal(s_bad.inner_state, s_ref.inner_state)
+
+    def test_wrap_inside_multi_transform(self):
+        tx = optax.multi_transform(
+            {"main": jdls.wrap(optax.sgd(1.0)), "frozen": optax.set_to_zero()}, LABELS
+        )
+        params, state = run(tx, [bad_grads(0)])
+        assert_bitwise_equal(params, PARAMS)
+        assert loss_scale(state) == 2.0**14
+
+    def test_two_wraps_are_ambiguous(self):
+        tx = optax.multi_transform(
+            {"main": jdls.wrap(optax.sgd(1.0)), "frozen": jdls.wrap(optax.sgd(1.0))}, LABELS
+        )
+        state = tx.init(PARAMS)
+        with pytest.raises(ValueError, match=r"found 2 jdls.wrap states \(at .*'frozen'.*'main'"):
+            jdls.get_dynamic_scale(state)
+        with pytest.raises(ValueError, match="found 2"):
+            jdls.stats(state)
+
+
+class TrainStateTest(chex.TestCase):
+    def test_flax_train_state(self):
+        state = train_state.TrainState.create(
+            apply_fn=lambda p, x: p["w"] @ x, params=PARAMS, tx=jdls.wrap(optax.adam(0.1))
+        )
+        assert jdls.get_dynamic_scale(state) is jdls.get_dynamic_scale(state.opt_state)
+
+        @jax.jit
+        def train_step(state, g):
+            return state.apply_gradients(grads=g), jdls.stats(state).loss_scale
+
+        state, _ = train_step(state, grads(0))
+        after_one = state.params
+        state, _ = train_step(state, bad_grads(1))
+        assert_bitwise_equal(state.params, after_one)
+        assert bool(jdls.stats(state).skipped)
+        assert loss_scale(state) == 2.0**14
+        assert int(state.step) == 2  # Flax counts every call, taken or skipped
+        assert int(state.opt_state.inner_state[0].count) == 1
+
+        new = jdls.set_dynamic_scale(state, jdls.DynamicScale(8.0))
+        assert isinstance(new, train_state.TrainState) and loss_scale(new) == 8.0
+        assert_bitwise_equal(new.params, state.params)
+        new, _ = train_step(new, grads(2))
+        assert loss_scale(new) == 8.0
+
+
+class FindTest(chex.TestCase):
+    def test_errors(self):
+        with pytest.raises(ValueError, match="found no jdls.wrap state"):
+            jdls.get_dynamic_scale(optax.adam(0.1).init(PARAMS))
+        with pytest.raises(ValueError, match="found no jdls.wrap state"):
+            jdls.set_dynamic_scale({}, jdls.DynamicScale())
+        state = jdls.wrap(optax.sgd(1.0)).init(PARAMS)
+        with pytest.raises(TypeError, match="must be a jdls loss scale"):
+            jdls.set_dynamic_scale(state, 1024.0)
+
+    def test_restore_a_pytorch_scaler(self):
+        sd = {
+            "scale": 1024.0,
+            "growth_factor": 2.0,
+            "backoff_factor": 0.5,
+            "growth_interval": 3,
+            "_growth_tracker": 2,
+        }
+        tx = optax.chain(jdls.clip(1.0), jdls.wrap(optax.sgd(1.0)))
+        state = jdls.set_dynamic_scale(tx.init(PARAMS), jdls.presets.from_pytorch_state_dict(sd))
+        _, state = jax.jit(tx.update)(grads(0), state, PARAMS)
+        assert loss_scale(state) == 2048.0  # the third finite step in a row: growth
+        assert jdls.presets.to_pytorch_state_dict(jdls.get_dynamic_scale(state)) == {
+            **sd,
+            "scale": 2048.0,
+            "_growth_tracker": 0,
+        }
+
+    def test_set_under_jit(self):
+        tx = jdls.wrap(optax.sgd(1.0))
+
+        @jax.jit
+        def halve(state):
+            scale = jdls.get_dynamic_scale(state)
+            return jdls.set_dynamic_scale(state, scale.replace(loss_scale=scale.loss_scale / 2))
+
+        assert loss_scale(halve(tx.init(PARAMS))) == 2.0**14
