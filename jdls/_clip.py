@@ -5,11 +5,11 @@ wider) is finite exactly when every element is finite and the sum did not overfl
 
 * **finite sum** (the common case): every gradient is finite, and its square root is the
   global norm, computed exactly as ``optax.clip_by_global_norm`` computes it;
-* **inf or NaN sum** (rare): a second, exact pass decides. It checks every leaf with
-  ``isfinite``; when all are finite the sum merely overflowed (elements around ``1e19`` and
-  more), and the norm is recomputed on the gradients scaled down by ``2**-96`` (exact: a power
-  of two), whose squares cannot overflow. That pass sits in a ``lax.cond`` and costs nothing
-  on ordinary steps.
+* **inf or NaN sum** (rare): a second pass decides, exactly. It sums the squares of the
+  gradients scaled down by ``2**-96`` (exact: a power of two), which cannot overflow, so a
+  leaf's sum is finite exactly when all its elements are; when all are finite the first sum
+  merely overflowed (elements around ``1e19`` and more) and the scaled sum gives the norm.
+  That pass sits in a ``lax.cond`` and costs nothing on ordinary steps.
 
 Clipping a gradient whose norm overflowed multiplies it by the runtime scalars ``2**-96`` and
 then ``max_norm / scaled_norm``, in that order. Dividing by a huge norm would not work: XLA
@@ -171,17 +171,19 @@ def _norm_branches(
         return jnp.array(True), norm, jnp.array(False), one, one, flags
 
     def careful(operands: tuple[list[jax.Array], jax.Array]) -> tuple[jax.Array, ...]:
+        # One pass: squares of the gradients scaled by 2**-96 cannot overflow (|g| < 2**128),
+        # so a leaf's scaled sum is finite exactly when all of its elements are.
         xs, total = operands
         dtype = total.dtype
-        flags = jnp.stack([~jnp.all(jnp.isfinite(x)) for x in xs])
+        down = jnp.asarray(_DOWN, dtype)
+        sums = [_square_sum(_wide(x) * down.astype(_wide(x).dtype)) for x in xs]
+        flags = ~jnp.isfinite(jnp.stack(sums))
         if axis_name is not None:
             flags = lax.pmax(flags.astype(jnp.int32), axis_name) > 0
         finite = ~jnp.any(flags)
-        down = jnp.asarray(_DOWN, dtype)
-        scaled = jnp.sqrt(reduce([_square_sum(_wide(x) * down.astype(_wide(x).dtype)) for x in xs]))
-        robust = finite
-        norm = jnp.where(robust, scaled * _UP, jnp.sqrt(total))  # may overflow to inf: right
-        return finite, norm, robust, down, scaled, flags
+        scaled = jnp.sqrt(reduce(sums))
+        norm = jnp.where(finite, scaled * _UP, jnp.sqrt(total))  # may overflow to inf: right
+        return finite, norm, finite, down, scaled, flags
 
     return reduce, usual, careful
 
