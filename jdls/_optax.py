@@ -153,13 +153,36 @@ def _is_arrays(x: Any) -> bool:
     return bool(leaves) and all(isinstance(v, jax.Array | np.ndarray) for v in leaves)
 
 
+def _varying_axes(t: Any) -> frozenset[Any]:
+    """The manual mesh axes a value varies over, inside ``shard_map`` (empty elsewhere)."""
+    mat = getattr(t, "manual_axis_type", None)  # jax >= 0.9; ``vma`` before
+    varying = getattr(mat, "varying", None) if mat is not None else getattr(t, "vma", None)
+    return frozenset(varying or ())
+
+
+def _vary_like(x: Any, like: Any) -> Any:
+    """``x`` marked as varying over the axes ``like`` varies over (a no-op outside shard_map).
+
+    Inside ``shard_map`` the two branches of ``lax.cond`` must agree on which outputs vary
+    across devices; constants made by the skip branch do not, until marked.
+    """
+    if not isinstance(like, jax.ShapeDtypeStruct):
+        like = jax.typeof(like)
+    missing = tuple(sorted(_varying_axes(like) - _varying_axes(jax.typeof(x)), key=str))
+    if not missing:
+        return x
+    if hasattr(lax, "pcast"):
+        return lax.pcast(x, missing, to="varying")
+    return lax.pvary(x, missing)  # type: ignore[attr-defined]  # pragma: no cover - older jax
+
+
 def _skip_value(s: jax.ShapeDtypeStruct) -> jax.Array:
     """The update of a skipped step: -0.0, so that ``p + u`` is ``p`` bit for bit, even -0.0."""
     if s.dtype == jax.dtypes.float0:
         return np.zeros(s.shape, jax.dtypes.float0)  # type: ignore[return-value]
     if jnp.issubdtype(s.dtype, jnp.inexact):
-        return jnp.full(s.shape, -0.0, s.dtype)
-    return jnp.zeros(s.shape, s.dtype)
+        return _vary_like(jnp.full(s.shape, -0.0, s.dtype), s)
+    return _vary_like(jnp.zeros(s.shape, s.dtype), s)
 
 
 # --------------------------------------------------------------------------------------------
@@ -301,8 +324,9 @@ def wrap(
             return inner_tx.update(grads, inner_state, params, **dynamic, **static_args)
 
         def skip(operands: tuple[Any, ...]) -> tuple[Any, Any]:
-            shapes, _ = jax.eval_shape(apply, operands)
-            return jax.tree_util.tree_map(_skip_value, shapes), operands[1]
+            shapes, state_shapes = jax.eval_shape(apply, operands)
+            old_state = jax.tree_util.tree_map(_vary_like, operands[1], state_shapes)
+            return jax.tree_util.tree_map(_skip_value, shapes), old_state
 
         return apply, skip
 
