@@ -249,6 +249,51 @@ def _unscaled_dtype(dtype: Any) -> Any:
     return jnp.promote_types(dtype, _F32)
 
 
+def _finite_flag(grads_finite: Any) -> jax.Array:
+    """``grads_finite`` as a boolean scalar, or an error that says what to pass instead."""
+    hint = "pass jdls.all_finite(grads), whether the unscaled gradients were all finite"
+    try:
+        flag = jnp.asarray(grads_finite)
+    except (TypeError, ValueError):  # a dict of gradients gives a ValueError
+        raise TypeError(
+            f"adjust expects a boolean scalar, got {type(grads_finite).__name__}: {hint}"
+        ) from None
+    if flag.shape != ():
+        raise ValueError(
+            f"adjust expects a boolean scalar, got an array of shape {flag.shape}: {hint}"
+        )
+    if not (flag.dtype == jnp.bool_ or jnp.issubdtype(flag.dtype, jnp.integer)):
+        raise TypeError(
+            f"adjust expects a boolean scalar, got a {flag.dtype} value (the loss?): {hint}"
+        )
+    return flag.astype(jnp.bool_)
+
+
+class NotATransformationError(AttributeError):
+    """A loss scale was used where an optax transformation is expected (``optax.chain``)."""
+
+
+class _NotATransformation:
+    """``init``/``update`` of a loss scale: raise, on the class and on instances, an error that
+    says how to use the scale (``optax.chain(jdls.DynamicScale(), ...)`` is a common mistake).
+
+    The error is an ``AttributeError``, so ``hasattr(scale, "init")`` stays False.
+    """
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        what = (owner if obj is None else type(obj)).__name__
+        instance = f"jdls.{what}" + ("" if obj is None else "(...)")
+        raise NotATransformationError(
+            f"{instance} is a loss scale, not an optax transformation (it has no "
+            f".{self.name}); wrap the optimizer with it instead: "
+            f"jdls.wrap(optax.adam(1e-3), jdls.{what}(...)), and put jdls.wrap(...) in "
+            "optax.chain"
+        )
+
+
 # --------------------------------------------------------------------------------------------
 # The shared interface.
 # --------------------------------------------------------------------------------------------
@@ -273,6 +318,9 @@ class LossScale:
     """
 
     loss_scale: jax.Array
+
+    init = _NotATransformation()
+    update = _NotATransformation()
 
     def scale(self, tree: T) -> T:
         """Multiply every floating-point leaf of ``tree`` by the loss scale.
@@ -435,6 +483,7 @@ class NoOpScale(LossScale):
 
     def adjust(self, grads_finite: jax.Array | bool) -> NoOpScale:
         """Return the same scale: a no-op scale never changes."""
+        _finite_flag(grads_finite)
         return self
 
 
@@ -460,6 +509,7 @@ class StaticScale(LossScale):
 
     def adjust(self, grads_finite: jax.Array | bool) -> StaticScale:
         """Return the same scale: a static scale never changes."""
+        _finite_flag(grads_finite)
         return self
 
 
@@ -631,7 +681,7 @@ class DynamicScale(LossScale):
           32.0
         """
         rule = self.rule
-        finite = jnp.asarray(grads_finite, jnp.bool_)
+        finite = _finite_flag(grads_finite)
         scale = self.loss_scale
         one = jnp.ones((), _I32)
         zero = jnp.zeros((), _I32)
