@@ -1,0 +1,153 @@
+"""Every example runs (shortened), shows --help, and the demo's claims hold.
+
+The examples are imported from their files and their ``main(argv)`` is called in-process (one
+JAX start for all of them); one is also run as a script in a subprocess, as a reader would.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+NAMES = ["quickstart", "demo", "nnx_transformer", "data_parallel", "cbfloat16"]
+
+
+def load(name: str):
+    """Import ``examples/<name>.py`` as the module ``jdls_example_<name>``."""
+    module_name = f"jdls_example_{name}"
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    spec = importlib.util.spec_from_file_location(module_name, EXAMPLES / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_example_is_listed():
+    assert sorted(p.stem for p in EXAMPLES.glob("*.py")) == sorted(NAMES)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_help(name, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        load(name).main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage:")
+    assert "--quiet" in out
+
+
+def test_quickstart():
+    result = load("quickstart").main(["--steps", "60", "--quiet"])
+    # The first steps overflow float16 (a squared error of ~16 times 2**15) and are skipped.
+    assert result["skipped_steps"] == 2
+    assert result["loss_scale"] == 2.0**13
+    assert result["loss"] < 1.0
+
+
+def test_demo_claims(tmp_path, capsys):
+    """Shortened demo: float16 without scaling fails; float16 + jdls matches float32.
+
+    ``--growth-interval 10`` lets the scale reach float16's overflow within 400 steps, so the
+    run also exercises skipped steps and backoffs.
+    """
+    out = tmp_path / "demo.png"
+    argv = ["--steps", "400", "--growth-interval", "10", "--quiet", "--out", str(out)]
+    results = load("demo").main(argv)
+    f32, f16, jdls_run = results["float32"], results["float16"], results["float16+jdls"]
+
+    # float16 without scaling: every gradient underflows to zero, nothing is learned.
+    assert f16.zero_fraction == 1.0
+    assert f16.accuracy < 0.2
+    assert f16.skipped == 0 and f16.loss_scale == 1.0
+    assert np.all(f16.zeros == 1.0)  # at every step: Adam's updates are 0, nothing moves
+    assert f16.loss.min() > 2.2  # chance level: ln(10) = 2.30
+    # float16 + jdls: within 0.5 percentage points of float32.
+    assert f32.accuracy > 0.95
+    assert abs(jdls_run.accuracy - f32.accuracy) <= 0.005
+    assert jdls_run.zero_fraction < 0.5
+    assert f32.zero_fraction < 0.5  # structural zeros only (blank pixels, inactive units)
+    # The dynamic scale grew far above 2**15, overflowed, skipped and backed off.
+    assert jdls_run.skipped > 0
+    assert jdls_run.loss_scale >= 2.0**30
+    assert math.log2(jdls_run.loss_scale).is_integer()
+    assert jdls_run.skipped_so_far[-1] == jdls_run.skipped
+    assert np.all(np.diff(jdls_run.skipped_so_far) >= 0)
+    # float32 never skips and keeps a scale of 1.
+    assert f32.skipped == 0 and f32.loss_scale == 1.0
+
+    text = capsys.readouterr().out
+    for name in ("float32", "float16", "float16+jdls", "accuracy", "zero grads", "skipped"):
+        assert name in text
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_demo_other_formats_and_errors(tmp_path):
+    demo = load("demo")
+    results = demo.main(
+        ["--steps", "5", "--quiet", "--no-plot", "--formats", "bfloat16,cbfloat16+jdls"]
+    )
+    assert list(results) == ["bfloat16", "cbfloat16+jdls"]
+    assert all(len(r.loss) == 5 for r in results.values())
+    with pytest.raises(SystemExit):
+        demo.main(["--formats", "float8+jdls", "--no-plot"])
+    with pytest.raises(SystemExit):
+        demo.main(["--formats", "float16+apex", "--no-plot"])
+    assert not list(tmp_path.iterdir())  # --no-plot writes nothing
+
+
+def test_nnx_transformer():
+    result = load("nnx_transformer").main(["--steps", "6", "--sample", "8", "--quiet"])
+    assert np.isfinite(result["loss"])
+    assert result["loss_scale"] == 2.0**15  # no growth (interval 100) and no overflow
+    assert result["skipped_steps"] == 0
+    assert result["sample"].startswith("def wrap(") and len(result["sample"]) == 9 + 8
+
+
+def test_data_parallel_modes_agree():
+    results = load("data_parallel").main(["--steps", "8", "--batch-size", "64", "--quiet"])
+    jit, shard_map = results["jit"], results["shard_map"]
+    assert jit["replicated"] and shard_map["replicated"]
+    assert jit["loss_scale"] == shard_map["loss_scale"] == 2.0**15
+    assert jit["skipped_steps"] == shard_map["skipped_steps"] == 0
+    np.testing.assert_allclose(jit["losses"], shard_map["losses"], rtol=1e-2)
+    assert jit["losses"][-1] < jit["losses"][0]
+
+
+def test_cbfloat16():
+    results = load("cbfloat16").main(["--steps", "20", "--quiet"])
+    assert list(results) == ["float16+jdls", "cbfloat16", "cbfloat16+jdls"]
+    assert results["cbfloat16+jdls"]["loss_scale"] == 2.0**31  # Cerebras' cbfloat16 maximum
+    assert results["cbfloat16"]["loss_scale"] == 1.0
+    # At this loss weight cbfloat16 keeps gradients that float16 would flush to zero.
+    assert results["cbfloat16"]["zero_fraction"] < 0.5
+    for r in results.values():
+        assert r["skipped_steps"] == 0
+
+
+def test_data_parallel_runs_as_a_script():
+    """As a reader runs it: a fresh process, which must set up 8 CPU devices by itself."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / "data_parallel.py"), "--steps", "3", "--mode", "jit"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "8 devices (cpu)" in proc.stdout
+    assert "jit: final loss" in proc.stdout
