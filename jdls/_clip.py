@@ -245,11 +245,31 @@ def _clip_value_leaf(g: jax.Array, max_value: Any) -> jax.Array:
     return jnp.where(jnp.isinf(g), g, clipped)  # NaN stays NaN through clip
 
 
-def _clip_by_norm(leaves: list[Any], float_idx: list[int], n: _Norm, max_norm: Any) -> list[Any]:
+def _clip_by_norm(
+    leaves: list[Any], float_idx: list[int], n: _Norm, max_norm: Any, *, fused: bool = False
+) -> list[Any]:
+    """Clip the float leaves by the global norm ``n``; others pass through.
+
+    ``fused=False`` (``jdls.clip``): optax's ``g / norm * max_norm``, bit for bit.
+    ``fused=True`` (``jdls.wrap(max_norm=...)``): ``g * a * b`` with two scalars, ``(1, 1)``
+    to keep, ``(1, max_norm / norm)`` to clip, ``(2**-96, max_norm / scaled_norm)`` on the
+    overflow path. No element-wise division, so XLA fuses it into every consumer (adam reads
+    the gradient twice) instead of writing the clipped gradients out; it may differ from
+    optax's result in the last bit.
+    """
     keep = ~n.finite | (n.norm < max_norm)
     out = list(leaves)
+    if not fused:
+        for i in float_idx:
+            out[i] = _clip_leaf(leaves[i], keep, n, max_norm)
+        return out
+    dtype = n.norm.dtype
+    one = jnp.ones((), dtype)
+    a = jnp.where(keep | ~n.robust, one, n.down)
+    b = jnp.where(keep, one, max_norm / jnp.where(n.robust, n.scaled_norm, n.norm))
     for i in float_idx:
-        out[i] = _clip_leaf(leaves[i], keep, n, max_norm)
+        x = _wide(leaves[i])
+        out[i] = ((x * a.astype(x.dtype)) * b.astype(x.dtype)).astype(leaves[i].dtype)
     return out
 
 

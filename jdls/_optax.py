@@ -319,7 +319,7 @@ def wrap(
             if max_norm is not None:
                 # Inside the branch, so that XLA fuses the clipping into the inner update
                 # instead of writing the clipped gradients out, and skipped steps skip it.
-                leaves = _clip_by_norm(leaves, list(float_idx), n, max_norm)
+                leaves = _clip_by_norm(leaves, list(float_idx), n, max_norm, fused=True)
             grads = jax.tree_util.tree_unflatten(treedef, leaves)
             return inner_tx.update(grads, inner_state, params, **dynamic, **static_args)
 
