@@ -56,6 +56,8 @@ class MinimumScaleError(RuntimeError):
 
 
 def _check_number(name: str, value: Any) -> float:
+    if isinstance(value, str | bytes):  # float("1024") would succeed: say it is the wrong type
+        raise TypeError(f"{name} must be a real number, got {value!r}")
     if isinstance(value, bool) or not isinstance(value, int | float | np.number):
         try:
             value = float(np.asarray(value))  # also accepts 0-d arrays

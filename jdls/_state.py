@@ -170,6 +170,11 @@ def set_dynamic_scale(opt_state: Any, scale: LossScale) -> Any:
       >>> float(jdls.get_dynamic_scale(state).loss_scale)
       1024.0
     """
+    if isinstance(scale, type) and issubclass(scale, LossScale):
+        raise TypeError(
+            f"scale must be a loss scale instance: pass jdls.{scale.__name__}(...), not the "
+            f"class jdls.{scale.__name__}"
+        )
     if not isinstance(scale, LossScale):
         raise TypeError(
             f"scale must be a jdls loss scale (jdls.DynamicScale(...), jdls.StaticScale(...), "

@@ -126,6 +126,10 @@ def flax(
       (4.0, 8.0)
     """
     interval = _check_int("growth_interval", growth_interval, 1)
+    if _check_int("fin_steps", fin_steps, 0) > interval:
+        raise ValueError(
+            f"fin_steps must be in [0, growth_interval] = [0, {interval}], got {fin_steps}"
+        )
     rule = ScaleRule(
         growth_factor=growth_factor,
         backoff_factor=backoff_factor,
@@ -166,6 +170,8 @@ def jmp(
       >>> float(s.adjust(True).loss_scale)
       65536.0
     """
+    if _check_int("counter", counter, 0) >= _check_int("period", period, 1):
+        raise ValueError(f"counter must be in [0, period) = [0, {period}), got {counter}")
     rule = ScaleRule(
         growth_factor=factor,
         backoff_factor=None,

@@ -435,7 +435,7 @@ def test_cerebras_overflow_tolerance_forgives_and_can_grow_on_an_overflow_step()
         ("cerebras", {"half_dtype": "float8"}, "half_dtype must be one of"),
         ("cerebras", {"max_gradient_norm": -1.0}, "max_gradient_norm must be a finite number > 0"),
         ("jmp", {"loss_scale": 4.0, "factor": 1}, "growth_factor must be > 1, got 1"),
-        ("jmp", {"loss_scale": 4.0, "period": 0}, "growth_interval must be >= 1"),
+        ("jmp", {"loss_scale": 4.0, "period": 0}, "period must be >= 1"),
     ],
 )
 def test_preset_validation(factory, kwargs, message):
