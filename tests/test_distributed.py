@@ -19,18 +19,24 @@ The subprocesses are bounded (timeouts, killed on failure) and use only 127.0.0.
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import _mlp
 import _two_process_worker as worker
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jdls
 
 TIMEOUT_S = 150
 LOCAL_DEVICES = 2
@@ -171,3 +177,124 @@ def test_shard_map_towers_equal_one_process_run_without_the_faulty_steps(results
         leaf = np.asarray(leaf)
         for d in range(len(mesh4)):
             assert got[f"sm_towers{i}_device{d}"].tobytes() == leaf[d : d + 1].tobytes(), (i, d)
+
+
+# --------------------------------------------------------------------------------------------
+# One process, 8 devices: a longer run with faults on one device at a time.
+# --------------------------------------------------------------------------------------------
+
+N_DEV = 8
+SOAK8_STEPS = 600
+ROWS = 8 * N_DEV
+
+
+def _soak8_specs() -> np.ndarray:
+    """(batch, kind, leaf, pos) per step; the faulty device is ``pos % 8``."""
+    specs = _mlp.make_specs(SOAK8_STEPS, seed=0, fault_rate=0.4)
+    assert min(_mlp.fault_counts(specs).values()) > 10  # every kind, many times
+    return specs
+
+
+@functools.cache
+def _soak8_jit():
+    """jax.jit over a Mesh: parameters replicated, batch rows sharded; the faulty device's rows
+    blow up (x 1e30) or its loss term is multiplied by inf/-inf/NaN."""
+    mesh = Mesh(np.array(jax.devices()[:N_DEV]), ("d",))
+    repl, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("d"))
+    tx = jdls.wrap(_mlp.adamw_cosine(SOAK8_STEPS), jdls.DynamicScale(growth_interval=10))
+
+    def body(carry, spec):
+        params, state = carry
+        x, y = _mlp.make_batch(spec[0], ROWS)
+        x = jax.lax.with_sharding_constraint(x, rows)
+        on_device = (jnp.arange(ROWS) // (ROWS // N_DEV)) == spec[3] % N_DEV
+        blow = (spec[1] >= 1) & (spec[1] <= 3) & on_device
+        x = jnp.where(blow[:, None], x * jnp.float32(1e30), x)
+        mult = jnp.where(on_device, _mlp.loss_multiplier(spec[1]), jnp.float32(1.0))
+        scale = jdls.get_dynamic_scale(state)
+        _, grads = scale.value_and_grad(
+            lambda p: jnp.mean(jnp.mean((_mlp.apply(p, x) - y) ** 2, axis=1) * mult)
+        )(params)
+        updates, state = tx.update(grads, state, params)
+        return (optax.apply_updates(params, updates), state), jdls.stats(state).finite
+
+    @jax.jit
+    def run(specs):
+        params = jax.device_put(_mlp.init_params(0), repl)
+        (params, state), finite = jax.lax.scan(body, (params, tx.init(params)), specs)
+        return params, state, finite
+
+    return run
+
+
+@functools.cache
+def _soak8_shard_map():
+    """shard_map, data parallel: local gradients, lax.pmean, then a fault written into the
+    faulty device's copy only (a device-local corruption after the reduction) or its loss
+    term multiplied by inf/-inf/NaN; jdls.wrap(axis_name="d", sharded=False, max_norm=1.0)
+    must make all 8 devices skip together."""
+    mesh = Mesh(np.array(jax.devices()[:N_DEV]), ("d",))
+    tx = jdls.wrap(
+        _mlp.adamw_cosine(SOAK8_STEPS),
+        jdls.DynamicScale(growth_interval=10),
+        axis_name="d",
+        sharded=False,
+        max_norm=1.0,
+    )
+    n = ROWS // N_DEV
+
+    def local(specs):
+        device = jax.lax.axis_index("d")
+
+        def body(carry, spec):
+            params, state = carry
+            x, y = _mlp.make_batch(spec[0], ROWS)
+            x = jax.lax.dynamic_slice_in_dim(x, device * n, n)
+            y = jax.lax.dynamic_slice_in_dim(y, device * n, n)
+            here = device == spec[3] % N_DEV
+            mult = jnp.where(here, _mlp.loss_multiplier(spec[1]), jnp.float32(1.0))
+            scale = jdls.get_dynamic_scale(state)
+            _, grads = scale.value_and_grad(lambda p: _mlp.loss_fn(p, x, y) * mult)(params)
+            grads = jax.lax.pmean(grads, "d")
+            grads = _mlp.inject(grads, jnp.where(here, spec[1], 0), spec[2], spec[3])
+            updates, state = tx.update(grads, state, params)
+            return (optax.apply_updates(params, updates), state), jdls.stats(state).finite
+
+        params = _mlp.init_params(0)
+        (params, state), finite = jax.lax.scan(body, (params, tx.init(params)), specs)
+        everything = (params, state.inner_state, jdls.stats(state).loss_scale, finite)
+        return jax.tree.map(lambda a: a[None], everything)  # one copy per device
+
+    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P(), out_specs=P("d"), check_vma=False))
+
+
+def test_eight_devices_jit_soak():
+    specs = _soak8_specs()
+    clean = _mlp.clean_specs(specs)
+    run = _soak8_jit()
+    params, state, finite = run(specs)
+    ref_params, ref_state, ref_finite = run(clean)
+    np.testing.assert_array_equal(np.asarray(finite), specs[:, 1] == 0)
+    assert bool(jnp.all(ref_finite))
+    assert int(jdls.stats(state).skipped_steps) == len(specs) - len(clean) > 50
+    assert _mlp.host_bytes(params) == _mlp.host_bytes(ref_params)
+    assert _mlp.host_bytes(state.inner_state) == _mlp.host_bytes(ref_state.inner_state)
+    assert jdls.get_dynamic_scale(state).loss_scale.sharding.is_fully_replicated
+
+
+def test_eight_devices_shard_map_soak():
+    specs = _soak8_specs()
+    clean = _mlp.clean_specs(specs)
+    run = _soak8_shard_map()
+    params, inner, loss_scale, finite = run(specs)
+    ref_params, ref_inner, _, ref_finite = run(clean)
+    finite = np.asarray(finite)
+    for d in range(N_DEV):  # every device took every decision, and the right one
+        np.testing.assert_array_equal(finite[d], specs[:, 1] == 0)
+    assert bool(jnp.all(ref_finite)) and len(specs) - len(clean) > 50
+    assert len(set(np.asarray(loss_scale).tolist())) == 1
+    for got, ref in [(params, ref_params), (inner, ref_inner)]:
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
+            a, b = np.asarray(a), np.asarray(b)
+            for d in range(N_DEV):  # all copies identical, and equal to the clean run
+                assert a[d].tobytes() == a[0].tobytes() == b[d].tobytes()
