@@ -35,12 +35,13 @@ cotangents live ``loss_scale`` times higher, inside float16's range. The scale s
 ``2**15`` and doubles after every 50 finite steps with no upper bound (as PyTorch's
 ``GradScaler``); once a gradient overflows float16 (inf), ``jdls.wrap`` skips that step
 exactly (parameters and Adam state unchanged) and halves the scale. The scale climbs to the
-level this loss needs and oscillates just under the overflow threshold: about ``2**41``, which
-is ``2**41 * 5e-6 = 2**23.4`` for the unweighted loss, the usual range of loss scales.
+level this loss needs and oscillates just under the overflow threshold: here the first
+overflow comes at ``2**42`` and the run ends at ``2**40``; times the loss weight (``5e-6``,
+about ``2**-17.6``) that is ``2**22.4``, the usual range of loss scales.
 
 The script prints a table (test accuracy, the fraction of gradient elements that are exactly
-zero, averaged over the applied steps, skipped steps and the final loss scale) and saves a plot of
-the training loss, the loss scale, the skipped steps and the zero-gradient fraction. Even in
+zero, averaged over the applied steps, skipped steps and the final loss scale) and saves a
+plot of the training loss, the loss scale, the skipped steps and the zero-gradient fraction. Even in
 float32 some gradients are exactly zero: the weights of the always-blank border pixels and of
 inactive ReLU units.
 
