@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -39,14 +41,19 @@ def bad_grads(seed, value=INF):
     return g
 
 
-def run(tx, seq, params=PARAMS):
-    """Apply ``tx`` to a sequence of gradients under jit; return params and state."""
-
+@functools.cache
+def jitted_step(tx):
     @jax.jit
     def step(params, state, g):
         updates, state = tx.update(g, state, params)
         return optax.apply_updates(params, updates), state
 
+    return step
+
+
+def run(tx, seq, params=PARAMS):
+    """Apply ``tx`` to a sequence of gradients under jit; return params and state."""
+    step = jitted_step(tx)
     state = tx.init(params)
     for g in seq:
         params, state = step(params, state, g)
