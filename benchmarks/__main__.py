@@ -1,0 +1,100 @@
+"""``python -m benchmarks <suite> [--quick]``: run a benchmark suite, write JSON and Markdown.
+
+Suites:
+
+* ``update``: update only, 8M float32 parameters in 64 leaves, every variant, skipped steps;
+* ``update-large``: update only, 100M parameters in 500 leaves (about 6 GiB of RAM);
+* ``step``: full train step of an 8M-parameter MLP, float16 compute, batch 256;
+* ``transformer``: full train step of a small decoder-only transformer;
+* ``compile``: compiled temporary memory and compile time, full step and update;
+* ``roofline``: achieved GB/s of the update against streaming kernels on the same bytes;
+* ``all``: every suite above, then ``summary.md`` and (unless ``--quick``) the plots;
+* ``plot``: only redraw the plots from the JSON already in ``--out``.
+
+Each suite writes ``<out>/<suite>.json`` (every time of every round, the environment) and
+``<out>/<suite>.md``. ``--quick`` uses tiny sizes and a few rounds: a smoke test of the
+harness (CI runs it), not a measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from benchmarks import _harness as h
+
+Suite = Callable[..., list[h.Section]]
+
+
+def _suites() -> dict[str, Suite]:
+    from benchmarks import bench_compile, bench_roofline, bench_step, bench_update
+
+    return {
+        "update": bench_update.suite,
+        "update-large": bench_update.suite_large,
+        "step": bench_step.suite,
+        "transformer": bench_step.suite_transformer,
+        "compile": bench_compile.suite,
+        "roofline": bench_roofline.suite,
+    }
+
+
+NAMES = ("update", "update-large", "step", "transformer", "compile", "roofline")
+
+
+def run_suite(name: str, *, quick: bool, rounds: int | None, out: Path) -> list[h.Section]:
+    env = h.environment()
+    start = time.perf_counter()
+    sections = _suites()[name](quick=quick, rounds=rounds)
+    seconds = time.perf_counter() - start
+    json_path, md_path = h.write_results(
+        name, sections, out_dir=out, env=env, extra={"quick": quick, "seconds": seconds}
+    )
+    print(md_path.read_text())
+    h.log(f"{name}: {seconds:.0f} s; wrote {json_path} and {md_path}")
+    return sections
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("suite", choices=[*NAMES, "all", "plot"])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, few rounds (CI)")
+    parser.add_argument("--rounds", type=int, default=None, help="override the rounds")
+    parser.add_argument(
+        "--out", type=Path, default=h.RESULTS_DIR, help="where to write JSON and Markdown"
+    )
+    parser.add_argument(
+        "--img",
+        type=Path,
+        default=None,
+        help="where to draw the plots (default: docs/img for full runs, none for --quick)",
+    )
+    args = parser.parse_args(argv)
+    if args.suite == "plot":
+        from benchmarks import plot
+
+        for path in plot.plot_all(args.out, args.img or plot.DEFAULT_IMG):
+            h.log(f"wrote {path}")
+        return 0
+    names = NAMES if args.suite == "all" else (args.suite,)
+    for name in names:
+        run_suite(name, quick=args.quick, rounds=args.rounds, out=args.out)
+    if args.suite == "all":
+        from benchmarks import plot
+
+        summary = plot.summary_markdown(args.out)
+        (args.out / "summary.md").write_text(summary)
+        img = args.img if args.img is not None else (None if args.quick else plot.DEFAULT_IMG)
+        if img is not None:
+            for path in plot.plot_all(args.out, img):
+                h.log(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,228 @@
+"""Compiled memory and compile time, with and without jdls, for the full step and the update.
+
+For every variant of the full-step (MLP) and update-only (8M parameters) benchmarks:
+
+* **memory**: ``jax.jit(...).lower(...).compile().memory_analysis()``: the temporary bytes
+  XLA needs besides the arguments and outputs (``temp``), and the whole footprint
+  ``arguments + outputs - aliased + temp`` (donated buffers are aliased);
+* **compile time**: tracing and lowering (``.lower``, Python) and XLA compilation
+  (``.compile``), each variant traced afresh in every round (a new function object, so no
+  cache is hit), rounds interleaved as for the timings; medians and per-round ratios to the
+  baseline.
+
+Every function is jitted over the flattened leaves of its arguments (the same for every
+variant), with the same buffers donated as in the timing benchmarks. Run::
+
+    python -m benchmarks compile [--quick]
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from benchmarks import _harness as h
+from benchmarks import bench_step, bench_update
+
+MiB = 2**20
+
+
+def _flat(
+    fn: Callable[..., Any], args: tuple[Any, ...], donate: Sequence[int]
+) -> tuple[Callable[..., Any], list[Any], tuple[int, ...]]:
+    """``fn`` as a function of the flat leaves of ``args``; donated leaf indices."""
+    leaves, treedef = jax.tree_util.tree_flatten(args)
+    donated: list[int] = []
+    start = 0
+    for i, a in enumerate(args):
+        n = len(jax.tree_util.tree_leaves(a))
+        if i in donate:
+            donated.extend(range(start, start + n))
+        start += n
+
+    def flat(*xs: Any) -> list[Any]:
+        return jax.tree_util.tree_leaves(fn(*jax.tree_util.tree_unflatten(treedef, xs)))
+
+    return flat, leaves, tuple(donated)
+
+
+class _Target:
+    """One variant to compile: a factory of fresh ``(fn, args, donate)``."""
+
+    def __init__(self, label: str, make: Callable[[], tuple[Callable[..., Any], tuple, tuple]]):
+        self.label = label
+        self.make = make
+        self.lower_s: list[float] = []
+        self.compile_s: list[float] = []
+        self.memory: Any = None
+
+    def once(self) -> None:
+        fn, args, donate = self.make()
+        flat, leaves, donated = _flat(fn, args, donate)
+        # A new function object every time: no tracing or compilation cache can answer.
+        jitted = jax.jit(lambda *xs: flat(*xs), donate_argnums=donated)
+        t0 = time.perf_counter()
+        lowered = jitted.lower(*leaves)
+        t1 = time.perf_counter()
+        compiled = lowered.compile()
+        t2 = time.perf_counter()
+        self.lower_s.append(t1 - t0)
+        self.compile_s.append(t2 - t1)
+        self.memory = compiled.memory_analysis()
+
+
+def _step_targets(quick: bool, names: Sequence[str]) -> list[_Target]:
+    work = bench_step.mlp_workload(quick)
+    methods = bench_step.make_methods(work.loss)
+    targets = []
+    for name in names:
+
+        def make(name: str = name) -> tuple[Callable[..., Any], tuple, tuple]:
+            method = methods[name]()
+            return method.step, (work.params, method.init(work.params), work.batch), (0, 1)
+
+        targets.append(_Target(name, make))
+    return targets
+
+
+def _update_targets(quick: bool, names: Sequence[str]) -> list[_Target]:
+    config = bench_update.QUICK if quick else bench_update.Config()
+    variants = bench_update.make_variants(config)
+    grads = jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), bench_update.make_tree(config)
+    )
+    targets = []
+    for name in names:
+
+        def make(name: str = name) -> tuple[Callable[..., Any], tuple, tuple]:
+            updater = variants[name]()
+
+            def step(g: Any, state: Any, params: Any) -> tuple[Any, Any]:
+                updates, state = updater.update(g, state, params)
+                return state, updates
+
+            state = jax.eval_shape(updater.init, grads)
+            return step, (grads, state, grads), (1,)
+
+        targets.append(_Target(name, make))
+    return targets
+
+
+STEP_VARIANTS = (
+    "static scale",
+    "jdls.wrap(adam)",
+    "jdls.wrap(adam, select)",
+    "jdls.wrap(adam, max_norm)",
+    "chain(jdls.clip, jdls.wrap(adam))",
+    "static scale + optax clip",
+    "Flax DynamicScale + jnp.where",
+    "jmp DynamicLossScale + select_tree",
+    "static scale + optax.apply_if_finite",
+)
+UPDATE_VARIANTS = (
+    "adam",
+    "jdls.wrap(adam)",
+    "jdls.wrap(adam, select)",
+    "jdls.wrap(adam, max_norm)",
+    "chain(jdls.clip, jdls.wrap(adam))",
+    "optax clip + adam",
+    "Flax DynamicScale + jnp.where",
+    "jmp DynamicLossScale + select_tree",
+    "optax.apply_if_finite(adam)",
+    "optax clip + apply_if_finite",
+)
+
+COLUMNS = (
+    ("label", "variant", ""),
+    ("temp_mib", "temp MiB", ".2f"),
+    ("temp_delta_pct_of_footprint", "Δtemp % of baseline footprint", "+.2f"),
+    ("footprint_mib", "footprint MiB", ".1f"),
+    ("lower_ms", "trace+lower ms", ".0f"),
+    ("compile_ms", "compile ms", ".0f"),
+    ("compile_ratio", "compile ratio", ".3f"),
+    ("total_ratio", "lower+compile ratio", ".3f"),
+)
+
+
+def _measure(title: str, note: str, targets: list[_Target], rounds: int) -> h.Section:
+    h.log(f"{title}: {len(targets)} variants, {rounds} rounds")
+    order = list(range(len(targets)))
+    import random
+
+    rng = random.Random(0)
+    for _ in range(rounds):
+        rng.shuffle(order)
+        for j in order:
+            targets[j].once()
+    base = targets[0]
+    base_mem = base.memory
+    base_footprint = (
+        base_mem.argument_size_in_bytes
+        + base_mem.output_size_in_bytes
+        - base_mem.alias_size_in_bytes
+        + base_mem.temp_size_in_bytes
+    )
+    rows = []
+    for t in targets:
+        mem = t.memory
+        footprint = (
+            mem.argument_size_in_bytes
+            + mem.output_size_in_bytes
+            - mem.alias_size_in_bytes
+            + mem.temp_size_in_bytes
+        )
+        c_ratios = [a / b for a, b in zip(t.compile_s, base.compile_s, strict=True)]
+        tot = [a + b for a, b in zip(t.lower_s, t.compile_s, strict=True)]
+        base_tot = [a + b for a, b in zip(base.lower_s, base.compile_s, strict=True)]
+        rows.append(
+            {
+                "label": t.label,
+                "temp_bytes": mem.temp_size_in_bytes,
+                "temp_mib": mem.temp_size_in_bytes / MiB,
+                "temp_ratio": mem.temp_size_in_bytes / max(base_mem.temp_size_in_bytes, 1),
+                "temp_delta_pct_of_footprint": 100
+                * (mem.temp_size_in_bytes - base_mem.temp_size_in_bytes)
+                / base_footprint,
+                "argument_bytes": mem.argument_size_in_bytes,
+                "output_bytes": mem.output_size_in_bytes,
+                "alias_bytes": mem.alias_size_in_bytes,
+                "footprint_bytes": footprint,
+                "footprint_mib": footprint / MiB,
+                "lower_ms": 1e3 * h.quartiles(t.lower_s)[1],
+                "compile_ms": 1e3 * h.quartiles(t.compile_s)[1],
+                "compile_ratio": h.quartiles(c_ratios)[1],
+                "total_ratio": h.quartiles([a / b for a, b in zip(tot, base_tot, strict=True)])[1],
+                "lower_s": t.lower_s,
+                "compile_s": t.compile_s,
+            }
+        )
+    return h.Section(title, note, rows, columns=COLUMNS, config={"rounds": rounds})
+
+
+def suite(quick: bool = False, rounds: int | None = None) -> list[h.Section]:
+    """The ``compile`` suite: memory and compile time of the full step and of the update."""
+    rounds = rounds or (1 if quick else 7)
+    note = (
+        "`temp`: XLA's temporary buffers (`memory_analysis().temp_size_in_bytes`); footprint = "
+        f"arguments + outputs − aliased (donated) + temp. Compile times: medians of {rounds} "
+        "interleaved rounds, each variant traced afresh; ratios are medians of per-round "
+        "ratios to the first row."
+    )
+    step_names = STEP_VARIANTS[:2] if quick else STEP_VARIANTS
+    update_names = UPDATE_VARIANTS[:2] if quick else UPDATE_VARIANTS
+    step = _measure(
+        "Compiled memory and compile time, full step (MLP)",
+        note,
+        _step_targets(quick, step_names),
+        rounds,
+    )
+    update = _measure(
+        "Compiled memory and compile time, update only (8M parameters)",
+        note,
+        _update_targets(quick, update_names),
+        rounds,
+    )
+    return [step, update]

@@ -1,0 +1,96 @@
+"""Smoke test of the benchmark suite: ``python -m benchmarks all --quick`` runs and writes
+well-formed JSON and Markdown for every suite (tiny sizes, a few rounds, no thresholds)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SUITES = ("update", "update-large", "step", "transformer", "compile", "roofline")
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("benchmarks")
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)  # one CPU device, as a user runs it (not the 8 of conftest)
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "all", "--quick", "--out", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return out
+
+
+def _finite_number(x: object) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@pytest.mark.parametrize("suite", SUITES)
+def test_json_is_well_formed(results: Path, suite: str) -> None:
+    data = json.loads((results / f"{suite}.json").read_text())
+    assert data["suite"] == suite
+    assert data["quick"] is True
+    env = data["environment"]
+    for key in ("date", "cpu", "cpu_count", "versions", "command"):
+        assert key in env
+    assert env["versions"]["jax"]
+    assert data["sections"], "no sections"
+    for section in data["sections"]:
+        assert section["title"] and section["rows"]
+        for row in section["rows"]:
+            assert row["label"]
+            if suite == "compile":
+                assert row["temp_bytes"] >= 0
+                assert _finite_number(row["compile_ms"]) and row["compile_ms"] > 0
+                assert _finite_number(row["total_ratio"])
+            else:
+                assert _finite_number(row["median_ms"]) and row["median_ms"] > 0
+                assert _finite_number(row["ratio"]) and row["ratio"] > 0
+                assert row["q1_ms"] <= row["median_ms"] <= row["q3_ms"]
+                assert len(row["times_ms"]) == row["rounds"] >= 1
+        first = section["rows"][0]
+        if suite != "compile":
+            assert first["ratio"] == 1.0  # the baseline against itself
+
+
+@pytest.mark.parametrize("suite", SUITES)
+def test_markdown_has_a_table_per_section(results: Path, suite: str) -> None:
+    text = (results / f"{suite}.md").read_text()
+    data = json.loads((results / f"{suite}.json").read_text())
+    assert text.startswith(f"## {suite}")
+    for section in data["sections"]:
+        assert f"### {section['title']}" in text
+        for row in section["rows"]:
+            assert f"| {row['label']} |" in text
+    assert text.count("|:--|") == len(data["sections"])
+
+
+def test_summary_lists_the_targets(results: Path) -> None:
+    text = (results / "summary.md").read_text()
+    assert "| target | measured | limit | met |" in text
+    assert "full step: jdls.wrap(adam) / static scale" in text
+    assert "update: jdls.wrap(adam) / adam" in text
+
+
+def test_skipped_cases_really_skip(results: Path) -> None:
+    rows = json.loads((results / "step.json").read_text())["sections"][0]["rows"]
+    by_label = {r["label"]: r for r in rows}
+    assert by_label["jdls.wrap(adam)"]["last_step_skipped"] is False
+    assert by_label["jdls.wrap(adam) [skipped step]"]["last_step_skipped"] is True
+    rows = json.loads((results / "update.json").read_text())["sections"][0]["rows"]
+    for row in rows:
+        if row["label"].startswith(("jdls", "chain(jdls")):
+            assert row["last_step_skipped"] is row["label"].endswith("[skipped step]")
