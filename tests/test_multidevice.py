@@ -100,6 +100,15 @@ class PmapTest(chex.TestCase):
         )
         np.testing.assert_array_equal(stats.skipped, [i == 5 for i in range(N)])
 
+    def test_clip_with_sharded_gradients(self):
+        """Each device holds one slice of one global gradient: jdls.clip clips by its norm."""
+        g = local_grads(3)
+        tx = jdls.clip(1.0, axis_name="i", sharded=True)
+        out, _ = jax.pmap(lambda g: tx.update(g, optax.EmptyState()), axis_name="i")(g)
+        whole, _ = jdls.clip(1.0).update(g, optax.EmptyState())  # the same leaves, unsplit
+        for k in g:
+            np.testing.assert_allclose(out[k], whole[k], rtol=1e-6)
+
 
 MESH_AXIS = "d"
 
