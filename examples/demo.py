@@ -261,7 +261,7 @@ def plot(results: Sequence[Result], path: str, title: str) -> None:
 
     fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
     panels = [
-        (axes[0, 0], "loss", "training cross-entropy", "log"),
+        (axes[0, 0], "loss", "training cross-entropy (running mean of 20 steps)", "log"),
         (axes[0, 1], "scale", "loss scale", "log2"),
         (axes[1, 0], "skipped_so_far", "skipped steps (cumulative)", "linear"),
         (axes[1, 1], "zeros", "fraction of gradient elements = 0", "linear"),
