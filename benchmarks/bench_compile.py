@@ -58,6 +58,7 @@ class _Target:
         self.lower_s: list[float] = []
         self.compile_s: list[float] = []
         self.memory: Any = None
+        self.counts: dict[str, int] = {}
 
     def once(self) -> None:
         fn, args, donate = self.make()
@@ -72,6 +73,10 @@ class _Target:
         self.lower_s.append(t1 - t0)
         self.compile_s.append(t2 - t1)
         self.memory = compiled.memory_analysis()
+        if not self.counts:
+            from benchmarks.profile_ops import hlo_counts
+
+            self.counts = hlo_counts(compiled.as_text())
 
 
 def _step_targets(quick: bool, names: Sequence[str]) -> list[_Target]:
@@ -140,6 +145,7 @@ COLUMNS = (
     ("temp_mib", "temp MiB", ".2f"),
     ("temp_delta_pct_of_footprint", "Δtemp % of baseline footprint", "+.2f"),
     ("footprint_mib", "footprint MiB", ".1f"),
+    ("kernels", "kernels", ""),
     ("lower_ms", "trace+lower ms", ".0f"),
     ("compile_ms", "compile ms", ".0f"),
     ("compile_ratio", "compile ratio", ".3f"),
@@ -195,6 +201,10 @@ def _measure(title: str, note: str, targets: list[_Target], rounds: int) -> h.Se
                 "compile_ms": 1e3 * h.quartiles(t.compile_s)[1],
                 "compile_ratio": h.quartiles(c_ratios)[1],
                 "total_ratio": h.quartiles([a / b for a, b in zip(tot, base_tot, strict=True)])[1],
+                "kernels": t.counts.get("fusions", 0)
+                + t.counts.get("copies", 0)
+                + t.counts.get("dots", 0),
+                **{f"hlo_{k}": v for k, v in t.counts.items()},
                 "lower_s": t.lower_s,
                 "compile_s": t.compile_s,
             }
