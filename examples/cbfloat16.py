@@ -27,7 +27,7 @@ overflow on the way there. A loss weight small enough to push cbfloat16's gradie
 its range here (``1e-9``) stalls every run, float32 included: the gradients are then below
 Adam's ``eps = 1e-8``, and no loss scale changes what Adam sees.
 
-Run (about a minute on 2 CPU cores)::
+Run (under a minute on 2 CPU cores)::
 
     python examples/cbfloat16.py
     python examples/cbfloat16.py --steps 300 --runs cbfloat16,cbfloat16+jdls
