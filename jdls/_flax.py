@@ -211,6 +211,7 @@ def set_nnx_dynamic_scale(optimizer: Any, scale: LossScale) -> None:
     The NNX counterpart of :func:`jdls.set_dynamic_scale`. Use this rather than
     ``nnx.update``: ``nnx.update`` copies array values only, so it would keep the old scale's
     rule (its growth interval, factors and bounds) and silently mix it with the new values.
+    Call it outside ``nnx.jit``, between steps (e.g. after restoring a checkpoint).
 
     Args:
       optimizer: an ``nnx.Optimizer`` whose ``tx`` holds exactly one ``jdls.wrap``.
