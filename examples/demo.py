@@ -42,8 +42,8 @@ about ``2**-17.6``) that is ``2**22.4``, the usual range of loss scales.
 The script prints a table (test accuracy, the fraction of gradient elements that are exactly
 zero, averaged over the applied steps, skipped steps and the final loss scale) and saves a
 plot of the training loss, the loss scale, the skipped steps and the zero-gradient fraction. Even in
-float32 some gradients are exactly zero: the weights of the always-blank border pixels and of
-inactive ReLU units.
+float32 some gradients are exactly zero: the weights from pixels that are blank in every image
+of the batch, and the weights to and from ReLU units inactive on the whole batch.
 
 Other formats can be added with ``--formats``: ``bfloat16`` and ``cbfloat16`` (the Cerebras
 format, emulated through ``jdls.get_policy``), each with or without ``+jdls``.
