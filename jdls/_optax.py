@@ -223,10 +223,11 @@ def wrap(
     for finiteness; ``None`` leaves are preserved; extra keyword arguments of ``update`` reach
     ``inner``.
 
-    Clipping here is fused: the norm used to clip is the one that decided finiteness, so
-    ``wrap(inner, max_norm=c)`` reads the gradients once less than
-    ``optax.chain(jdls.clip(c), wrap(inner))`` and gives the same result. Like optax, a
-    gradient whose norm is ``norm >= c`` becomes ``g / norm * c``; Cerebras instead multiplies
+    Clipping here is fused: the norm used to clip is the one that decided finiteness, and the
+    clipping runs inside the update branch where XLA fuses it into ``inner``, so
+    ``wrap(inner, max_norm=c)`` costs no more than ``wrap(inner)`` and gives the decisions
+    of ``optax.chain(jdls.clip(c), wrap(inner))`` and, up to rounding, its updates. Like optax,
+    gradients whose norm is ``norm >= c`` become ``g * c / norm``; Cerebras instead multiplies
     every gradient by ``min(c / (norm + 1e-6), 1)``, which differs by a relative ``1e-6 / norm``
     and shrinks gradients slightly even just below ``c``.
 
