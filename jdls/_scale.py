@@ -415,7 +415,11 @@ class LossScale:
                 if not (isinstance(out, tuple) and len(out) == 2):
                     raise TypeError(
                         "with has_aux=True, fun must return a pair (loss, aux), got "
-                        f"{type(out).__name__}"
+                        + (
+                            f"an array of shape {out.shape}: return (loss, aux), or drop has_aux"
+                            if isinstance(out, jax.Array)
+                            else type(out).__name__
+                        )
                     )
                 loss, aux = out
             else:

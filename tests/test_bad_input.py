@@ -1,0 +1,865 @@
+"""Every invalid configuration and call gives an error that names the problem and the fix.
+
+One table, :data:`CASES`: an id, the bad call, the exception type, and a regular expression
+that the message must match (it names the problem, and the fix where the fix is not obvious
+from the problem). ``docs/reliability.md`` lists the same ids in its bad-input table; a test
+below checks that the two agree.
+
+Some mistakes cannot be detected at run time (unscaling twice, passing scaled gradients to
+``jdls.wrap``): the tests at the end pin down their exact symptom, which the documentation
+describes with the fix.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jdls
+
+ROOT = Path(__file__).resolve().parent.parent
+PARAMS = {"w": jnp.ones(3)}
+INF, NAN = float("inf"), float("nan")
+
+
+class Case(NamedTuple):
+    id: str
+    call: Callable[[], Any]
+    error: type[BaseException]
+    message: str  # a regular expression, searched in str(exception)
+
+
+def _wrap_state():
+    return jdls.wrap(optax.sgd(0.1)).init(PARAMS)
+
+
+def _two_wraps():
+    return optax.chain(jdls.wrap(optax.sgd(0.1)), jdls.wrap(optax.sgd(0.1))).init(PARAMS)
+
+
+def _update(tx, grads, state=None, params=PARAMS):
+    return tx.update(grads, tx.init(params) if state is None else state, params)
+
+
+_sd_torch = {
+    "scale": 1024.0,
+    "growth_factor": 2.0,
+    "backoff_factor": 0.5,
+    "growth_interval": 2000,
+    "_growth_tracker": 0,
+}
+_sd_cerebras = {
+    "loss_scale": 1024.0,
+    "steps_since_rescale": 0,
+    "overflows_since_rescale": 0,
+    "num_skipped_steps": 0,
+}
+
+CASES = [
+    # -- the scales: wrong types --------------------------------------------------------------
+    Case(
+        "scale-str",
+        lambda: jdls.DynamicScale("1024"),
+        TypeError,
+        r"loss_scale must be a real number, got '1024'",
+    ),
+    Case(
+        "scale-none",
+        lambda: jdls.DynamicScale(None),
+        TypeError,
+        r"loss_scale must be a real number, got None",
+    ),
+    Case(
+        "static-str", lambda: jdls.StaticScale("8"), TypeError, r"loss_scale must be a real number"
+    ),
+    Case(
+        "interval-float",
+        lambda: jdls.DynamicScale(growth_interval=2.5),
+        TypeError,
+        r"growth_interval must be an int, got 2.5",
+    ),
+    Case(
+        "interval-bool",
+        lambda: jdls.DynamicScale(growth_interval=True),
+        TypeError,
+        r"growth_interval must be an int",
+    ),
+    Case(
+        "hysteresis-float",
+        lambda: jdls.DynamicScale(hysteresis=2.0),
+        TypeError,
+        r"hysteresis must be an int",
+    ),
+    Case(
+        "noop-with-value",
+        lambda: jdls.NoOpScale(2.0),
+        TypeError,
+        r"NoOpScale\(\) takes no arguments",
+    ),
+    Case(
+        "rule-not-a-rule",
+        lambda: jdls.DynamicScale.from_rule({"growth_interval": 3}, 1.0),
+        TypeError,
+        r"rule must be a jdls.ScaleRule, got dict",
+    ),
+    Case(
+        "replace-unknown-field",
+        lambda: jdls.DynamicScale().replace(scale=jnp.float32(1)),
+        TypeError,
+        r"unknown fields \['scale'\]; fields are .*'loss_scale'",
+    ),
+    # -- the scales: wrong ranges -------------------------------------------------------------
+    Case(
+        "scale-zero",
+        lambda: jdls.DynamicScale(0.0),
+        ValueError,
+        r"loss_scale must be a finite number > 0, got 0.0",
+    ),
+    Case(
+        "scale-negative",
+        lambda: jdls.DynamicScale(-1.0),
+        ValueError,
+        r"loss_scale must be a finite number > 0",
+    ),
+    Case(
+        "scale-inf",
+        lambda: jdls.DynamicScale(INF),
+        ValueError,
+        r"loss_scale must be a finite number > 0, got inf",
+    ),
+    Case(
+        "scale-nan",
+        lambda: jdls.DynamicScale(NAN),
+        ValueError,
+        r"loss_scale must be a number, got nan",
+    ),
+    Case(
+        "scale-over-float32",
+        lambda: jdls.StaticScale(1e39),
+        ValueError,
+        r"loss_scale must fit in float32",
+    ),
+    Case(
+        "scale-outside-bounds",
+        lambda: jdls.DynamicScale(2.0**30),
+        ValueError,
+        r"loss_scale must be within \[min_loss_scale, max_loss_scale\] = \[1.0, 16777216.0\], got 1073741824.0: start inside the bounds, or widen them",
+    ),
+    Case(
+        "scale-below-minimum",
+        lambda: jdls.DynamicScale(0.5),
+        ValueError,
+        r"must be within \[min_loss_scale, max_loss_scale\]",
+    ),
+    Case(
+        "growth-factor-1",
+        lambda: jdls.DynamicScale(growth_factor=1.0),
+        ValueError,
+        r"growth_factor must be > 1, got 1.0",
+    ),
+    Case(
+        "backoff-factor-1",
+        lambda: jdls.DynamicScale(backoff_factor=1.0),
+        ValueError,
+        r"backoff_factor must be in the open interval \(0, 1\), got 1.0",
+    ),
+    Case(
+        "backoff-factor-0",
+        lambda: jdls.DynamicScale(backoff_factor=0.0),
+        ValueError,
+        r"backoff_factor must be in the open interval \(0, 1\)",
+    ),
+    Case(
+        "interval-0",
+        lambda: jdls.DynamicScale(growth_interval=0),
+        ValueError,
+        r"growth_interval must be >= 1, got 0",
+    ),
+    Case(
+        "interval-over-int32",
+        lambda: jdls.DynamicScale(growth_interval=2**31),
+        ValueError,
+        r"growth_interval must fit in int32",
+    ),
+    Case(
+        "hysteresis-0",
+        lambda: jdls.DynamicScale(hysteresis=0),
+        ValueError,
+        r"hysteresis must be >= 1, got 0",
+    ),
+    Case(
+        "min-above-max",
+        lambda: jdls.DynamicScale(4.0, min_loss_scale=8.0, max_loss_scale=2.0),
+        ValueError,
+        r"min_loss_scale must be <= max_loss_scale",
+    ),
+    Case(
+        "min-zero",
+        lambda: jdls.DynamicScale(min_loss_scale=0.0),
+        ValueError,
+        r"min_loss_scale must be a finite number > 0",
+    ),
+    Case(
+        "static-zero",
+        lambda: jdls.StaticScale(0),
+        ValueError,
+        r"loss_scale must be a finite number > 0",
+    ),
+    Case(
+        "rule-counter-after-growth",
+        lambda: jdls.ScaleRule(counter_after_growth=2),
+        ValueError,
+        r"counter_after_growth must be 0 or 1, got 2",
+    ),
+    Case(
+        "rule-tolerance-negative",
+        lambda: jdls.ScaleRule(overflow_tolerance=-0.1),
+        ValueError,
+        r"overflow_tolerance must be >= 0",
+    ),
+    Case(
+        "rule-max-gradient-norm-0",
+        lambda: jdls.ScaleRule(max_gradient_norm=0.0),
+        ValueError,
+        r"max_gradient_norm must be a finite number > 0",
+    ),
+    Case(
+        "rule-error-at-min-without-min",
+        lambda: jdls.ScaleRule(min_loss_scale=None, error_at_min_scale=True),
+        ValueError,
+        r"error_at_min_scale=True needs a min_loss_scale",
+    ),
+    Case(
+        "from-rule-counter",
+        lambda: jdls.DynamicScale.from_rule(jdls.ScaleRule(growth_interval=5), 1.0, counter=5),
+        ValueError,
+        r"counter must be < growth_interval \(5\), got 5",
+    ),
+    Case(
+        "from-rule-hysteresis",
+        lambda: jdls.DynamicScale.from_rule(jdls.ScaleRule(hysteresis=2), 1.0, hysteresis=3),
+        ValueError,
+        r"hysteresis must be in \[1, 2\]",
+    ),
+    # -- the scales: wrong calls --------------------------------------------------------------
+    Case(
+        "adjust-given-gradients",
+        lambda: jdls.DynamicScale().adjust({"w": jnp.ones(3)}),
+        TypeError,
+        r"adjust expects a boolean scalar, got dict: pass jdls.all_finite\(grads\)",
+    ),
+    Case(
+        "adjust-given-array",
+        lambda: jdls.DynamicScale().adjust(jnp.isfinite(jnp.ones(3))),
+        ValueError,
+        r"got an array of shape \(3,\): pass jdls.all_finite\(grads\)",
+    ),
+    Case(
+        "adjust-given-loss",
+        lambda: jdls.StaticScale(2.0).adjust(jnp.float32(0.3)),
+        TypeError,
+        r"got a float32 value \(the loss\?\): pass jdls.all_finite\(grads\)",
+    ),
+    Case(
+        "value-and-grad-aux-not-pair",
+        lambda: jdls.DynamicScale().value_and_grad(lambda p: jnp.sum(p["w"]), has_aux=True)(PARAMS),
+        TypeError,
+        r"with has_aux=True, fun must return a pair \(loss, aux\), got an array of shape \(\): return \(loss, aux\), or drop has_aux",
+    ),
+    Case(
+        "value-and-grad-vector-loss",
+        lambda: jdls.DynamicScale().value_and_grad(lambda p: p["w"])(PARAMS),
+        TypeError,
+        r"Gradient only defined for scalar-output functions",
+    ),
+    Case(
+        "value-and-grad-int-params",
+        lambda: jdls.DynamicScale().value_and_grad(lambda p: jnp.sum(p))(jnp.arange(3)),
+        TypeError,
+        r"grad requires real- or complex-valued inputs .* got int32.*allow_int",
+    ),
+    Case(
+        "check-at-minimum",
+        lambda: jdls.presets.deepspeed(init_scale=1.0, delayed_shift=1).adjust(False).check(),
+        jdls.MinimumScaleError,
+        r"already at its minimum .* Look for the source of the inf/NaN",
+    ),
+    # -- a scale where a transformation is expected, and the reverse ----------------------------
+    Case(
+        "chain-with-scale",
+        lambda: optax.chain(jdls.DynamicScale(), optax.adam(1e-3)),
+        AttributeError,
+        r"jdls.DynamicScale\(\.\.\.\) is a loss scale, not an optax transformation .*jdls.wrap\(optax.adam\(1e-3\), jdls.DynamicScale\(\.\.\.\)\)",
+    ),
+    Case(
+        "chain-with-scale-class",
+        lambda: optax.chain(jdls.DynamicScale, optax.adam(1e-3)),
+        AttributeError,
+        r"jdls.DynamicScale is a loss scale, not an optax transformation",
+    ),
+    Case(
+        "chain-with-static-scale",
+        lambda: optax.chain(optax.adam(1e-3), jdls.StaticScale(128.0)),
+        AttributeError,
+        r"jdls.StaticScale\(\.\.\.\) is a loss scale, not an optax transformation",
+    ),
+    Case(
+        "wrap-of-scale",
+        lambda: jdls.wrap(jdls.DynamicScale()),
+        TypeError,
+        r"inner must be an optax transformation and comes first: jdls.wrap\(optax.adam\(1e-3\), jdls.DynamicScale\(\)\)",
+    ),
+    Case(
+        "wrap-of-scale-class",
+        lambda: jdls.wrap(jdls.DynamicScale),
+        TypeError,
+        r"inner must be an optax transformation and comes first",
+    ),
+    Case(
+        "wrap-of-uncalled-factory",
+        lambda: jdls.wrap(optax.adam),
+        TypeError,
+        r"got the function 'adam': call it to build the transformation",
+    ),
+    Case(
+        "wrap-of-number",
+        lambda: jdls.wrap(0.1),
+        TypeError,
+        r"inner must be an optax transformation such as optax.adam\(1e-3\), got float",
+    ),
+    Case(
+        "wrap-scale-is-transformation",
+        lambda: jdls.wrap(optax.adam(1e-3), optax.sgd(0.1)),
+        TypeError,
+        r"dynamic_scale must be a jdls loss scale, got an optax transformation; the optimizer is the first argument",
+    ),
+    Case(
+        "wrap-scale-is-wrap",
+        lambda: jdls.wrap(optax.adam(1e-3), jdls.wrap(optax.sgd(0.1))),
+        TypeError,
+        r"dynamic_scale must be a jdls loss scale, got an optax transformation",
+    ),
+    Case(
+        "wrap-scale-is-class",
+        lambda: jdls.wrap(optax.adam(1e-3), jdls.DynamicScale),
+        TypeError,
+        r"pass jdls.DynamicScale\(\.\.\.\), not the class jdls.DynamicScale",
+    ),
+    Case(
+        "wrap-scale-is-number",
+        lambda: jdls.wrap(optax.adam(1e-3), 1024.0),
+        TypeError,
+        r"got the number 1024.0: for a fixed scale pass jdls.StaticScale\(1024.0\)",
+    ),
+    Case(
+        "wrap-scale-is-string",
+        lambda: jdls.wrap(optax.adam(1e-3), "dynamic"),
+        TypeError,
+        r"dynamic_scale must be a jdls loss scale: jdls.DynamicScale\(\.\.\.\)",
+    ),
+    Case(
+        "set-scale-transformation",
+        lambda: jdls.set_dynamic_scale(_wrap_state(), optax.adam(1e-3)),
+        TypeError,
+        r"scale must be a jdls loss scale \(jdls.DynamicScale\(\.\.\.\)",
+    ),
+    Case(
+        "set-scale-class",
+        lambda: jdls.set_dynamic_scale(_wrap_state(), jdls.DynamicScale),
+        TypeError,
+        r"pass jdls.DynamicScale\(\.\.\.\), not the class",
+    ),
+    Case(
+        "set-scale-state-dict",
+        lambda: jdls.set_dynamic_scale(_wrap_state(), _sd_torch),
+        TypeError,
+        r"scale must be a jdls loss scale .*got dict",
+    ),
+    # -- jdls.wrap: arguments ---------------------------------------------------------------------
+    Case(
+        "wrap-max-norm-0",
+        lambda: jdls.wrap(optax.sgd(0.1), max_norm=0.0),
+        ValueError,
+        r"max_norm must be a finite number > 0, got 0.0",
+    ),
+    Case(
+        "wrap-max-norm-negative",
+        lambda: jdls.wrap(optax.sgd(0.1), max_norm=-1.0),
+        ValueError,
+        r"max_norm must be a finite number > 0",
+    ),
+    Case(
+        "wrap-max-norm-inf",
+        lambda: jdls.wrap(optax.sgd(0.1), max_norm=INF),
+        ValueError,
+        r"max_norm must be a finite number > 0, got inf",
+    ),
+    Case(
+        "wrap-max-norm-str",
+        lambda: jdls.wrap(optax.sgd(0.1), max_norm="1.0"),
+        TypeError,
+        r"max_norm must be a number, got str",
+    ),
+    Case(
+        "wrap-max-norm-vector",
+        lambda: jdls.wrap(optax.sgd(0.1), max_norm=jnp.ones(2)),
+        ValueError,
+        r"max_norm must be a scalar",
+    ),
+    Case(
+        "wrap-skip-with-unknown",
+        lambda: jdls.wrap(optax.sgd(0.1), skip_with="where"),
+        ValueError,
+        r"skip_with must be one of \('cond', 'select'\), got 'where'",
+    ),
+    Case(
+        "wrap-track-nonfinite-str",
+        lambda: jdls.wrap(optax.sgd(0.1), track_nonfinite="yes"),
+        TypeError,
+        r"track_nonfinite must be a bool",
+    ),
+    Case(
+        "wrap-axis-name-clip-no-sharded",
+        lambda: jdls.wrap(optax.sgd(0.1), max_norm=1.0, axis_name="data"),
+        ValueError,
+        r"say how the gradients are laid out across that axis: sharded=True .* sharded=False",
+    ),
+    Case(
+        "wrap-sharded-without-axis-name",
+        lambda: jdls.wrap(optax.sgd(0.1), sharded=True),
+        ValueError,
+        r"sharded=True needs an axis_name",
+    ),
+    # -- jdls.wrap: calls -----------------------------------------------------------------------
+    Case(
+        "update-with-inner-state",
+        lambda: _update(jdls.wrap(optax.adam(0.1)), PARAMS, optax.adam(0.1).init(PARAMS)),
+        TypeError,
+        r"expects its own WrapState, got tuple: pass the state returned by this transformation's init",
+    ),
+    Case(
+        "update-tree-mismatch",
+        lambda: _update(jdls.wrap(optax.sgd(0.1)), {"v": jnp.ones(3)}),
+        ValueError,
+        r"gradients do not have the tree structure of the params .*only in gradients: \['v'\].*only in params: \['w'\]",
+    ),
+    Case(
+        "update-float0-gradients",
+        lambda: _update(
+            jdls.wrap(optax.adam(0.1)),
+            jax.grad(lambda p: jnp.sum(p["w"] * 1.0), allow_int=True)({"w": jnp.arange(3)}),
+            params={"w": jnp.arange(3)},
+        ),
+        TypeError,
+        r"float0",
+    ),
+    Case(
+        "clip-neither-limit",
+        lambda: jdls.clip(),
+        ValueError,
+        r"give max_norm .* or max_value .*; for no clipping leave jdls.clip out of the chain",
+    ),
+    Case(
+        "clip-both-limits",
+        lambda: jdls.clip(1.0, 1.0),
+        ValueError,
+        r"give max_norm or max_value, not both",
+    ),
+    Case(
+        "clip-negative",
+        lambda: jdls.clip(max_value=-1.0),
+        ValueError,
+        r"max_value must be a finite number > 0",
+    ),
+    # -- finding the wrap state -----------------------------------------------------------------
+    Case(
+        "get-scale-no-wrap",
+        lambda: jdls.get_dynamic_scale(optax.adam(0.1).init(PARAMS)),
+        ValueError,
+        r"found no jdls.wrap state in this tuple; build the optimizer with jdls.wrap",
+    ),
+    Case(
+        "get-scale-of-params",
+        lambda: jdls.get_dynamic_scale(PARAMS),
+        ValueError,
+        r"found no jdls.wrap state in this dict",
+    ),
+    Case(
+        "get-scale-two-wraps",
+        lambda: jdls.get_dynamic_scale(_two_wraps()),
+        ValueError,
+        r"found 2 jdls.wrap states \(at \[0\], \[1\]\); a train step needs exactly one",
+    ),
+    Case(
+        "stats-no-wrap",
+        lambda: jdls.stats(optax.sgd(0.1).init(PARAMS)),
+        ValueError,
+        r"stats: found no jdls.wrap state",
+    ),
+    Case(
+        "nonfinite-paths-untracked",
+        lambda: jdls.nonfinite_paths(_wrap_state()),
+        ValueError,
+        r"build the optimizer with jdls.wrap\(\.\.\., track_nonfinite=True\)",
+    ),
+    # -- presets ----------------------------------------------------------------------------------
+    Case(
+        "pytorch-interval-0",
+        lambda: jdls.presets.pytorch(growth_interval=0),
+        ValueError,
+        r"growth_interval must be >= 1",
+    ),
+    Case(
+        "pytorch-backoff-above-1",
+        lambda: jdls.presets.pytorch(backoff_factor=1.5),
+        ValueError,
+        r"backoff_factor must be in the open interval \(0, 1\)",
+    ),
+    Case(
+        "pytorch-init-negative",
+        lambda: jdls.presets.pytorch(init_scale=-1.0),
+        ValueError,
+        r"init_scale must be a finite number > 0",
+    ),
+    Case(
+        "flax-fin-steps-too-many",
+        lambda: jdls.presets.flax(growth_interval=3, fin_steps=4),
+        ValueError,
+        r"fin_steps must be in \[0, growth_interval\] = \[0, 3\], got 4",
+    ),
+    Case(
+        "jmp-counter-too-big",
+        lambda: jdls.presets.jmp(2.0**15, counter=3, period=3),
+        ValueError,
+        r"counter must be in \[0, period\) = \[0, 3\), got 3",
+    ),
+    Case(
+        "jmp-no-scale",
+        lambda: jdls.presets.jmp(),
+        TypeError,
+        r"missing 1 required positional argument: 'loss_scale'",
+    ),
+    Case(
+        "keras-growth-steps-0",
+        lambda: jdls.presets.keras(dynamic_growth_steps=0),
+        ValueError,
+        r"dynamic_growth_steps must be >= 1",
+    ),
+    Case(
+        "deepspeed-delayed-shift-0",
+        lambda: jdls.presets.deepspeed(delayed_shift=0),
+        ValueError,
+        r"delayed_shift must be >= 1",
+    ),
+    Case(
+        "deepspeed-window-0",
+        lambda: jdls.presets.deepspeed(scale_window=0),
+        ValueError,
+        r"scale_window must be >= 1",
+    ),
+    Case(
+        "megatron-hysteresis-0",
+        lambda: jdls.presets.megatron(hysteresis=0),
+        ValueError,
+        r"hysteresis must be >= 1",
+    ),
+    Case(
+        "cerebras-unknown-mode",
+        lambda: jdls.presets.cerebras(loss_scale="auto"),
+        ValueError,
+        r'loss_scale must be "dynamic", a number > 0 or None, got \'auto\'',
+    ),
+    Case(
+        "cerebras-unknown-half-dtype",
+        lambda: jdls.presets.cerebras(half_dtype="fp16"),
+        ValueError,
+        r"half_dtype must be one of \['bfloat16', 'cbfloat16', 'float16'\], got 'fp16'",
+    ),
+    Case(
+        "cerebras-min-too-small",
+        lambda: jdls.presets.cerebras(min_loss_scale=1e-6),
+        ValueError,
+        r"min_loss_scale must be >= 2\*\*-14",
+    ),
+    Case(
+        "cerebras-tolerance-negative",
+        lambda: jdls.presets.cerebras(overflow_tolerance=-0.1),
+        ValueError,
+        r"overflow_tolerance must be >= 0",
+    ),
+    Case(
+        "cerebras-static-with-clipping",
+        lambda: jdls.presets.cerebras(loss_scale=128.0, max_gradient_norm=1.0),
+        ValueError,
+        r"with a static loss_scale pass jdls.wrap\(inner, scale, max_norm=1.0\) instead",
+    ),
+    Case(
+        "cerebras-steps-0",
+        lambda: jdls.presets.cerebras(steps_per_increase=0),
+        ValueError,
+        r"steps_per_increase must be >= 1",
+    ),
+    # -- state dicts ------------------------------------------------------------------------------
+    Case(
+        "torch-state-dict-missing-key",
+        lambda: jdls.presets.from_pytorch_state_dict({"scale": 1024.0}),
+        ValueError,
+        r"torch.amp.GradScaler state_dict is missing keys \['growth_factor', .*\]",
+    ),
+    Case(
+        "torch-state-dict-not-dict",
+        lambda: jdls.presets.from_pytorch_state_dict([("scale", 1.0)]),
+        TypeError,
+        r"state_dict must be a dict, got list",
+    ),
+    Case(
+        "torch-state-dict-zero-scale",
+        lambda: jdls.presets.from_pytorch_state_dict({**_sd_torch, "scale": 0.0}),
+        ValueError,
+        r"init_scale must be a finite number > 0, got 0.0",
+    ),
+    Case(
+        "to-torch-from-other-preset",
+        lambda: jdls.presets.to_pytorch_state_dict(jdls.DynamicScale()),
+        ValueError,
+        r"expected a DynamicScale made by jdls.presets.pytorch\(\.\.\.\), got 'jdls'; convert with jdls.presets.pytorch first",
+    ),
+    Case(
+        "cerebras-state-dict-missing-key",
+        lambda: jdls.presets.from_cerebras_state_dict({"loss_scale": 1.0}),
+        ValueError,
+        r"Cerebras GradScaler state_dict is missing keys",
+    ),
+    Case(
+        "cerebras-state-dict-static",
+        lambda: jdls.presets.from_cerebras_state_dict(_sd_cerebras, loss_scale=8.0),
+        ValueError,
+        r"from_cerebras_state_dict restores a dynamic scale: drop loss_scale",
+    ),
+    Case(
+        "to-cerebras-from-other-preset",
+        lambda: jdls.presets.to_cerebras_state_dict(jdls.presets.pytorch()),
+        ValueError,
+        r"expected a DynamicScale made by jdls.presets.cerebras\(\.\.\.\), got 'pytorch'",
+    ),
+    # -- precision policies -------------------------------------------------------------------------
+    Case(
+        "policy-unknown-dtype",
+        lambda: jdls.get_policy("params=float32,compute=fp17"),
+        ValueError,
+        r"Unknown dtype 'fp17' in policy 'params=float32,compute=fp17'; accepted names are: half, .*float16",
+    ),
+    Case(
+        "policy-unknown-single-dtype",
+        lambda: jdls.get_policy("float17"),
+        ValueError,
+        r"Unknown dtype 'float17'.*accepted names are",
+    ),
+    Case(
+        "policy-unknown-key",
+        lambda: jdls.get_policy("weights=float32"),
+        ValueError,
+        r"Unknown key 'weights' in policy 'weights=float32': should be 'params', 'compute' or 'output'",
+    ),
+    Case(
+        "policy-malformed-part",
+        lambda: jdls.get_policy("params=float32,compute"),
+        ValueError,
+        r"Malformed part 'compute' .*expected key=dtype",
+    ),
+    Case(
+        "policy-not-a-string",
+        lambda: jdls.get_policy(None),
+        TypeError,
+        r"policy_name must be a str, got None",
+    ),
+    Case(
+        "policy-integer-dtype",
+        lambda: jdls.Policy(jnp.float32, jnp.int8, jnp.float32),
+        ValueError,
+        r"compute_dtype must be a floating dtype, got int8",
+    ),
+    Case(
+        "policy-not-a-dtype",
+        lambda: jdls.Policy(jnp.float32, object(), jnp.float32),
+        TypeError,
+        r"compute_dtype must be a floating dtype, a dtype name or a jdls.FloatFormat",
+    ),
+    # -- float formats ----------------------------------------------------------------------------
+    Case(
+        "format-exponent-bits-1",
+        lambda: jdls.FloatFormat(1, 10),
+        ValueError,
+        r"exponent_bits must be >= 2 .*got 1",
+    ),
+    Case(
+        "format-exponent-bits-9",
+        lambda: jdls.FloatFormat(9, 10),
+        ValueError,
+        r"exponent_bits must be <= 8: float32, which holds the emulated values, has 8 exponent bits",
+    ),
+    Case(
+        "format-mantissa-bits-0",
+        lambda: jdls.FloatFormat(5, 0),
+        ValueError,
+        r"mantissa_bits must be >= 1",
+    ),
+    Case(
+        "format-mantissa-bits-24",
+        lambda: jdls.FloatFormat(5, 24),
+        ValueError,
+        r"mantissa_bits must be <= 23",
+    ),
+    Case(
+        "format-bias-out-of-range",
+        lambda: jdls.FloatFormat(8, 7, bias=200),
+        ValueError,
+        r"bias must be in \[127, 127\] for exponent_bits=8",
+    ),
+    Case(
+        "format-float-bits",
+        lambda: jdls.FloatFormat(5.0, 10),
+        TypeError,
+        r"exponent_bits must be an int, got 5.0",
+    ),
+    Case(
+        "format-empty-name",
+        lambda: jdls.FloatFormat(5, 10, name=""),
+        TypeError,
+        r"name must be a non-empty str or None",
+    ),
+    Case(
+        "format-round-integers",
+        lambda: jdls.cbfloat16.round(jnp.arange(3)),
+        TypeError,
+        r"expects floating-point values .*got int32",
+    ),
+    Case(
+        "format-round-float64",
+        lambda: jdls.cbfloat16.round(np.ones(2, np.float64)),
+        TypeError,
+        r"expects float32 values, got float64: convert to float32 first",
+    ),
+    Case(
+        "compress-format-name",
+        lambda: jdls.compress(PARAMS, "cbfloat16"),
+        TypeError,
+        r"fmt must be a jdls.FloatFormat \(e.g. jdls.cbfloat16\), got 'cbfloat16'",
+    ),
+    Case(
+        "finfo-unknown",
+        lambda: jdls.finfo("cbfloat17"),
+        TypeError,
+        r"finfo expects a floating-point dtype, a jdls.FloatFormat or one of \['cbfloat16'\], got 'cbfloat17'",
+    ),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_rejected(case: Case) -> None:
+    with pytest.raises(case.error) as info:
+        case.call()
+    assert re.search(case.message, str(info.value)), (
+        f"{case.id}: message {str(info.value)!r} does not match {case.message!r}"
+    )
+
+
+def test_case_ids_are_unique() -> None:
+    ids = [c.id for c in CASES]
+    assert len(ids) == len(set(ids))
+
+
+def test_docs_table_lists_every_case() -> None:
+    """docs/reliability.md's table of bad inputs has one row per case, by id, and no other."""
+    text = (ROOT / "docs" / "reliability.md").read_text(encoding="utf-8")
+    start = text.index("<!-- bad-input-table -->")
+    rows = re.findall(r"^\| `([a-z0-9-]+)` \|", text[start:], flags=re.MULTILINE)
+    assert sorted(rows) == sorted(c.id for c in CASES)
+
+
+# --------------------------------------------------------------------------------------------
+# Mistakes jdls cannot detect at run time: their exact symptoms (see docs/reliability.md).
+# --------------------------------------------------------------------------------------------
+
+
+def _loss(p):
+    return jnp.sum(jnp.sin(p["w"]) * 3.0)
+
+
+def _grad_norm(scale_value: float, grads_of: Callable[[jdls.LossScale], Any]) -> float:
+    """grad_norm that jdls.wrap records for one step at a given (static) loss scale."""
+    scale = jdls.StaticScale(scale_value)
+    tx = jdls.wrap(optax.sgd(0.1), scale)
+    _, state = tx.update(grads_of(scale), tx.init(PARAMS), PARAMS)
+    return float(jdls.stats(state).grad_norm)
+
+
+def test_limitation_unscale_twice_divides_twice():
+    """``scale.value_and_grad`` already unscales: unscaling its gradients again divides them by
+    the scale a second time. Nothing is non-finite, so nothing is skipped: the run just gets
+    gradients ``loss_scale`` times too small."""
+    scale = jdls.StaticScale(2.0**15)
+    true = jax.grad(_loss)(PARAMS)
+    _, grads = scale.value_and_grad(_loss)(PARAMS)
+    assert _same(grads, true)
+    twice = scale.unscale(grads)
+    assert _same(twice, jax.tree.map(lambda g: g / 2.0**15, true))
+
+
+def test_limitation_scaled_gradients_given_to_wrap():
+    """Gradients of the scaled loss passed to ``jdls.wrap`` without unscaling are
+    ``loss_scale`` times too large; an overflow is still detected and skipped."""
+    scale = jdls.StaticScale(2.0**15)
+    scaled = jax.grad(lambda p: scale.scale(_loss(p)))(PARAMS)
+    assert _same(scaled, jax.tree.map(lambda g: g * 2.0**15, jax.grad(_loss)(PARAMS)))
+
+
+def test_debug_check_grad_norm_does_not_depend_on_the_scale():
+    """The debug check of docs/reliability.md: one step at two loss scales. Correctly unscaled
+    gradients give the same ``grad_norm`` bit for bit; unscaled twice, it halves when the scale
+    doubles; not unscaled (or the loss scaled twice), it doubles."""
+
+    def right(s):
+        return s.value_and_grad(_loss)(PARAMS)[1]
+
+    def unscaled_twice(s):
+        return s.unscale(s.value_and_grad(_loss)(PARAMS)[1])
+
+    def not_unscaled(s):
+        return jax.grad(lambda p: s.scale(_loss(p)))(PARAMS)
+
+    def scaled_twice(s):
+        return s.value_and_grad(lambda p: s.scale(_loss(p)))(PARAMS)[1]
+
+    low, high = 2.0**10, 2.0**11
+    assert _grad_norm(high, right) == _grad_norm(low, right)
+    assert _grad_norm(high, unscaled_twice) == _grad_norm(low, unscaled_twice) / 2
+    assert _grad_norm(high, not_unscaled) == _grad_norm(low, not_unscaled) * 2
+    assert _grad_norm(high, scaled_twice) == _grad_norm(low, scaled_twice) * 2
+
+
+def test_limitation_gradient_shapes_are_not_checked():
+    """jdls.wrap checks the tree structure of the gradients against the params, not the leaf
+    shapes: a gradient of shape (1,) for a parameter of shape (3,) broadcasts silently in
+    ``optax.apply_updates``; a shape that does not broadcast fails there, in JAX."""
+    tx = jdls.wrap(optax.sgd(0.1))
+    updates, _ = tx.update({"w": jnp.ones(1)}, tx.init(PARAMS), PARAMS)
+    assert optax.apply_updates(PARAMS, updates)["w"].shape == (3,)
+    updates, _ = tx.update({"w": jnp.ones(4)}, tx.init(PARAMS), PARAMS)
+    with pytest.raises(TypeError, match=r"incompatible shapes for broadcasting: \(3,\), \(4,\)"):
+        optax.apply_updates(PARAMS, updates)
+
+
+def _same(a: Any, b: Any) -> bool:
+    return all(
+        np.asarray(x).tobytes() == np.asarray(y).tobytes()
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    )
