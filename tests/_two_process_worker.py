@@ -34,7 +34,6 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
-os.environ["JAX_PLATFORMS"] = "cpu"
 
 import _mlp  # noqa: E402
 import jax  # noqa: E402
@@ -226,6 +225,8 @@ def main() -> None:
     parser.add_argument("--local-devices", type=int, default=2)
     args = parser.parse_args()
 
+    os.environ["JAX_PLATFORMS"] = "cpu"  # read when the backend starts, below
+    jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", args.local_devices)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(

@@ -51,6 +51,7 @@ def free_port() -> int:
 def launch(out: Path) -> list[str]:
     """Run the two workers to completion; return their logs. Kill both on any failure."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # not the 8 test devices
+    env["JAX_PLATFORMS"] = "cpu"
     port = free_port()
     procs, logs = [], []
     try:
