@@ -13,12 +13,14 @@ Suites:
 
 Each suite writes ``<out>/<suite>.json`` (every time of every round, the environment) and
 ``<out>/<suite>.md``. ``--quick`` uses tiny sizes and a few rounds: a smoke test of the
-harness (CI runs it), not a measurement.
+harness (CI runs it), not a measurement. ``--malloc keep`` runs with glibc keeping freed
+memory (see ``benchmarks/_harness.py``), writing ``<suite>-malloc-keep.*``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -50,8 +52,9 @@ def run_suite(name: str, *, quick: bool, rounds: int | None, out: Path) -> list[
     start = time.perf_counter()
     sections = _suites()[name](quick=quick, rounds=rounds)
     seconds = time.perf_counter() - start
+    stem = name if h.malloc_mode() == "default" else f"{name}-malloc-keep"
     json_path, md_path = h.write_results(
-        name, sections, out_dir=out, env=env, extra={"quick": quick, "seconds": seconds}
+        stem, sections, out_dir=out, env=env, extra={"quick": quick, "seconds": seconds}
     )
     print(md_path.read_text())
     h.log(f"{name}: {seconds:.0f} s; wrote {json_path} and {md_path}")
@@ -74,7 +77,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="where to draw the plots (default: docs/img for full runs, none for --quick)",
     )
+    parser.add_argument(
+        "--malloc",
+        choices=["default", "keep"],
+        default="default",
+        help="keep: re-run with glibc keeping freed memory (no page faults of fresh buffers "
+        "on every call); results go to <suite>-malloc-keep.json",
+    )
     args = parser.parse_args(argv)
+    if args.malloc == "keep" and h.malloc_mode() != "keep":
+        env = {**os.environ, **h.KEEP_FREED_MEMORY}
+        argv = sys.argv[1:] if argv is None else list(argv)
+        os.execve(sys.executable, [sys.executable, "-m", "benchmarks", *argv], env)
+    if args.malloc == "default" and h.malloc_mode() != "default":
+        parser.error("--malloc default with MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_ set")
     if args.suite == "plot":
         from benchmarks import plot
 

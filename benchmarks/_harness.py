@@ -69,6 +69,31 @@ def settle(run: Callable[[], Any], jitted: Any, max_calls: int = 5) -> None:
     raise RuntimeError(f"{jitted} still compiles after {max_calls} calls")
 
 
+#: glibc settings that keep freed memory in the process (``--malloc keep``): see
+#: :func:`malloc_mode`. Both are needed; each alone makes little or no difference here.
+KEEP_FREED_MEMORY = {
+    "MALLOC_MMAP_THRESHOLD_": str(16 * 2**30),
+    "MALLOC_TRIM_THRESHOLD_": str(16 * 2**30),
+}
+
+
+def malloc_mode() -> str:
+    """``"keep"`` when glibc was told to keep freed memory (:data:`KEEP_FREED_MEMORY`).
+
+    XLA:CPU allocates the outputs and temporary buffers of every call anew. With glibc's
+    defaults, large blocks come from ``mmap`` and go back to the system when freed, and the
+    top of the heap is trimmed, so every call page-faults its buffers in again: a cost that
+    grows with the bytes a call allocates, not with the work it does. With both variables set
+    (before the process starts: glibc reads them once) freed blocks stay in the heap for the
+    next call. ``python -m benchmarks ... --malloc keep`` re-executes itself with them.
+    """
+    import os
+
+    if all(os.environ.get(k) == v for k, v in KEEP_FREED_MEMORY.items()):
+        return "keep"
+    return "default"
+
+
 def log(message: str) -> None:
     """Progress on stderr (stdout carries the tables)."""
     print(message, file=sys.stderr, flush=True)
@@ -233,6 +258,7 @@ def environment() -> dict[str, Any]:
             "jdls": _version("jdls"),
         },
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "malloc": malloc_mode(),
         "git": git_revision(),
         "command": " ".join(["python -m benchmarks", *sys.argv[1:]]),
     }
@@ -306,7 +332,8 @@ def environment_markdown(env: dict[str, Any]) -> str:
     return (
         f"{env['date']}, {env['cpu']} ({env['cpu_count']} cores), {env['device']}; "
         f"jax {v['jax']}, jaxlib {v['jaxlib']}, optax {v['optax']}, flax {v['flax']}, "
-        f"jmp {v['jmp']}; load average at start {load}; command `{env['command']}`"
+        f"jmp {v['jmp']}; glibc malloc: {env.get('malloc', 'default')}; load average at start "
+        f"{load}; command `{env['command']}`"
     )
 
 

@@ -126,6 +126,7 @@ STEP_VARIANTS = (
     "Flax DynamicScale + jnp.where",
     "jmp DynamicLossScale + select_tree",
     "static scale + optax.apply_if_finite",
+    bench_step.REFERENCE,
 )
 UPDATE_VARIANTS = (
     "adam",
@@ -138,6 +139,7 @@ UPDATE_VARIANTS = (
     "jmp DynamicLossScale + select_tree",
     "optax.apply_if_finite(adam)",
     "optax clip + apply_if_finite",
+    bench_update.REFERENCE,
 )
 
 COLUMNS = (

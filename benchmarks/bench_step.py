@@ -42,6 +42,9 @@ import optax
 import jdls
 from benchmarks import _harness as h
 from benchmarks import _models as m
+from benchmarks.bench_update import minimal_skip
+
+REFERENCE = "reference: static scale + sum of squares + lax.cond"
 
 SCALE = 2.0**15
 MAX_NORM = 1.0
@@ -152,6 +155,7 @@ def make_methods(loss: Callable[..., jax.Array]) -> dict[str, Callable[[], Metho
         "static scale + optax clip + apply_if_finite": lambda: static_method(
             loss, optax.chain(clip(c), optax.apply_if_finite(adam(), 10**6))
         ),
+        REFERENCE: lambda: static_method(loss, minimal_skip(adam())),
     }
 
 

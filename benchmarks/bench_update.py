@@ -152,6 +152,32 @@ def jmp_pattern(inner: optax.GradientTransformation) -> Updater:
     return Updater(init, update)
 
 
+def minimal_skip(inner: optax.GradientTransformation) -> optax.GradientTransformation:
+    """The least a skipping update can do: one sum of squares and a ``lax.cond``. A reference.
+
+    No loss scale to adjust, no statistics, no exact overflow handling (a finite sum of
+    squares that overflows float32 is skipped too), updates assumed shaped like the
+    gradients. Its cost against ``adam`` is the floor for any design built on the same
+    check; ``jdls.wrap`` adds the rest of a dynamic loss scale to it.
+    """
+
+    def update(grads: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        total = sum(jnp.sum(jnp.square(x)) for x in jax.tree_util.tree_leaves(grads))
+
+        def take(ops: Any) -> Any:
+            return inner.update(ops[0], ops[1], params)
+
+        def skip(ops: Any) -> Any:
+            return jax.tree_util.tree_map(lambda x: jnp.full_like(x, -0.0), ops[0]), ops[1]
+
+        return lax.cond(jnp.isfinite(total), take, skip, (grads, state))
+
+    return optax.GradientTransformation(inner.init, update)
+
+
+REFERENCE = "reference: adam + sum of squares + lax.cond"
+
+
 def make_variants(config: Config) -> dict[str, Callable[[], Updater]]:
     """The variants compared, by name (``adam`` is the baseline)."""
 
@@ -180,6 +206,7 @@ def make_variants(config: Config) -> dict[str, Callable[[], Updater]]:
         ),
         "Flax DynamicScale + jnp.where": lambda: flax_pattern(adam()),
         "jmp DynamicLossScale + select_tree": lambda: jmp_pattern(adam()),
+        REFERENCE: lambda: from_optax(minimal_skip(adam())),
     }
 
 
@@ -196,6 +223,7 @@ SKIPPED_VARIANTS = (
 #: The variants of the large tree (each holds its own optimizer state: memory).
 LARGE_VARIANTS = (
     "adam",
+    REFERENCE,
     "jdls.wrap(adam)",
     "jdls.wrap(adam, max_norm)",
     "chain(jdls.clip, jdls.wrap(adam))",

@@ -135,7 +135,12 @@ def _ratio_panel(ax: Any, result: dict[str, Any], title: str, limit: float | Non
     lo = [r["ratio"] - r["ratio_q1"] for r in rows][::-1]
     hi = [r["ratio_q3"] - r["ratio"] for r in rows][::-1]
     colors = [
-        "tab:blue" if label.startswith(("jdls", "chain(jdls")) else "tab:gray" for label in labels
+        "tab:blue"
+        if label.startswith(("jdls", "chain(jdls"))
+        else "tab:olive"
+        if label.startswith("reference")
+        else "tab:gray"
+        for label in labels
     ]
     ax.barh(range(len(rows)), med, xerr=[lo, hi], color=colors, capsize=2)
     ax.set_yticks(range(len(rows)), labels, fontsize=7)
