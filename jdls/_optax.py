@@ -353,6 +353,9 @@ def wrap(
             per_leaf=track_nonfinite,
         )
         finite = n.finite
+        rule = getattr(state.scale, "rule", None)
+        if rule is not None and rule.finite_from_norm:
+            finite = finite & ~n.robust  # Cerebras: the float32 norm itself must be finite
 
         # 2-3. Clip with the same norm and update, only if finite.
         dynamic = {k: v for k, v in extra_args.items() if _is_arrays(v)}

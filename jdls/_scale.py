@@ -136,6 +136,10 @@ class ScaleRule:
         :meth:`DynamicScale.check`.
       max_gradient_norm: Cerebras' global-norm clipping limit, used by ``jdls.wrap`` when it
         is given no ``max_norm`` of its own (None: no clipping).
+      finite_from_norm: ``jdls.wrap`` decides finiteness as Cerebras does, from the float32
+        global norm of the gradients (``norm < inf``): a step whose gradients are all finite
+        but whose float32 sum of squares overflows counts as non-finite (skipped, and the
+        scale backs off). Otherwise only an inf or NaN element makes a step non-finite.
       name: the preset's name, for messages and documentation.
 
     Example:
@@ -159,6 +163,7 @@ class ScaleRule:
     overflow_tolerance: float | None = None
     error_at_min_scale: bool = False
     max_gradient_norm: float | None = None
+    finite_from_norm: bool = False
     name: str = "custom"
 
     def __post_init__(self) -> None:
@@ -286,7 +291,7 @@ class _NotATransformation:
         self.name = name
 
     def __get__(self, obj: Any, owner: type | None = None) -> Any:
-        what = (owner if obj is None else type(obj)).__name__
+        what = (type(obj) if obj is not None or owner is None else owner).__name__
         instance = f"jdls.{what}" + ("" if obj is None else "(...)")
         raise NotATransformationError(
             f"{instance} is a loss scale, not an optax transformation (it has no "

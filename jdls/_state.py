@@ -10,6 +10,7 @@ step in a :class:`WrapState`. That state may sit anywhere in a larger optimizer 
 
 from __future__ import annotations
 
+import sys
 from typing import Any, NamedTuple
 
 import jax
@@ -104,10 +105,30 @@ def _wrap_states(opt_state: Any) -> list[tuple[str, WrapState]]:
     return [(jax.tree_util.keystr(path), x) for path, x in found if isinstance(x, WrapState)]
 
 
+def _values(tree: Any) -> Any:
+    """``tree`` with Flax NNX ``Variable``s replaced by their current values (a snapshot).
+
+    An ``nnx.Optimizer`` keeps its state in Variables that the next ``update`` changes in
+    place; what :func:`stats` and :func:`get_dynamic_scale` return must not change after it.
+    """
+    nnx = sys.modules.get("flax.nnx")
+    variable = getattr(nnx, "Variable", None)
+    if variable is None:
+        return tree
+    is_variable = lambda v: isinstance(v, variable)  # noqa: E731
+    if not any(map(is_variable, jax.tree_util.tree_leaves(tree, is_leaf=is_variable))):
+        return tree  # the very same object, as most callers expect
+    return jax.tree_util.tree_map(
+        lambda v: v.get_value() if isinstance(v, variable) else v,
+        tree,
+        is_leaf=is_variable,
+    )
+
+
 def _the_wrap_state(opt_state: Any, what: str) -> WrapState:
     found = _wrap_states(opt_state)
     if len(found) == 1:
-        return found[0][1]
+        return _values(found[0][1])
     if not found:
         raise ValueError(
             f"{what}: found no jdls.wrap state in this {type(opt_state).__name__}; build the "
@@ -125,8 +146,13 @@ def get_dynamic_scale(opt_state: Any) -> LossScale:
     """The loss scale held by the one :func:`jdls.wrap` inside an optimizer state.
 
     Works wherever the wrap sits: alone, in ``optax.chain`` or ``named_chain``, inside or
-    around ``MultiSteps``, ``inject_hyperparams`` or ``multi_transform``, and in a Flax
-    ``TrainState`` (pass the ``TrainState`` itself or its ``opt_state``). Runs inside ``jit``.
+    around ``MultiSteps``, ``inject_hyperparams`` or ``multi_transform``, in a Flax
+    ``TrainState`` (pass the ``TrainState`` itself or its ``opt_state``) and in an
+    ``nnx.Optimizer`` (the values are a snapshot, not the optimizer's live Variables). Runs
+    inside ``jit``. Prefer ``jdls.wrap(optax.MultiSteps(...))`` to
+    ``optax.MultiSteps(jdls.wrap(...))``: optax resets its accumulator by multiplying it by 0,
+    so one non-finite micro-batch outside the wrap leaves NaN in it for good (see the
+    gradient-accumulation guide).
 
     Args:
       opt_state: an optimizer state (any pytree) holding exactly one :class:`WrapState`.

@@ -329,7 +329,9 @@ def cerebras(
     scale halves when the fraction of non-finite steps since the last change exceeds
     ``overflow_tolerance`` (compared in float32), doubles after ``steps_per_increase + 1``
     steps without a change, and is clamped to ``[min_loss_scale, max_loss_scale]`` after
-    every step (the initial scale is clamped to the maximum). A number gives a
+    every step (the initial scale is clamped to the maximum). As in Cerebras, ``jdls.wrap``
+    calls a step non-finite when the float32 global norm of the gradients is not finite,
+    even if every element is (their sum of squares overflows). A number gives a
     :class:`jdls.StaticScale`; None gives a :class:`jdls.NoOpScale`.
 
     ``half_dtype`` stands for ``cstorch.amp.set_half_dtype``: the default maximum (and initial)
@@ -395,6 +397,7 @@ def cerebras(
         clamp_every_step=True,
         overflow_tolerance=overflow_tolerance,
         max_gradient_norm=max_gradient_norm,
+        finite_from_norm=True,
         name="cerebras",
     )
     start = max_loss_scale if init_scale is None else init_scale

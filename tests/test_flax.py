@@ -262,15 +262,18 @@ def test_nnx_optimizer_nonfinite_step_is_skipped_exactly():
     assert not bool(stats.finite)
 
 
-def test_nnx_stats_as_pure_is_a_snapshot_the_live_view_follows():
+def test_nnx_stats_and_scale_are_snapshots():
     model, optimizer = make_nnx()
-    live = jdls.stats(optimizer)
-    snapshot = jdls.stats(nnx.as_pure(optimizer.opt_state))
+    before = jdls.stats(optimizer)
+    pure = jdls.stats(nnx.as_pure(optimizer.opt_state))
     scale = jdls.get_dynamic_scale(optimizer)
+    assert not isinstance(scale.loss_scale, nnx.Variable)
     _, grads = jdls.nnx_value_and_grad(nnx_loss, scale)(model)
     optimizer.update(model, grads)
-    assert float(snapshot.loss_scale) == 1024.0  # a copy: unchanged
-    assert float(live.loss_scale) == 2048.0  # the optimizer's Variables, updated in place
+    # Values taken before the update do not follow the optimizer's Variables.
+    assert float(before.loss_scale) == float(pure.loss_scale) == 1024.0
+    assert float(scale.loss_scale) == 1024.0
+    assert float(jdls.stats(optimizer).loss_scale) == 2048.0  # a new call sees the update
 
 
 def test_nnx_value_and_grad_with_rngs_and_batch_stats():

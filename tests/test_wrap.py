@@ -393,3 +393,22 @@ class BadInputTest(chex.TestCase):
         tx = jdls.wrap(optax.sgd(1.0))
         with pytest.raises(TypeError, match="WrapState"):
             tx.update({"w": jnp.ones(1)}, optax.sgd(1.0).init({"w": jnp.ones(1)}))
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "nojit"])
+def test_cerebras_preset_decides_finiteness_from_the_float32_norm(jit):
+    """Cerebras calls a step non-finite when its float32 global norm is inf, even if every
+    gradient element is finite; the other rules look at the elements only."""
+    params = {"w": jnp.zeros(4)}
+    big = {"w": jnp.full(4, 1e20)}  # finite, but the float32 sum of squares overflows
+    for scale, skipped in [(jdls.presets.cerebras(), True), (jdls.DynamicScale(), False)]:
+        tx = jdls.wrap(optax.sgd(1.0), scale)
+        update = jax.jit(tx.update) if jit else tx.update
+        updates, state = update(big, tx.init(params), params)
+        stats = jdls.stats(state)
+        assert bool(stats.skipped) is skipped
+        assert float(stats.grad_norm) == pytest.approx(2e20, rel=1e-6)  # known either way
+        expected = -0.0 if skipped else -1e20
+        np.testing.assert_array_equal(updates["w"], np.full(4, expected, np.float32))
+        backed_off = float(jdls.get_dynamic_scale(state).loss_scale) < float(scale.loss_scale)
+        assert backed_off is skipped
