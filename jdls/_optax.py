@@ -140,6 +140,15 @@ def _check_match(updates: Any, params: Any) -> None:
             + _describe_mismatch(updates, params)
             + "). Pass the gradients of the params given to tx.update."
         )
+    grads_found, _ = jax.tree_util.tree_flatten_with_path(updates)
+    for (path, g), p in zip(grads_found, jax.tree_util.tree_leaves(params), strict=True):
+        g_shape, p_shape = np.shape(g), np.shape(p)
+        if g_shape != p_shape:
+            raise ValueError(
+                f"jdls.wrap: the gradient at {jax.tree_util.keystr(path) or '<root>'} has shape "
+                f"{g_shape} but its parameter has shape {p_shape}; pass the gradients of the "
+                "params given to tx.update (optax.apply_updates would broadcast or fail)"
+            )
 
 
 # --------------------------------------------------------------------------------------------
