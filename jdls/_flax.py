@@ -25,7 +25,7 @@ from typing import Any
 import jax
 from flax.training import train_state
 
-from jdls._scale import LossScale
+from jdls._scale import LossScale, _scaled_value_and_grad
 from jdls._state import Stats, WrapState, get_dynamic_scale, stats
 
 __all__ = ["TrainState", "nnx_value_and_grad", "set_nnx_dynamic_scale"]
@@ -175,19 +175,6 @@ def nnx_value_and_grad(
         )
     scale = _pure(scale)
 
-    def scaled(*args: Any, **kwargs: Any) -> tuple[Any, tuple[Any, Any]]:
-        out = fun(*args, **kwargs)
-        if has_aux:
-            if not (isinstance(out, tuple) and len(out) == 2):
-                raise TypeError(
-                    f"with has_aux=True, fun must return a pair (loss, aux), got "
-                    f"{type(out).__name__}"
-                )
-            loss, aux = out
-        else:
-            loss, aux = out, None
-        return scale.scale(loss), (loss, aux)
-
     argnums_spec: Any = argnums if isinstance(argnums, int) else tuple(argnums)
     if wrt is None:
         wrt = nnx.Param
@@ -195,14 +182,12 @@ def nnx_value_and_grad(
         argnums_spec = nnx.DiffState(argnums_spec, wrt)
     else:
         argnums_spec = tuple(nnx.DiffState(i, wrt) for i in argnums_spec)
-    grad_fn = nnx.value_and_grad(scaled, argnums=argnums_spec, has_aux=True)
-
-    def value_and_grad_fn(*args: Any, **kwargs: Any) -> Any:
-        (_, (loss, aux)), grads = grad_fn(*args, **kwargs)
-        grads = scale.unscale(grads)
-        return ((loss, aux), grads) if has_aux else (loss, grads)
-
-    return value_and_grad_fn
+    return _scaled_value_and_grad(
+        scale,
+        fun,
+        has_aux,
+        lambda scaled: nnx.value_and_grad(scaled, argnums=argnums_spec, has_aux=True),
+    )
 
 
 def set_nnx_dynamic_scale(optimizer: Any, scale: LossScale) -> None:

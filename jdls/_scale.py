@@ -414,31 +414,52 @@ class LossScale:
           (2.0, [2.0, 2.0])
         """
 
-        def scaled(*args: Any, **kwargs: Any) -> tuple[Any, tuple[Any, Any]]:
-            out = fun(*args, **kwargs)
-            if has_aux:
-                if not (isinstance(out, tuple) and len(out) == 2):
-                    raise TypeError(
-                        "with has_aux=True, fun must return a pair (loss, aux), got "
-                        + (
-                            f"an array of shape {out.shape}: return (loss, aux), or drop has_aux"
-                            if isinstance(out, jax.Array)
-                            else type(out).__name__
-                        )
+        return _scaled_value_and_grad(
+            self,
+            fun,
+            has_aux,
+            lambda scaled: jax.value_and_grad(scaled, argnums=argnums, has_aux=True),
+        )
+
+
+def _scaled_value_and_grad(
+    scale: LossScale,
+    fun: Callable[..., Any],
+    has_aux: bool,
+    differentiate: Callable[[Callable[..., Any]], Callable[..., Any]],
+) -> Callable[..., Any]:
+    """``value_and_grad`` of ``fun`` with the loss scaled and the results unscaled.
+
+    ``differentiate(scaled)`` builds the gradient function of ``scaled`` (with
+    ``has_aux=True``): ``jax.value_and_grad`` for :meth:`LossScale.value_and_grad`,
+    ``nnx.value_and_grad`` for ``jdls.nnx_value_and_grad``.
+    """
+
+    def scaled(*args: Any, **kwargs: Any) -> tuple[Any, tuple[Any, Any]]:
+        out = fun(*args, **kwargs)
+        if has_aux:
+            if not (isinstance(out, tuple) and len(out) == 2):
+                raise TypeError(
+                    "with has_aux=True, fun must return a pair (loss, aux), got "
+                    + (
+                        f"an array of shape {out.shape}: return (loss, aux), or drop has_aux"
+                        if isinstance(out, jax.Array)
+                        else type(out).__name__
                     )
-                loss, aux = out
-            else:
-                loss, aux = out, None
-            return self.scale(loss), (loss, aux)
+                )
+            loss, aux = out
+        else:
+            loss, aux = out, None
+        return scale.scale(loss), (loss, aux)
 
-        grad_fn = jax.value_and_grad(scaled, argnums=argnums, has_aux=True)
+    grad_fn = differentiate(scaled)
 
-        def value_and_grad_fn(*args: Any, **kwargs: Any) -> Any:
-            (_, (loss, aux)), grads = grad_fn(*args, **kwargs)
-            grads = self.unscale(grads)
-            return ((loss, aux), grads) if has_aux else (loss, grads)
+    def value_and_grad_fn(*args: Any, **kwargs: Any) -> Any:
+        (_, (loss, aux)), grads = grad_fn(*args, **kwargs)
+        grads = scale.unscale(grads)
+        return ((loss, aux), grads) if has_aux else (loss, grads)
 
-        return value_and_grad_fn
+    return value_and_grad_fn
 
 
 def _register(cls: type, data_fields: tuple[str, ...], meta_fields: tuple[str, ...]) -> None:
