@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -52,7 +53,7 @@ def run_suite(name: str, *, quick: bool, rounds: int | None, out: Path) -> list[
     start = time.perf_counter()
     sections = _suites()[name](quick=quick, rounds=rounds)
     seconds = time.perf_counter() - start
-    stem = name if h.malloc_mode() == "default" else f"{name}-malloc-keep"
+    stem = name + ("" if h.malloc_mode() == "default" else "-malloc-keep")
     json_path, md_path = h.write_results(
         stem, sections, out_dir=out, env=env, extra={"quick": quick, "seconds": seconds}
     )
@@ -91,24 +92,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.execve(sys.executable, [sys.executable, "-m", "benchmarks", *argv], env)
     if args.malloc == "default" and h.malloc_mode() != "default":
         parser.error("--malloc default with MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_ set")
+    suffix = "" if args.malloc == "default" else "-malloc-keep"
     if args.suite == "plot":
         from benchmarks import plot
 
-        for path in plot.plot_all(args.out, args.img or plot.DEFAULT_IMG):
+        for path in plot.plot_all(args.out, args.img or plot.DEFAULT_IMG, suffix):
             h.log(f"wrote {path}")
+        (args.out / f"summary{suffix}.md").write_text(plot.summary_markdown(args.out, suffix))
         return 0
-    names = NAMES if args.suite == "all" else (args.suite,)
-    for name in names:
-        run_suite(name, quick=args.quick, rounds=args.rounds, out=args.out)
-    if args.suite == "all":
-        from benchmarks import plot
+    if args.suite != "all":
+        run_suite(args.suite, quick=args.quick, rounds=args.rounds, out=args.out)
+        return 0
+    # One process per suite: each starts with a fresh heap and fresh caches, and the 100M
+    # tree's memory goes back to the system before the next suite.
+    for name in NAMES:
+        cmd = [sys.executable, "-m", "benchmarks", name, "--out", str(args.out)]
+        cmd += ["--quick"] if args.quick else []
+        cmd += [] if args.rounds is None else ["--rounds", str(args.rounds)]
+        cmd += ["--malloc", args.malloc]
+        code = subprocess.run(cmd, check=False).returncode
+        if code:
+            h.log(f"{name} failed with exit code {code}")
+            return code
+    from benchmarks import plot
 
-        summary = plot.summary_markdown(args.out)
-        (args.out / "summary.md").write_text(summary)
-        img = args.img if args.img is not None else (None if args.quick else plot.DEFAULT_IMG)
-        if img is not None:
-            for path in plot.plot_all(args.out, img):
-                h.log(f"wrote {path}")
+    summary = plot.summary_markdown(args.out, suffix)
+    (args.out / f"summary{suffix}.md").write_text(summary)
+    print(summary)
+    img = args.img if args.img is not None else (None if args.quick else plot.DEFAULT_IMG)
+    if img is not None:
+        for path in plot.plot_all(args.out, img, suffix):
+            h.log(f"wrote {path}")
     return 0
 
 

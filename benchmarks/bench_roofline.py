@@ -38,6 +38,7 @@ MIN_BYTES = {
     "optax clip + adam": (28, "adam + one read of g (global norm); clipping fused"),
     "optax.apply_if_finite(adam)": (28, "adam + one read of g (isfinite)"),
     "chain(jdls.clip, jdls.wrap(adam))": (32, "adam + two reads of g (clip's norm, wrap's)"),
+    "jdls.wrap(chain(jdls.clip, adam))": (32, "adam + wrap's read of g + clip's, in the branch"),
     bench_update.REFERENCE: (28, "adam + one read of g"),
 }
 

@@ -146,6 +146,9 @@ def make_methods(loss: Callable[..., jax.Array]) -> dict[str, Callable[[], Metho
         "chain(jdls.clip, jdls.wrap(adam))": lambda: jdls_method(
             loss, optax.chain(jdls.clip(c), jdls.wrap(adam()))
         ),
+        "jdls.wrap(chain(jdls.clip, adam))": lambda: jdls_method(
+            loss, jdls.wrap(optax.chain(jdls.clip(c), adam()))
+        ),
         "static scale + optax clip": lambda: static_method(loss, optax.chain(clip(c), adam())),
         "Flax DynamicScale + jnp.where": lambda: flax_method(loss, adam()),
         "jmp DynamicLossScale + select_tree": lambda: jmp_method(loss, adam()),

@@ -199,6 +199,9 @@ def make_variants(config: Config) -> dict[str, Callable[[], Updater]]:
         "chain(jdls.clip, jdls.wrap(adam))": lambda: from_optax(
             optax.chain(jdls.clip(c), jdls.wrap(adam()))
         ),
+        "jdls.wrap(chain(jdls.clip, adam))": lambda: from_optax(
+            jdls.wrap(optax.chain(jdls.clip(c), adam()))
+        ),
         "optax clip + adam": lambda: from_optax(optax.chain(optax.clip_by_global_norm(c), adam())),
         "optax.apply_if_finite(adam)": lambda: from_optax(optax.apply_if_finite(adam(), 10**6)),
         "optax clip + apply_if_finite": lambda: from_optax(

@@ -15,8 +15,8 @@ from typing import Any
 DEFAULT_IMG = Path(__file__).resolve().parent.parent / "docs" / "img"
 
 
-def load(out: Path, suite: str) -> dict[str, Any] | None:
-    path = Path(out) / f"{suite}.json"
+def load(out: Path, suite: str, suffix: str = "") -> dict[str, Any] | None:
+    path = Path(out) / f"{suite}{suffix}.json"
     if not path.exists():
         return None
     return json.loads(path.read_text())
@@ -33,14 +33,14 @@ def _rows(result: dict[str, Any] | None, section: int = 0) -> dict[str, dict[str
 # --------------------------------------------------------------------------------------------
 
 
-def targets(out: Path) -> list[dict[str, Any]]:
+def targets(out: Path, suffix: str = "") -> list[dict[str, Any]]:
     """The issue-6 targets with the measured value of each (None where not measured)."""
-    step = _rows(load(out, "step"))
-    update = _rows(load(out, "update"))
-    large = _rows(load(out, "update-large"))
-    compile_result = load(out, "compile")
+    step = _rows(load(out, "step", suffix))
+    update = _rows(load(out, "update", suffix))
+    large = _rows(load(out, "update-large", suffix))
+    compile_result = load(out, "compile", suffix)
     c_step, c_update = _rows(compile_result, 0), _rows(compile_result, 1)
-    roof = _rows(load(out, "roofline"))
+    roof = _rows(load(out, "roofline", suffix))
     found: list[dict[str, Any]] = []
 
     def add(name: str, value: float | None, limit: float, detail: str = "") -> None:
@@ -107,10 +107,10 @@ def targets(out: Path) -> list[dict[str, Any]]:
     return found
 
 
-def summary_markdown(out: Path) -> str:
-    rows = targets(out)
+def summary_markdown(out: Path, suffix: str = "") -> str:
+    rows = targets(out, suffix)
     lines = [
-        "## Issue 6 targets",
+        f"## Issue 6 targets{' (' + suffix.strip('-') + ')' if suffix else ''}",
         "",
         "| target | measured | limit | met |",
         "|:--|--:|--:|:--|",
@@ -153,7 +153,7 @@ def _ratio_panel(ax: Any, result: dict[str, Any], title: str, limit: float | Non
     ax.tick_params(axis="x", labelsize=7)
 
 
-def plot_all(out: Path, img: Path) -> list[Path]:
+def plot_all(out: Path, img: Path, suffix: str = "") -> list[Path]:
     """Draw the plots from the results in ``out`` into ``img``; returns the files written."""
     import matplotlib
 
@@ -169,7 +169,9 @@ def plot_all(out: Path, img: Path) -> list[Path]:
         ("update", "Update only, 8M parameters in 64 leaves", 1.25),
         ("update-large", "Update only, 100M parameters in 500 leaves", 1.25),
     ]
-    present = [(load(out, s), t, lim) for s, t, lim in panels if load(out, s) is not None]
+    present = [
+        (load(out, s, suffix), t, lim) for s, t, lim in panels if load(out, s, suffix) is not None
+    ]
     if present:
         fig, axes = plt.subplots(len(present), 1, figsize=(8, 2.2 + 2.3 * len(present)))
         axes = [axes] if len(present) == 1 else list(axes)
@@ -182,11 +184,11 @@ def plot_all(out: Path, img: Path) -> list[Path]:
             fontsize=9,
         )
         fig.tight_layout()
-        path = img / "perf_ratios.png"
+        path = img / f"perf_ratios{suffix}.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)
         written.append(path)
-    roof = load(out, "roofline")
+    roof = load(out, "roofline", suffix)
     if roof is not None:
         sections = roof["sections"]
         fig, axes = plt.subplots(1, len(sections), figsize=(6 * len(sections), 3.8))
@@ -209,7 +211,7 @@ def plot_all(out: Path, img: Path) -> list[Path]:
             ax.set_title(section["title"], fontsize=9)
             ax.tick_params(axis="x", labelsize=7)
         fig.tight_layout()
-        path = img / "perf_roofline.png"
+        path = img / f"perf_roofline{suffix}.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)
         written.append(path)

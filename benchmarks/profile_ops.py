@@ -57,6 +57,21 @@ def hlo_counts(text: str) -> dict[str, int]:
     }
 
 
+def kernels_per_computation(text: str) -> dict[str, int]:
+    """Kernels (fusions, copies, dots) of the entry computation and of every branch of a
+    ``conditional``: where the kernels, hence the compile time, come from."""
+    counts = {}
+    for block in re.split(r"\n(?=\S)", text):
+        head = block.split("\n", 1)[0]
+        name = "ENTRY" if head.startswith("ENTRY") else head.split(" ")[0].lstrip("%")
+        if name.startswith(("fused", "wrapped")):
+            continue
+        k = len(re.findall(r"\s(?:fusion|copy|dot)\(", block))
+        if k:
+            counts[name] = k
+    return counts
+
+
 def profile(runner: Any, steps: int) -> dict[str, float]:
     """Milliseconds per step of every kernel, from a profiler trace of ``steps`` calls."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -89,8 +104,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         times = profile(runner, args.steps)
         print(f"## {args.workload}: {name}{' [skipped step]' if args.skipped else ''}")
         try:
-            counts = hlo_counts(runner.fn.lower(*_args(runner)).compile().as_text())
-            print(", ".join(f"{k} {v}" for k, v in counts.items()))
+            text = runner.fn.lower(*_args(runner)).compile().as_text()
+            print(", ".join(f"{k} {v}" for k, v in hlo_counts(text).items()))
+            per = kernels_per_computation(text)
+            print("kernels per computation: " + ", ".join(f"{k} {v}" for k, v in per.items()))
         except Exception as e:  # jmp's scale cannot be lowered from its own instances
             print(f"(no HLO counts: {type(e).__name__})")
         print(f"{'ms/step':>9}  kernel")
