@@ -84,12 +84,14 @@ def targets(out: Path, suffix: str = "") -> list[dict[str, Any]]:
         (c_step, "full step", "jdls.wrap(adam)"),
         (c_update, "update", "jdls.wrap(adam)"),
     ):
+        if not rows:
+            continue
+        base = next(iter(rows.values()))
         add(
             f"{where}: temp memory increase, % of the static footprint",
             get(rows, label, "temp_delta_pct_of_footprint"),
             1.0,
-            f"temp {get(rows, label, 'temp_mib') or 0:.2f} MiB vs "
-            f"{next(iter(rows.values()))['temp_mib'] if rows else 0:.2f} MiB",
+            f"temp {get(rows, label, 'temp_mib') or 0:.2f} MiB vs {base['temp_mib']:.2f} MiB",
         )
         add(
             f"{where}: compile time (trace+lower+compile) ratio",
