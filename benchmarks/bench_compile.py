@@ -214,6 +214,55 @@ def _measure(title: str, note: str, targets: list[_Target], rounds: int) -> h.Se
     return h.Section(title, note, rows, columns=COLUMNS, config={"rounds": rounds})
 
 
+def _norm_forms(quick: bool, rounds: int) -> h.Section:
+    """The sum of squares per leaf (what jdls and optax compile) against one kernel over all
+    leaves (fewer kernels to compile, but XLA's own reduction loop instead of the vectorized
+    one): compile time and run time, on the update benchmark's gradients."""
+    import jax.numpy as jnp
+
+    config = bench_update.QUICK if quick else bench_update.Config()
+    leaves = jax.tree_util.tree_leaves(bench_update.make_tree(config))
+    forms = {
+        "per leaf: sum(sum(g**2) for g in leaves)": lambda ls: sum(
+            jnp.sum(jnp.square(x)) for x in ls
+        ),
+        "one kernel: sum(concatenate(leaves)**2)": lambda ls: jnp.sum(
+            jnp.square(jnp.concatenate([x.ravel() for x in ls]))
+        ),
+    }
+    compile_s: dict[str, list[float]] = {k: [] for k in forms}
+    compiled: dict[str, Any] = {}
+    for _ in range(rounds):
+        for name, f in forms.items():
+            jitted = jax.jit(lambda ls, f=f: f(ls))
+            t0 = time.perf_counter()
+            compiled[name] = jitted.lower(leaves).compile()
+            compile_s[name].append(time.perf_counter() - t0)
+    cases = [
+        h.Case(name, lambda c=c: jax.block_until_ready(c(leaves))) for name, c in compiled.items()
+    ]
+    rows = h.time_cases(cases, rounds=max(rounds * 3, 3), warmup=1)
+    from benchmarks.profile_ops import hlo_counts
+
+    for row in rows:
+        row["compile_ms"] = 1e3 * h.quartiles(compile_s[row["label"]])[1]
+        counts = hlo_counts(compiled[row["label"]].as_text())
+        row["kernels"] = counts["fusions"] + counts["copies"] + counts["dots"]
+    note = (
+        f"The global sum of squares of {config.n_params:,} float32 values in {config.n_leaves} "
+        "leaves: lower+compile time (median of the rounds) and run time (median of interleaved "
+        "rounds, ratio to the per-leaf form)."
+    )
+    columns = (
+        ("label", "form", ""),
+        ("kernels", "kernels", ""),
+        ("compile_ms", "lower+compile ms", ".0f"),
+        ("median_ms", "run ms", ".2f"),
+        ("ratio", "run ratio", ".2f"),
+    )
+    return h.Section("Sum of squares: per leaf or one kernel", note, rows, columns=columns)
+
+
 def suite(quick: bool = False, rounds: int | None = None) -> list[h.Section]:
     """The ``compile`` suite: memory and compile time of the full step and of the update."""
     rounds = rounds or (1 if quick else 7)
@@ -237,4 +286,4 @@ def suite(quick: bool = False, rounds: int | None = None) -> list[h.Section]:
         _update_targets(quick, update_names),
         rounds,
     )
-    return [step, update]
+    return [step, update, _norm_forms(quick, rounds)]
