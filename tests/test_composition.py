@@ -10,19 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _assertions import assert_bitwise_equal
 from flax.training import train_state
 
 import jdls
 
 INF, NAN = float("inf"), float("nan")
-
-
-def assert_bitwise_equal(a, b):
-    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
-    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True):
-        x, y = np.asarray(x), np.asarray(y)
-        assert x.dtype == y.dtype and x.shape == y.shape
-        assert x.tobytes() == y.tobytes(), f"{x} != {y}"
 
 
 PARAMS = {"w": jnp.array([1.0, -2.0]), "b": jnp.array([0.5])}

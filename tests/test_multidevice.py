@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _assertions import assert_bitwise_equal
 from absl.testing import parameterized
 from jax import lax
 from jax.sharding import NamedSharding
@@ -23,12 +24,6 @@ INF, NAN = float("inf"), float("nan")
 N = 8
 
 pytestmark = pytest.mark.skipif(jax.device_count() < N, reason="needs 8 devices (conftest.py)")
-
-
-def assert_trees_bitwise_equal(a, b):
-    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
-    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True):
-        assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
 
 
 def local_grads(seed, bad_device=None, value=INF):
@@ -193,7 +188,7 @@ class ShardMapTest(chex.TestCase):
         kw["sharded"] = {"w": True, "b": False}
         tx = jdls.wrap(optax.adam(0.1), **kw)
         updates, state = self.run_sharded(tx, grads)
-        assert_trees_bitwise_equal(state.inner_state, tx.init(grads).inner_state)
+        assert_bitwise_equal(state.inner_state, tx.init(grads).inner_state)
         stats = jdls.stats(state)
         assert bool(stats.skipped) and float(stats.loss_scale) == 2.0**14
         assert stats.loss_scale.sharding.is_fully_replicated

@@ -8,22 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _assertions import assert_bitwise_equal
 from absl.testing import parameterized
 
 import jdls
 
 INF, NAN = float("inf"), float("nan")
-
-
-def assert_bitwise_equal(a, b):
-    """Same tree structure, and every leaf the same dtype, shape and bytes."""
-    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
-    for (path, x), y in zip(
-        jax.tree_util.tree_flatten_with_path(a)[0], jax.tree_util.tree_leaves(b), strict=True
-    ):
-        x, y = np.asarray(x), np.asarray(y)
-        assert x.dtype == y.dtype and x.shape == y.shape, jax.tree_util.keystr(path)
-        assert x.tobytes() == y.tobytes(), f"{jax.tree_util.keystr(path)}: {x} != {y}"
 
 
 def small_params():
