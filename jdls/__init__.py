@@ -1,29 +1,14 @@
 """jdls: dynamic loss scaling for mixed-precision training in JAX and optax."""
 
-from jdls import presets
+from jdls import presets, rules
 from jdls._clip import clip
-from jdls._flax import TrainState, nnx_value_and_grad, set_nnx_dynamic_scale
+from jdls._flax import TrainState, nnx_value_and_grad, set_nnx_scale
 from jdls._formats import FloatFormat, FormatInfo, cbfloat16, compress, decompress, finfo
-from jdls._optax import wrap
 from jdls._policy import Policy, get_policy
-from jdls._scale import (
-    DynamicScale,
-    LossScale,
-    MinimumScaleError,
-    NoOpScale,
-    ScaleRule,
-    StaticScale,
-    all_finite,
-)
-from jdls._state import (
-    Stats,
-    StepStats,
-    WrapState,
-    get_dynamic_scale,
-    nonfinite_paths,
-    set_dynamic_scale,
-    stats,
-)
+from jdls._scale import DynamicScale, LossScale, NoOpScale, StaticScale, all_finite
+from jdls._stats import Stats, WrapState, get_scale, nonfinite_paths, set_scale, stats
+from jdls._wrap import wrap
+from jdls.rules import MinimumScaleError
 
 __version__ = "0.1.0"
 
@@ -35,10 +20,8 @@ __all__ = [
     "MinimumScaleError",
     "NoOpScale",
     "Policy",
-    "ScaleRule",
     "StaticScale",
     "Stats",
-    "StepStats",
     "TrainState",
     "WrapState",
     "all_finite",
@@ -47,13 +30,14 @@ __all__ = [
     "compress",
     "decompress",
     "finfo",
-    "get_dynamic_scale",
     "get_policy",
+    "get_scale",
     "nnx_value_and_grad",
     "nonfinite_paths",
     "presets",
-    "set_dynamic_scale",
-    "set_nnx_dynamic_scale",
+    "rules",
+    "set_nnx_scale",
+    "set_scale",
     "stats",
     "wrap",
 ]

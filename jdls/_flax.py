@@ -5,16 +5,12 @@
 * linen: ``flax.training.train_state.TrainState.create(..., tx=jdls.wrap(optax.adam(...)))``;
   ``apply_gradients`` checks the gradients, skips the update on inf/NaN and adjusts the scale.
   :class:`TrainState` adds only reading the scale and a ``value_and_grad`` that uses it.
-* NNX: ``nnx.Optimizer(model, jdls.wrap(optax.adam(...)), wrt=nnx.Param)``; ``update``
-  skips and adjusts the same way. NNX keeps the optimizer state in ``nnx.Variable`` objects
-  that it updates in place, which needs two helpers: :func:`nnx_value_and_grad` (the scaled
-  ``nnx.value_and_grad``: ``jax.value_and_grad`` cannot differentiate a module holding RNG
-  keys or counters) and :func:`set_nnx_dynamic_scale` (replace the scale, its rule included).
+* NNX: ``nnx.Optimizer(model, jdls.wrap(optax.adam(...)), wrt=nnx.Param)``, with
+  :func:`nnx_value_and_grad` (the scaled ``nnx.value_and_grad``) and :func:`set_nnx_scale`
+  (replace the scale, its rule included).
 
-Reading the scale of an NNX optimizer: ``jdls.get_dynamic_scale(optimizer)`` and
-``jdls.stats(optimizer)`` find it, but their leaves are the optimizer's live ``Variable``
-objects, which the next ``update`` changes in place. For values that stay as they are (to log,
-or to return from ``nnx.jit``), read a pure copy: ``jdls.stats(nnx.as_pure(optimizer.opt_state))``.
+It is also the one module that imports flax: it registers the loss scales with
+``flax.serialization`` so that ``to_bytes``/``from_bytes`` of any state holding one work.
 """
 
 from __future__ import annotations
@@ -23,12 +19,20 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+from flax import serialization
 from flax.training import train_state
 
-from jdls._scale import LossScale, _scaled_value_and_grad
-from jdls._state import Stats, WrapState, get_dynamic_scale, stats
+from jdls._scale import (
+    DynamicScale,
+    LossScale,
+    NoOpScale,
+    StaticScale,
+    check_scale,
+    scaled_value_and_grad,
+)
+from jdls._stats import Stats, get_scale, replace_scale, snapshot, stats
 
-__all__ = ["TrainState", "nnx_value_and_grad", "set_nnx_dynamic_scale"]
+__all__ = ["TrainState", "nnx_value_and_grad", "set_nnx_scale"]
 
 
 class TrainState(train_state.TrainState):
@@ -37,9 +41,9 @@ class TrainState(train_state.TrainState):
     Identical to ``flax.training.train_state.TrainState`` (same fields, ``create`` and
     ``apply_gradients``: ``apply_gradients`` is where ``jdls.wrap`` checks the gradients,
     skips a non-finite step and adjusts the scale), with the loss scale at hand: the
-    properties :attr:`dynamic_scale`, :attr:`loss_scale` and :attr:`stats`, and
+    properties :attr:`scale`, :attr:`loss_scale` and :attr:`stats`, and
     :meth:`value_and_grad`. A plain ``TrainState`` works just as well with
-    ``jdls.get_dynamic_scale(state)``; this class saves that line.
+    ``jdls.get_scale(state)``; this class saves that line.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, jdls
@@ -61,14 +65,14 @@ class TrainState(train_state.TrainState):
     """
 
     @property
-    def dynamic_scale(self) -> LossScale:
-        """The loss scale for the next step (``jdls.get_dynamic_scale(self.opt_state)``)."""
-        return get_dynamic_scale(self.opt_state)
+    def scale(self) -> LossScale:
+        """The loss scale for the next step (``jdls.get_scale(self.opt_state)``)."""
+        return get_scale(self.opt_state)
 
     @property
     def loss_scale(self) -> jax.Array:
         """The current loss scale, a float32 scalar."""
-        return self.dynamic_scale.loss_scale
+        return self.scale.loss_scale
 
     @property
     def stats(self) -> Stats:
@@ -104,25 +108,12 @@ class TrainState(train_state.TrainState):
           >>> float(loss), grads["w"].tolist()
           (2.0, [2.0, 2.0])
         """
-        return self.dynamic_scale.value_and_grad(fun, argnums=argnums, has_aux=has_aux)
+        return self.scale.value_and_grad(fun, argnums=argnums, has_aux=has_aux)
 
 
 # --------------------------------------------------------------------------------------------
 # NNX.
 # --------------------------------------------------------------------------------------------
-
-
-def _is_variable(x: Any) -> bool:
-    from flax import nnx
-
-    return isinstance(x, nnx.Variable)
-
-
-def _pure(tree: Any) -> Any:
-    """``tree`` with every ``nnx.Variable`` replaced by its current value."""
-    return jax.tree_util.tree_map(
-        lambda x: x.get_value() if _is_variable(x) else x, tree, is_leaf=_is_variable
-    )
 
 
 def nnx_value_and_grad(
@@ -143,8 +134,7 @@ def nnx_value_and_grad(
 
     Args:
       fun: the loss function; returns a scalar loss, or ``(loss, aux)`` with ``has_aux``.
-      scale: the loss scale, usually ``jdls.get_dynamic_scale(optimizer)`` (an NNX
-        optimizer's scale, whose leaves are ``nnx.Variable`` objects, is read as values).
+      scale: the loss scale, usually ``jdls.get_scale(optimizer)``.
       argnums: which positional arguments to differentiate, as in ``nnx.value_and_grad``.
       has_aux: whether ``fun`` returns ``(loss, aux)``.
       wrt: the NNX filter of the variables to differentiate (default ``nnx.Param``); it
@@ -160,20 +150,15 @@ def nnx_value_and_grad(
       >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
       >>> optimizer = nnx.Optimizer(model, jdls.wrap(optax.sgd(0.1)), wrt=nnx.Param)
       >>> loss_fn = lambda m: jnp.mean(m(jnp.ones((4, 2)).astype(jnp.float16)) ** 2)
-      >>> scale = jdls.get_dynamic_scale(optimizer)
+      >>> scale = jdls.get_scale(optimizer)
       >>> loss, grads = jdls.nnx_value_and_grad(loss_fn, scale)(model)
       >>> _ = optimizer.update(model, grads)
-      >>> grads["kernel"].dtype, int(jdls.stats(nnx.as_pure(optimizer.opt_state)).skipped_steps)
+      >>> grads["kernel"].dtype, int(jdls.stats(optimizer).skipped_steps)
       (dtype('float32'), 0)
     """
     from flax import nnx
 
-    if not isinstance(scale, LossScale):
-        raise TypeError(
-            "scale must be a jdls loss scale, e.g. jdls.get_dynamic_scale(optimizer), got "
-            f"{type(scale).__name__}"
-        )
-    scale = _pure(scale)
+    scale = snapshot(check_scale(scale))
 
     argnums_spec: Any = argnums if isinstance(argnums, int) else tuple(argnums)
     if wrt is None:
@@ -182,7 +167,7 @@ def nnx_value_and_grad(
         argnums_spec = nnx.DiffState(argnums_spec, wrt)
     else:
         argnums_spec = tuple(nnx.DiffState(i, wrt) for i in argnums_spec)
-    return _scaled_value_and_grad(
+    return scaled_value_and_grad(
         scale,
         fun,
         has_aux,
@@ -190,10 +175,10 @@ def nnx_value_and_grad(
     )
 
 
-def set_nnx_dynamic_scale(optimizer: Any, scale: LossScale) -> None:
+def set_nnx_scale(optimizer: Any, scale: LossScale) -> None:
     """Replace, in place, the loss scale of an ``nnx.Optimizer`` built with :func:`jdls.wrap`.
 
-    The NNX counterpart of :func:`jdls.set_dynamic_scale`. Use this rather than
+    The NNX counterpart of :func:`jdls.set_scale`. Use this rather than
     ``nnx.update``: ``nnx.update`` copies array values only, so it would keep the old scale's
     rule (its growth interval, factors and bounds) and silently mix it with the new values.
     Call it outside ``nnx.jit``, between steps (e.g. after restoring a checkpoint).
@@ -210,28 +195,55 @@ def set_nnx_dynamic_scale(optimizer: Any, scale: LossScale) -> None:
       >>> from flax import nnx
       >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
       >>> optimizer = nnx.Optimizer(model, jdls.wrap(optax.sgd(0.1)), wrt=nnx.Param)
-      >>> jdls.set_nnx_dynamic_scale(optimizer, jdls.presets.pytorch(init_scale=8.0))
-      >>> scale = jdls.get_dynamic_scale(nnx.as_pure(optimizer.opt_state))
-      >>> float(scale.loss_scale), scale.rule.name
-      (8.0, 'pytorch')
+      >>> jdls.set_nnx_scale(optimizer, jdls.presets.pytorch(init_scale=8.0))
+      >>> scale = jdls.get_scale(optimizer)
+      >>> float(scale.loss_scale), scale.rule.min_loss_scale
+      (8.0, None)
     """
-    from flax.nnx.training.optimizer import to_opt_state
-
-    if not isinstance(scale, LossScale):
-        raise TypeError(
-            f"scale must be a jdls loss scale (jdls.DynamicScale(...), jdls.StaticScale(...), "
-            f"jdls.NoOpScale() or a jdls.presets scale), got {type(scale).__name__}"
-        )
+    scale = check_scale(scale)
     if not hasattr(optimizer, "opt_state"):
         raise TypeError(
             f"optimizer must be an nnx.Optimizer, got {type(optimizer).__name__}; for an optax "
-            "state or a linen TrainState use jdls.set_dynamic_scale"
+            "state or a linen TrainState use jdls.set_scale"
         )
-    get_dynamic_scale(optimizer.opt_state)  # exactly one wrap, or a clear error
+    from flax import nnx
+    from flax.nnx.training.optimizer import to_opt_state
+
+    get_scale(optimizer.opt_state)  # exactly one wrap, or a clear error
     new_scale = to_opt_state(scale)  # its arrays as Variables, as nnx.Optimizer stores them
+    is_variable = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+    optimizer.opt_state = replace_scale(optimizer.opt_state, new_scale, is_leaf=is_variable)
 
-    def replace(x: Any) -> Any:
-        return x._replace(scale=new_scale) if isinstance(x, WrapState) else x
 
-    is_leaf = lambda x: isinstance(x, WrapState) or _is_variable(x)  # noqa: E731
-    optimizer.opt_state = jax.tree_util.tree_map(replace, optimizer.opt_state, is_leaf=is_leaf)
+# --------------------------------------------------------------------------------------------
+# flax.serialization of the loss scales (data only; the rule comes from the target).
+# --------------------------------------------------------------------------------------------
+
+
+def _restore(target: Any, state: dict[str, Any], fields: tuple[str, ...]) -> dict[str, Any]:
+    if set(state) != set(fields):
+        raise ValueError(
+            f"cannot restore a {type(target).__name__} from the saved fields {sorted(state)} (a "
+            f"{type(target).__name__} has {sorted(fields)}): build the target with the same "
+            "kind of scale as the one that was saved"
+        )
+    return {f: serialization.from_state_dict(getattr(target, f), state[f], f) for f in fields}
+
+
+def _register_serialization(cls: type, fields: tuple[str, ...]) -> None:
+    def to_state(scale: Any) -> dict[str, Any]:
+        return {f: serialization.to_state_dict(getattr(scale, f)) for f in fields}
+
+    def from_state(target: Any, state: dict[str, Any]) -> Any:
+        leaves = _restore(target, state, fields)
+        return jax.tree_util.tree_unflatten(
+            jax.tree_util.tree_structure(target),
+            jax.tree_util.tree_leaves([leaves[f] for f in fields]),
+        )
+
+    serialization.register_serialization_state(cls, to_state, from_state)
+
+
+_register_serialization(DynamicScale, ("loss_scale", "state"))
+_register_serialization(StaticScale, ("loss_scale",))
+_register_serialization(NoOpScale, ())

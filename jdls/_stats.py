@@ -1,11 +1,8 @@
-"""The state of ``jdls.wrap`` and the functions that find it in any optimizer state.
+"""The state of ``jdls.wrap`` and the one place that finds it in any optimizer state.
 
 ``jdls.wrap`` keeps its loss scale, the inner optimizer's state and the statistics of the last
-step in a :class:`WrapState`. That state may sit anywhere in a larger optimizer state (a chain,
-``MultiSteps``, ``inject_hyperparams``, ``multi_transform``, a Flax ``TrainState``);
-:func:`get_dynamic_scale`, :func:`set_dynamic_scale`, :func:`stats` and
-:func:`nonfinite_paths` find it by walking the pytree with
-``is_leaf=lambda x: isinstance(x, WrapState)``.
+step in a :class:`WrapState`, which may sit anywhere in a larger optimizer state (a chain,
+``MultiSteps``, ``inject_hyperparams``, a Flax ``TrainState``, an ``nnx.Optimizer``).
 """
 
 from __future__ import annotations
@@ -17,73 +14,36 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jdls._scale import LossScale
+from jdls._scale import LossScale, check_scale
 
 __all__ = [
     "Stats",
-    "StepStats",
     "WrapState",
-    "get_dynamic_scale",
+    "get_scale",
     "nonfinite_paths",
-    "set_dynamic_scale",
+    "replace_scale",
+    "set_scale",
+    "snapshot",
     "stats",
 ]
 
 
-class StepStats(NamedTuple):
-    """What ``jdls.wrap`` records about the last step (part of :class:`WrapState`).
-
-    Attributes:
-      finite: bool scalar, whether the last step's gradients were all finite (True before
-        the first step). A step that was not finite was skipped.
-      skipped_steps: int32 scalar, the number of skipped steps since ``init``.
-      consecutive_skips: int32 scalar, skipped steps in a row up to the last one.
-      grad_norm: float32 scalar, the global L2 norm of the last step's (unclipped, unscaled)
-        gradients: inf when a gradient is inf or when the norm exceeds float32's range, NaN
-        when a gradient is NaN, and NaN before the first step and when it is not known
-        (``axis_name`` given without ``sharded``).
-      nonfinite: with ``track_nonfinite=True``, a pytree with the structure of the gradients
-        holding one bool scalar per leaf (True where the leaf held an inf or NaN on the last
-        step; always False for integer and boolean leaves); None otherwise.
-    """
-
-    finite: jax.Array
-    skipped_steps: jax.Array
-    consecutive_skips: jax.Array
-    grad_norm: jax.Array
-    nonfinite: Any
-
-
-class WrapState(NamedTuple):
-    """The optimizer state of :func:`jdls.wrap`.
-
-    Attributes:
-      scale: the loss scale (a :class:`jdls.LossScale`) to use on the next step.
-      inner_state: the state of the wrapped transformation, untouched by skipped steps.
-      stats: a :class:`StepStats` about the last step.
-    """
-
-    scale: LossScale
-    inner_state: Any
-    stats: StepStats
-
-
 class Stats(NamedTuple):
-    """On-device statistics of the last step, from :func:`jdls.stats`.
-
-    Every field is an array (no host synchronisation): log them, or use them inside ``jit``.
+    """What ``jdls.wrap`` records about the last step: on-device arrays, no host sync.
 
     Attributes:
-      loss_scale: float32, the loss scale for the next step (after this step's adjustment).
-      finite: bool, whether the last step's gradients were all finite.
-      skipped_steps: int32, skipped steps in total.
+      finite: bool, whether the last step's gradients were all finite (True before the
+        first step). A step that was not finite was skipped.
+      skipped_steps: int32, skipped steps since ``init`` (saturates at the int32 maximum).
       consecutive_skips: int32, skipped steps in a row up to the last one.
-      grad_norm: float32, global norm of the last step's gradients before clipping (see
-        :class:`StepStats` for inf and NaN).
-      nonfinite: per-leaf bool flags with ``track_nonfinite=True``, else None.
+      grad_norm: float32, the global L2 norm of the last step's unclipped, unscaled
+        gradients: inf when a gradient is inf or the norm exceeds float32, NaN when a
+        gradient is NaN, before the first step, and when it is not known (``axis_name``
+        without ``sharded``).
+      nonfinite: with ``track_nonfinite=True``, one bool per gradient leaf (True where the
+        leaf held an inf or NaN on the last step); None otherwise.
     """
 
-    loss_scale: jax.Array
     finite: jax.Array
     skipped_steps: jax.Array
     consecutive_skips: jax.Array
@@ -96,6 +56,20 @@ class Stats(NamedTuple):
         return jnp.logical_not(self.finite)
 
 
+class WrapState(NamedTuple):
+    """The optimizer state of :func:`jdls.wrap`.
+
+    Attributes:
+      scale: the loss scale (a :class:`jdls.LossScale`) to use on the next step.
+      inner_state: the state of the wrapped transformation, untouched by skipped steps.
+      stats: a :class:`Stats` about the last step.
+    """
+
+    scale: LossScale
+    inner_state: Any
+    stats: Stats
+
+
 def _is_wrap_state(x: Any) -> bool:
     return isinstance(x, WrapState)
 
@@ -105,11 +79,11 @@ def _wrap_states(opt_state: Any) -> list[tuple[str, WrapState]]:
     return [(jax.tree_util.keystr(path), x) for path, x in found if isinstance(x, WrapState)]
 
 
-def _values(tree: Any) -> Any:
-    """``tree`` with Flax NNX ``Variable``s replaced by their current values (a snapshot).
+def snapshot(tree: Any) -> Any:
+    """``tree`` with Flax NNX ``Variable``s replaced by their current values.
 
     An ``nnx.Optimizer`` keeps its state in Variables that the next ``update`` changes in
-    place; what :func:`stats` and :func:`get_dynamic_scale` return must not change after it.
+    place; what :func:`stats` and :func:`get_scale` return must not change after it.
     """
     nnx = sys.modules.get("flax.nnx")
     variable = getattr(nnx, "Variable", None)
@@ -128,7 +102,7 @@ def _values(tree: Any) -> Any:
 def _the_wrap_state(opt_state: Any, what: str) -> WrapState:
     found = _wrap_states(opt_state)
     if len(found) == 1:
-        return _values(found[0][1])
+        return snapshot(found[0][1])
     if not found:
         raise ValueError(
             f"{what}: found no jdls.wrap state in this {type(opt_state).__name__}; build the "
@@ -142,23 +116,18 @@ def _the_wrap_state(opt_state: Any, what: str) -> WrapState:
     )
 
 
-def get_dynamic_scale(opt_state: Any) -> LossScale:
+def get_scale(opt_state: Any) -> LossScale:
     """The loss scale held by the one :func:`jdls.wrap` inside an optimizer state.
 
-    Works wherever the wrap sits: alone, in ``optax.chain`` or ``named_chain``, inside or
-    around ``MultiSteps``, ``inject_hyperparams`` or ``multi_transform``, in a Flax
-    ``TrainState`` (pass the ``TrainState`` itself or its ``opt_state``) and in an
-    ``nnx.Optimizer`` (the values are a snapshot, not the optimizer's live Variables). Runs
-    inside ``jit``. Prefer ``jdls.wrap(optax.MultiSteps(...))`` to
-    ``optax.MultiSteps(jdls.wrap(...))``: optax resets its accumulator by multiplying it by 0,
-    so one non-finite micro-batch outside the wrap leaves NaN in it for good (see the
-    gradient-accumulation guide).
+    Works wherever the wrap sits (alone, in a chain, inside or around ``MultiSteps`` or
+    ``inject_hyperparams``, in a Flax ``TrainState`` or an ``nnx.Optimizer``, whose values
+    come back as a snapshot) and inside ``jit``.
 
     Args:
       opt_state: an optimizer state (any pytree) holding exactly one :class:`WrapState`.
 
     Returns:
-      The loss scale to use for this step (any :class:`jdls.LossScale`).
+      The loss scale to use for this step.
 
     Raises:
       ValueError: no wrap state, or more than one (the message lists their paths).
@@ -166,52 +135,42 @@ def get_dynamic_scale(opt_state: Any) -> LossScale:
     Example:
       >>> import jax.numpy as jnp, optax, jdls
       >>> tx = optax.chain(jdls.clip(1.0), jdls.wrap(optax.sgd(0.1)))
-      >>> float(jdls.get_dynamic_scale(tx.init({"w": jnp.zeros(2)})).loss_scale)
+      >>> float(jdls.get_scale(tx.init({"w": jnp.zeros(2)})).loss_scale)
       32768.0
     """
-    return _the_wrap_state(opt_state, "get_dynamic_scale").scale
+    return _the_wrap_state(opt_state, "get_scale").scale
 
 
-def set_dynamic_scale(opt_state: Any, scale: LossScale) -> Any:
+def set_scale(opt_state: Any, scale: LossScale) -> Any:
     """A copy of an optimizer state with the loss scale of its one :func:`jdls.wrap` replaced.
-
-    Use it to continue a run from a checkpoint of another library, e.g. with
-    ``jdls.presets.from_pytorch_state_dict(...)``.
 
     Args:
       opt_state: an optimizer state holding exactly one :class:`WrapState`.
-      scale: the new loss scale.
+      scale: the new loss scale, e.g. ``jdls.presets.from_pytorch_state_dict(...)``.
 
     Returns:
       The optimizer state, same structure, with ``scale`` in place of the old one.
 
-    Raises:
-      TypeError: ``scale`` is not a :class:`jdls.LossScale`.
-      ValueError: no wrap state, or more than one.
-
     Example:
       >>> import jax.numpy as jnp, optax, jdls
       >>> state = jdls.wrap(optax.sgd(0.1)).init({"w": jnp.zeros(2)})
-      >>> state = jdls.set_dynamic_scale(state, jdls.DynamicScale(1024.0))
-      >>> float(jdls.get_dynamic_scale(state).loss_scale)
+      >>> state = jdls.set_scale(state, jdls.DynamicScale(1024.0))
+      >>> float(jdls.get_scale(state).loss_scale)
       1024.0
     """
-    if isinstance(scale, type) and issubclass(scale, LossScale):
-        raise TypeError(
-            f"scale must be a loss scale instance: pass jdls.{scale.__name__}(...), not the "
-            f"class jdls.{scale.__name__}"
-        )
-    if not isinstance(scale, LossScale):
-        raise TypeError(
-            f"scale must be a jdls loss scale (jdls.DynamicScale(...), jdls.StaticScale(...), "
-            f"jdls.NoOpScale() or a jdls.presets scale), got {type(scale).__name__}"
-        )
-    _the_wrap_state(opt_state, "set_dynamic_scale")
+    scale = check_scale(scale)
+    _the_wrap_state(opt_state, "set_scale")
+    return replace_scale(opt_state, scale)
+
+
+def replace_scale(opt_state: Any, scale: Any, is_leaf: Any = None) -> Any:
+    """``opt_state`` with the scale of every :class:`WrapState` replaced (no checks)."""
 
     def replace(x: Any) -> Any:
         return x._replace(scale=scale) if isinstance(x, WrapState) else x
 
-    return jax.tree_util.tree_map(replace, opt_state, is_leaf=_is_wrap_state)
+    leaf = _is_wrap_state if is_leaf is None else (lambda x: _is_wrap_state(x) or is_leaf(x))
+    return jax.tree_util.tree_map(replace, opt_state, is_leaf=leaf)
 
 
 def stats(opt_state: Any) -> Stats:
@@ -223,8 +182,7 @@ def stats(opt_state: Any) -> Stats:
       opt_state: an optimizer state (or Flax ``TrainState``) holding one :class:`WrapState`.
 
     Returns:
-      A :class:`Stats`; ``jdls.stats(opt_state).skipped`` says whether the last step was
-      skipped.
+      A :class:`Stats`; ``.skipped`` says whether the last step was skipped.
 
     Example:
       >>> import jax.numpy as jnp, optax, jdls
@@ -232,19 +190,10 @@ def stats(opt_state: Any) -> Stats:
       >>> params = {"w": jnp.zeros(2)}
       >>> _, state = tx.update({"w": jnp.array([1.0, jnp.nan])}, tx.init(params), params)
       >>> s = jdls.stats(state)
-      >>> bool(s.skipped), int(s.skipped_steps), float(s.loss_scale)
+      >>> bool(s.skipped), int(s.skipped_steps), float(jdls.get_scale(state).loss_scale)
       (True, 1, 16384.0)
     """
-    state = _the_wrap_state(opt_state, "stats")
-    step = state.stats
-    return Stats(
-        loss_scale=state.scale.loss_scale,
-        finite=step.finite,
-        skipped_steps=step.skipped_steps,
-        consecutive_skips=step.consecutive_skips,
-        grad_norm=step.grad_norm,
-        nonfinite=step.nonfinite,
-    )
+    return _the_wrap_state(opt_state, "stats").stats
 
 
 def nonfinite_paths(opt_state: Any) -> list[str]:

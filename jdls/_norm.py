@@ -1,0 +1,274 @@
+"""The exact global norm of the float leaves of a gradient tree, and clipping by it.
+
+One sum of squares (in float32 or wider) does two jobs: it is finite exactly when every
+element is finite and the sum did not overflow, and its square root is the global norm, as
+``optax.clip_by_global_norm`` computes it. When the sum is not finite, a second pass inside a
+``lax.cond`` (free on ordinary steps) sums the squares of the gradients times ``2**-96``,
+which cannot overflow: a leaf's scaled sum is finite exactly when all its elements are, and
+when all are, the scaled sum gives the norm. ``jdls.clip`` and ``jdls.wrap`` both use it;
+docs/optax.md explains the choices.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jdls._checks import is_float
+
+__all__ = [
+    "AxisName",
+    "FloatLeaves",
+    "GlobalNorm",
+    "check_sharded",
+    "clip_by_norm",
+    "flatten_floats",
+    "global_norm",
+    "sharded_flags",
+    "tree_norm",
+    "wide",
+]
+
+AxisName = Hashable
+_F32 = jnp.float32
+_DOWN, _UP = 2.0**-96, 2.0**96  # exact scalings of the overflow pass
+
+
+# --------------------------------------------------------------------------------------------
+# The gradient leaves.
+# --------------------------------------------------------------------------------------------
+
+
+class FloatLeaves(NamedTuple):
+    """A flattened tree whose float leaves are arrays, with their positions."""
+
+    leaves: list[Any]
+    treedef: Any
+    float_idx: tuple[int, ...]
+
+    @property
+    def floats(self) -> list[jax.Array]:
+        """The floating-point leaves, in tree order."""
+        return [self.leaves[i] for i in self.float_idx]
+
+    def with_floats(self, floats: Sequence[Any]) -> FloatLeaves:
+        """The same tree with its float leaves replaced."""
+        leaves = list(self.leaves)
+        for i, x in zip(self.float_idx, floats, strict=True):
+            leaves[i] = x
+        return self._replace(leaves=leaves)
+
+    def unflatten(self) -> Any:
+        """The tree."""
+        return jax.tree_util.tree_unflatten(self.treedef, self.leaves)
+
+
+def flatten_floats(tree: Any) -> FloatLeaves:
+    """Flatten ``tree``, turning its float leaves (Python floats too) into arrays."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    float_idx = tuple(i for i, x in enumerate(leaves) if is_float(x))
+    leaves = [jnp.asarray(x) if i in float_idx else x for i, x in enumerate(leaves)]
+    return FloatLeaves(leaves, treedef, float_idx)
+
+
+def check_sharded(axis_name: Any, sharded: Any, clipping: bool, where: str) -> None:
+    """``sharded`` needs an ``axis_name``; clipping across an axis needs ``sharded``."""
+    if axis_name is None and sharded is not None:
+        raise ValueError(f"{where}: sharded={sharded!r} needs an axis_name")
+    if axis_name is not None and clipping and sharded is None:
+        raise ValueError(
+            f"{where}: with axis_name={axis_name!r} and clipping, say how the gradients are laid "
+            "out across that axis: sharded=True when each device holds a different part of every "
+            "leaf (shard_map with sharded parameters: the squared norms are summed with psum), "
+            "sharded=False when every device holds the whole gradient (after lax.pmean, as in "
+            "pmap data parallelism), or a pytree prefix of bools for a mix. "
+            "See docs/multi-device.md."
+        )
+
+
+def sharded_flags(sharded: Any, grads: Any) -> list[bool] | None:
+    """One bool per leaf of ``grads`` from ``sharded`` (None, a bool, a prefix tree, a callable)."""
+    if sharded is None:
+        return None
+    if callable(sharded):
+        sharded = sharded(grads)
+    if isinstance(sharded, bool | np.bool_):
+        return [bool(sharded)] * len(jax.tree_util.tree_leaves(grads))
+    try:
+        full = jax.tree_util.tree_map(
+            lambda flag, sub: jax.tree_util.tree_map(lambda _: bool(flag), sub), sharded, grads
+        )
+    except ValueError as e:
+        raise ValueError(
+            "sharded must be a bool or a pytree prefix of the gradients with one bool per "
+            f"subtree: {e}"
+        ) from None
+    return [bool(f) for f in jax.tree_util.tree_leaves(full)]
+
+
+# --------------------------------------------------------------------------------------------
+# The norm.
+# --------------------------------------------------------------------------------------------
+
+
+def wide(x: jax.Array) -> jax.Array:
+    """The leaf in float32 or wider: squares of float16 overflow at 256."""
+    return x.astype(jnp.promote_types(x.dtype, _F32))
+
+
+def _square_sum(x: jax.Array) -> jax.Array:
+    x = wide(x)
+    if jnp.iscomplexobj(x):
+        return jnp.sum(jnp.square(x.real) + jnp.square(x.imag))
+    return jnp.sum(jnp.square(x))
+
+
+def _ordered_sum(values: Sequence[jax.Array]) -> jax.Array | float:
+    """``((0 + v0) + v1) + ...``: the order optax uses, for bit-identical norms."""
+    total: jax.Array | float = 0.0
+    for v in values:
+        total = total + v
+    return total
+
+
+class GlobalNorm(NamedTuple):
+    """The result of :func:`global_norm` (identical on every device of ``axis_name``)."""
+
+    finite: jax.Array  # every float element is finite
+    norm: jax.Array  # global L2 norm; inf above the dtype's max or with an inf; NaN with a NaN
+    robust: jax.Array  # the sum of squares overflowed: clip with ``down`` and ``scaled_norm``
+    down: jax.Array  # 2**-96 when robust (a runtime value: XLA must not fold it)
+    scaled_norm: jax.Array  # the norm of the gradients multiplied by ``down``
+    leaf_nonfinite: jax.Array | None  # bool[number of float leaves], when asked for
+
+
+@functools.lru_cache(maxsize=256)
+def _branches(
+    axis_name: AxisName | None, is_sharded: tuple[bool, ...]
+) -> tuple[Callable[..., jax.Array], Callable[..., Any], Callable[..., Any]]:
+    """The reduction and the two ``lax.cond`` branches for one configuration, built once so
+    that ``lax.cond`` finds them in its cache outside ``jit``."""
+
+    def reduce(parts: list[jax.Array]) -> jax.Array:
+        local = [p for p, s in zip(parts, is_sharded, strict=True) if not s]
+        split = [p for p, s in zip(parts, is_sharded, strict=True) if s]
+        total = _ordered_sum(local)
+        if split:
+            total = total + lax.psum(_ordered_sum(split), axis_name)
+        return jnp.asarray(total)
+
+    def usual(operands: tuple[list[jax.Array], jax.Array]) -> tuple[jax.Array, ...]:
+        xs, total = operands
+        one = jnp.ones((), total.dtype)
+        flags = jnp.zeros((len(xs),), jnp.bool_)
+        return jnp.array(True), jnp.sqrt(total), jnp.array(False), one, one, flags
+
+    def careful(operands: tuple[list[jax.Array], jax.Array]) -> tuple[jax.Array, ...]:
+        xs, total = operands
+        down = jnp.asarray(_DOWN, total.dtype)
+        sums = [_square_sum(wide(x) * down.astype(wide(x).dtype)) for x in xs]
+        flags = ~jnp.isfinite(jnp.stack(sums))
+        if axis_name is not None:
+            flags = lax.pmax(flags.astype(jnp.int32), axis_name) > 0
+        finite = ~jnp.any(flags)
+        scaled = jnp.sqrt(reduce(sums))
+        norm = jnp.where(finite, scaled * _UP, jnp.sqrt(total))  # may overflow to inf: right
+        return finite, norm, finite, down, scaled, flags
+
+    return reduce, usual, careful
+
+
+def global_norm(
+    leaves: Sequence[jax.Array],
+    *,
+    axis_name: AxisName | None = None,
+    sharded: Sequence[bool] | None = None,
+    per_leaf: bool = False,
+) -> GlobalNorm:
+    """Finiteness and global norm of float ``leaves`` from one sum of squares.
+
+    Args:
+      leaves: the floating-point gradient leaves.
+      axis_name: a mapped axis (``pmap``, ``shard_map``) to agree across, or None.
+      sharded: per leaf, whether it is split across ``axis_name`` (its squared norm is then
+        summed with ``psum``); None with an ``axis_name``: the norm is unknown (NaN) but the
+        finiteness decision is still agreed.
+      per_leaf: also return one flag per leaf (exact, agreed across ``axis_name``).
+    """
+    n = len(leaves)
+    keep = [i for i, x in enumerate(leaves) if x.size > 0]
+    no_flags = jnp.zeros((n,), jnp.bool_) if per_leaf else None
+    if not keep:
+        one = jnp.ones((), _F32)
+        return GlobalNorm(
+            jnp.array(True), jnp.zeros((), _F32), jnp.array(False), one, one, no_flags
+        )
+    xs = [leaves[i] for i in keep]
+    is_sharded = (False,) * len(xs) if sharded is None else tuple(sharded[i] for i in keep)
+    reduce, usual, careful = _branches(axis_name, is_sharded)
+    total = reduce([_square_sum(x) for x in xs])
+    unsure = ~jnp.isfinite(total)
+    if axis_name is not None and not all(is_sharded):
+        # the cond below must branch alike on every device
+        unsure = lax.pmax(unsure.astype(jnp.int32), axis_name) > 0
+    finite, norm, robust, down, scaled, flags = lax.cond(unsure, careful, usual, (xs, total))
+    if axis_name is not None and sharded is None:
+        norm = jnp.full((), jnp.nan, total.dtype)
+    leaf_flags = None
+    if per_leaf:
+        leaf_flags = jnp.zeros((n,), jnp.bool_).at[np.asarray(keep)].set(flags)
+    return GlobalNorm(finite, norm, robust, down, scaled, leaf_flags)
+
+
+def tree_norm(
+    tree: FloatLeaves,
+    *,
+    axis_name: AxisName | None = None,
+    sharded: Any = None,
+    per_leaf: bool = False,
+) -> GlobalNorm:
+    """:func:`global_norm` of the float leaves of ``tree``, with ``sharded`` given per subtree
+    (a bool, a pytree prefix of bools, or a function of the tree returning one)."""
+    flags = sharded_flags(sharded, tree.unflatten())
+    return global_norm(
+        tree.floats,
+        axis_name=axis_name,
+        sharded=None if flags is None else [flags[i] for i in tree.float_idx],
+        per_leaf=per_leaf,
+    )
+
+
+def clip_by_norm(
+    tree: FloatLeaves, n: GlobalNorm, max_norm: Any, *, fused: bool = False
+) -> FloatLeaves:
+    """Clip the float leaves by the global norm ``n``; others pass through.
+
+    ``fused=False`` (``jdls.clip``): optax's ``g / norm * max_norm``, bit for bit.
+    ``fused=True`` (``jdls.wrap(max_norm=...)``): ``g * a * b`` with two scalars, so that XLA
+    fuses it into every consumer instead of writing the clipped gradients out; it may differ
+    from optax's result in the last bit. On the overflow path both multiply by ``2**-96``
+    first: XLA rewrites ``g / norm`` into ``g * (1 / norm)``, and ``1 / norm`` of a huge norm
+    is subnormal, flushed to zero.
+    """
+    keep = ~n.finite | (n.norm < max_norm)
+    out = []
+    if fused:
+        one = jnp.ones((), n.norm.dtype)
+        a = jnp.where(keep | ~n.robust, one, n.down)
+        b = jnp.where(keep, one, max_norm / jnp.where(n.robust, n.scaled_norm, n.norm))
+        for g in tree.floats:
+            x = wide(g)
+            out.append(((x * a.astype(x.dtype)) * b.astype(x.dtype)).astype(g.dtype))
+        return tree.with_floats(out)
+    for g in tree.floats:
+        x = wide(g)
+        usual = (x / n.norm.astype(x.dtype)) * max_norm  # optax's expression, for equal results
+        robust = (x * n.down.astype(x.dtype)) * (max_norm / n.scaled_norm).astype(x.dtype)
+        out.append(jnp.where(keep, x, jnp.where(n.robust, robust, usual)).astype(g.dtype))
+    return tree.with_floats(out)

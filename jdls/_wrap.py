@@ -1,0 +1,315 @@
+"""``jdls.wrap``: dynamic loss scaling as an optax transformation.
+
+One train step, top to bottom::
+
+    scale = jdls.get_scale(opt_state)                            # the scale for this step
+    loss, grads = scale.value_and_grad(loss_fn)(params, batch)   # scale, differentiate, unscale
+    updates, opt_state = tx.update(grads, opt_state, params)     # decide, apply or skip, record
+    params = optax.apply_updates(params, updates)
+
+Inside ``tx.update``: one exact sum of squares decides finiteness and gives the global norm
+(``jdls/_norm.py``); the inner update runs only on finite steps (``jdls/_skip.py`` builds what a
+skipped step returns); then the scale is adjusted and the step recorded (``jdls/_stats.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+from jdls._checks import check_limit
+from jdls._norm import (
+    AxisName,
+    FloatLeaves,
+    GlobalNorm,
+    check_sharded,
+    clip_by_norm,
+    flatten_floats,
+    tree_norm,
+)
+from jdls._scale import DynamicScale, LossScale, check_scale
+from jdls._skip import select, skip_branch
+from jdls._stats import Stats, WrapState
+
+__all__ = ["wrap"]
+
+_SKIP_WITH = ("cond", "select")
+
+
+def wrap(
+    inner: optax.GradientTransformation,
+    scale: LossScale | None = None,
+    *,
+    max_norm: float | None = None,
+    skip_norm_overflow: bool = False,
+    axis_name: AxisName | None = None,
+    sharded: bool | Any | Callable[[Any], Any] | None = None,
+    skip_with: str = "cond",
+    track_nonfinite: bool = False,
+) -> optax.GradientTransformationExtraArgs:
+    """Dynamic loss scaling around an optax transformation: skip non-finite steps, adjust.
+
+    ``tx.update(grads, state, params)`` takes the **unscaled** gradients (as returned by
+    ``scale.value_and_grad``, with ``scale = jdls.get_scale(state)``) and
+
+    1. decides whether they are all finite, from one sum of squares over every float leaf
+       (exact: an overflowing sum of finite values is told apart from an inf; see
+       :func:`jdls.clip`), which also gives the global norm;
+    2. with ``max_norm``, clips them by that same global norm, as ``jdls.clip(max_norm)``
+       (and ``optax.clip_by_global_norm``) would;
+    3. applies ``inner`` only when they are finite (``lax.cond``); a skipped step returns zero
+       updates (``-0.0``, so that ``optax.apply_updates`` leaves every parameter bit for bit
+       as it was) and the inner state untouched, so the inner step count and any learning-rate
+       schedule do not advance: a run with skipped steps ends bit-identical to a run that
+       left those steps out;
+    4. adjusts the scale with ``scale.adjust(finite)`` and records :class:`jdls.Stats`.
+
+    Any :class:`jdls.LossScale` works (a static or no-op scale never changes, but non-finite
+    steps are still skipped). Integer and boolean leaves pass to ``inner`` as they are; extra
+    keyword arguments of ``update`` reach ``inner``. Clipping with ``max_norm`` is fused into
+    the update branch: it costs no more than ``wrap(inner)`` and takes the decisions of
+    ``optax.chain(jdls.clip(c), wrap(inner))`` (docs/optax.md has the measurements).
+
+    Args:
+      inner: the optax transformation to protect, e.g. ``optax.adam(1e-3)`` (objects with
+        ``init``/``update`` methods, such as ``optax.MultiSteps``, work too).
+      scale: the initial loss scale; default ``jdls.DynamicScale()``.
+      max_norm: clip the gradients to this global L2 norm (a finite number > 0).
+      skip_norm_overflow: also skip a step whose gradients are all finite but whose float32
+        global norm overflows, as Cerebras does (``jdls.presets.cerebras_wrap`` sets it).
+      axis_name: inside ``pmap`` or ``shard_map``, the mapped axis across which every device
+        must take the same decision (a ``pmax`` of the non-finite flag) and, with clipping,
+        see the same global norm. Not needed under ``jax.jit`` with sharded arrays.
+      sharded: with ``axis_name``: True when each device holds a different part of the
+        gradients (``shard_map`` with sharded parameters: the squared norms are summed with
+        ``psum``), False when each holds all of them (after ``lax.pmean``), or a pytree prefix
+        of bools (or a function of the gradients returning one) for a mix. Required with
+        ``axis_name`` when clipping; without clipping it only makes ``grad_norm`` known.
+      skip_with: ``"cond"`` (default) runs ``inner`` only on finite steps; ``"select"`` always
+        runs it and selects the result with ``jnp.where`` (see docs/optax.md for timings).
+      track_nonfinite: record which gradient leaves held an inf or NaN
+        (:func:`jdls.nonfinite_paths`).
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` whose state is a :class:`jdls.WrapState`.
+
+    Raises:
+      TypeError: ``inner`` is not a transformation, or ``scale`` not a loss scale.
+      ValueError: a bad ``max_norm`` or ``skip_with``, or ``axis_name`` with clipping but no
+        ``sharded``; at update time, gradients whose structure differs from the params.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, jdls
+      >>> tx = optax.chain(jdls.clip(1.0), jdls.wrap(optax.adam(1e-3)))
+      >>> params = {"w": jnp.ones(3)}
+      >>> state = tx.init(params)
+      >>> @jax.jit
+      ... def step(params, state):
+      ...     scale = jdls.get_scale(state)
+      ...     loss, grads = scale.value_and_grad(lambda p: jnp.sum(p["w"] ** 2))(params)
+      ...     updates, state = tx.update(grads, state, params)
+      ...     return optax.apply_updates(params, updates), state
+      >>> params, state = step(params, state)
+      >>> bool(jdls.stats(state).skipped), params["w"].tolist()
+      (False, [0.9990000128746033, 0.9990000128746033, 0.9990000128746033])
+
+    References:
+      Micikevicius et al., `Mixed Precision Training <https://arxiv.org/abs/1710.03740>`_,
+      2018; ``torch.amp.GradScaler.step``; ``optax.apply_if_finite``.
+    """
+    inner_tx = _check_inner(inner)
+    scale0 = DynamicScale() if scale is None else check_scale(scale)
+    if max_norm is not None:
+        max_norm = check_limit("max_norm", max_norm)
+    check_sharded(axis_name, sharded, max_norm is not None, "jdls.wrap")
+    if skip_with not in _SKIP_WITH:
+        raise ValueError(f"skip_with must be one of {_SKIP_WITH}, got {skip_with!r}")
+    for name, flag in (
+        ("skip_norm_overflow", skip_norm_overflow),
+        ("track_nonfinite", track_nonfinite),
+    ):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {flag!r}")
+
+    def init_fn(params: Any) -> WrapState:
+        nonfinite = None
+        if track_nonfinite:
+            nonfinite = jax.tree_util.tree_map(lambda _: jnp.zeros((), jnp.bool_), params)
+        return WrapState(
+            # A fresh copy: a donated state must not delete the arrays of ``scale0``.
+            scale=jax.tree_util.tree_map(jnp.array, scale0),
+            inner_state=inner_tx.init(params),
+            stats=Stats(
+                finite=jnp.array(True),
+                skipped_steps=jnp.zeros((), jnp.int32),
+                consecutive_skips=jnp.zeros((), jnp.int32),
+                grad_norm=jnp.full((), jnp.nan, jnp.float32),
+                nonfinite=nonfinite,
+            ),
+        )
+
+    @functools.lru_cache(maxsize=64)
+    def apply_branch(
+        treedef: Any, float_idx: tuple[int, ...], static: tuple[tuple[str, Any], ...]
+    ) -> Callable[[tuple[Any, ...]], tuple[Any, Any]]:
+        # Built once per gradient structure, so that lax.cond finds it in its cache outside
+        # jit too. Every array comes in as an operand.
+        def apply(operands: tuple[Any, ...]) -> tuple[Any, Any]:
+            leaves, inner_state, params, n, dynamic = operands
+            tree = FloatLeaves(leaves, treedef, float_idx)
+            if max_norm is not None:  # in the branch: fused into inner, skipped steps skip it
+                tree = clip_by_norm(tree, n, max_norm, fused=True)
+            return inner_tx.update(tree.unflatten(), inner_state, params, **dynamic, **dict(static))
+
+        return apply
+
+    def update_fn(
+        updates: Any, state: WrapState, params: Any = None, **extra_args: Any
+    ) -> tuple[Any, WrapState]:
+        _check_state(state)
+        _check_match(updates, params)
+        tree = flatten_floats(updates)
+
+        # Decide: one sum of squares gives finiteness and the global norm.
+        n = tree_norm(tree, axis_name=axis_name, sharded=sharded, per_leaf=track_nonfinite)
+        finite = n.finite & ~n.robust if skip_norm_overflow else n.finite
+
+        # Apply the inner update, or skip it.
+        dynamic = {k: v for k, v in extra_args.items() if _is_arrays(v)}
+        static = tuple(sorted((k, v) for k, v in extra_args.items() if k not in dynamic))
+        try:
+            apply = apply_branch(tree.treedef, tree.float_idx, static)
+        except TypeError:  # an unhashable static argument: build the branch uncached
+            apply = apply_branch.__wrapped__(tree.treedef, tree.float_idx, static)
+        operands = (tree.leaves, state.inner_state, params, n, dynamic)
+        if skip_with == "cond":
+            new_updates, inner_state = lax.cond(finite, apply, skip_branch(apply), operands)
+        else:
+            new_updates, inner_state = select(finite, apply(operands), state.inner_state)
+
+        # Record the step and adjust the scale.
+        stats = _record(state.stats, finite, n, tree)
+        return new_updates, WrapState(state.scale.adjust(finite), inner_state, stats)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _record(old: Stats, finite: jax.Array, n: GlobalNorm, tree: FloatLeaves) -> Stats:
+    """The statistics of this step."""
+    nonfinite = None
+    if n.leaf_nonfinite is not None:
+        per_leaf: list[Any] = [jnp.zeros((), jnp.bool_)] * len(tree.leaves)
+        for k, i in enumerate(tree.float_idx):
+            per_leaf[i] = n.leaf_nonfinite[k]
+        nonfinite = jax.tree_util.tree_unflatten(tree.treedef, per_leaf)
+    return Stats(
+        finite=finite,
+        skipped_steps=jnp.where(finite, old.skipped_steps, optax.safe_increment(old.skipped_steps)),
+        consecutive_skips=jnp.where(finite, 0, optax.safe_increment(old.consecutive_skips)),
+        grad_norm=n.norm.astype(jnp.float32),
+        nonfinite=nonfinite,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Arguments.
+# --------------------------------------------------------------------------------------------
+
+
+def _check_inner(inner: Any) -> optax.GradientTransformationExtraArgs:
+    if isinstance(inner, optax.GradientTransformation):
+        return optax.with_extra_args_support(inner)
+    if isinstance(inner, LossScale) or (isinstance(inner, type) and issubclass(inner, LossScale)):
+        raise TypeError(
+            "inner must be an optax transformation and comes first: "
+            "jdls.wrap(optax.adam(1e-3), jdls.DynamicScale()), got a loss scale "
+            f"({getattr(inner, '__name__', type(inner).__name__)})"
+        )
+    init = getattr(inner, "init", None)
+    update = getattr(inner, "update", None)
+    if callable(init) and callable(update) and not isinstance(inner, type):
+        # Objects with init/update methods, e.g. optax.MultiSteps.
+        params = inspect.signature(update).parameters.values()
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+            return optax.GradientTransformationExtraArgs(init, update)
+        return optax.with_extra_args_support(optax.GradientTransformation(init, update))
+    if callable(inner):
+        raise TypeError(
+            f"inner must be an optax transformation such as optax.adam(1e-3), got the function "
+            f"{getattr(inner, '__name__', inner)!r}: call it to build the transformation"
+        )
+    raise TypeError(
+        f"inner must be an optax transformation such as optax.adam(1e-3), got "
+        f"{type(inner).__name__}"
+    )
+
+
+def _check_state(state: Any) -> None:
+    if not isinstance(state, WrapState):
+        raise TypeError(
+            f"jdls.wrap's update expects its own WrapState, got {type(state).__name__}: "
+            "pass the state returned by this transformation's init"
+        )
+
+
+def _describe_mismatch(updates: Any, params: Any) -> str:
+    def paths(tree: Any) -> list[str]:
+        found, _ = jax.tree_util.tree_flatten_with_path(tree)
+        return [jax.tree_util.keystr(p) for p, _ in found]
+
+    u, p = paths(updates), paths(params)
+    only_u = [k for k in u if k not in set(p)]
+    only_p = [k for k in p if k not in set(u)]
+
+    def show(keys: list[str]) -> str:
+        head = ", ".join(k or "<root>" for k in keys[:5])
+        return head + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
+
+    parts = [f"gradients have {len(u)} leaves, params {len(p)}"]
+    if only_u:
+        parts.append(f"only in gradients: {show(only_u)}")
+    if only_p:
+        parts.append(f"only in params: {show(only_p)}")
+    if not only_u and not only_p:
+
+        def brief(tree: Any) -> str:
+            text = str(jax.tree_util.tree_structure(tree))
+            return text if len(text) <= 200 else text[:200] + "..."
+
+        parts.append(f"gradients: {brief(updates)}; params: {brief(params)}")
+    return "; ".join(parts)
+
+
+def _check_match(updates: Any, params: Any) -> None:
+    if params is None:
+        return
+    ours: Any = jax.tree_util.tree_structure(updates)
+    if ours != jax.tree_util.tree_structure(params):
+        raise ValueError(
+            "jdls.wrap: the gradients do not have the tree structure of the params ("
+            + _describe_mismatch(updates, params)
+            + "). Pass the gradients of the params given to tx.update."
+        )
+    grads_found, _ = jax.tree_util.tree_flatten_with_path(updates)
+    for (path, g), p in zip(grads_found, jax.tree_util.tree_leaves(params), strict=True):
+        g_shape, p_shape = np.shape(g), np.shape(p)
+        if g_shape != p_shape:
+            raise ValueError(
+                f"jdls.wrap: the gradient at {jax.tree_util.keystr(path) or '<root>'} has shape "
+                f"{g_shape} but its parameter has shape {p_shape}; pass the gradients of the "
+                "params given to tx.update (optax.apply_updates would broadcast or fail)"
+            )
+
+
+def _is_arrays(x: Any) -> bool:
+    """Whether ``x`` is a non-empty pytree of arrays (an extra argument passed as an operand)."""
+    leaves = jax.tree_util.tree_leaves(x)
+    return bool(leaves) and all(isinstance(v, jax.Array | np.ndarray) for v in leaves)

@@ -1,0 +1,77 @@
+"""The interface every scale-update rule implements.
+
+A rule is static configuration (a frozen dataclass: changing it recompiles). The changing part,
+its counters, is a small pytree of arrays that :class:`jdls.DynamicScale` carries beside the
+loss scale. ``adjust`` maps (loss scale, counters, was the step finite?) to the next pair, and
+must be pure and traceable (it runs inside ``jit``, ``vmap`` and ``lax.cond``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+
+from jdls._checks import check_positive_finite
+
+__all__ = ["Rule", "check_bounds", "check_within"]
+
+
+class Rule:
+    """Base class of the rules of :class:`jdls.DynamicScale`.
+
+    A new rule is a frozen dataclass subclass in a file of its own in ``jdls/rules/`` that
+    implements :meth:`initial_state`, :meth:`start` and :meth:`adjust` (and :meth:`check`
+    when it has a host-side error to raise); a preset is then a function choosing its
+    parameters. See docs/contributing.md.
+
+    Example:
+      >>> import jdls
+      >>> rule = jdls.rules.GrowBackoff(growth_interval=2)
+      >>> isinstance(rule, jdls.rules.Rule)
+      True
+    """
+
+    min_loss_scale: float | None = None
+    max_loss_scale: float | None = None
+
+    def initial_state(self, **counts: Any) -> Any:
+        """The rule's counters (a pytree of int32 scalars): fresh, or from ``counts``."""
+        raise NotImplementedError
+
+    def start(self, loss_scale: float) -> float:
+        """The initial loss scale the rule accepts for ``loss_scale`` (or a ValueError)."""
+        return loss_scale
+
+    def adjust(self, loss_scale: jax.Array, state: Any, finite: jax.Array) -> tuple[jax.Array, Any]:
+        """The next loss scale and counters after a step whose gradients were ``finite``."""
+        raise NotImplementedError
+
+    def check(self, loss_scale: jax.Array, state: Any) -> None:
+        """Raise on the host if the counters record an error the rule reports (default: none)."""
+        del loss_scale, state
+
+
+def check_bounds(low: float | None, high: float | None) -> None:
+    """Validate a pair of optional scale bounds: each a normal float32 > 0, low <= high."""
+    if low is not None:
+        check_positive_finite("min_loss_scale", low)
+    if high is not None:
+        check_positive_finite("max_loss_scale", high)
+    if low is not None and high is not None and low > high:
+        raise ValueError(
+            f"min_loss_scale must be <= max_loss_scale, got min_loss_scale={low!r} > "
+            f"max_loss_scale={high!r}"
+        )
+
+
+def check_within(loss_scale: float, low: float | None, high: float | None) -> None:
+    """An initial scale must lie within the rule's bounds."""
+    lo = -math.inf if low is None else low
+    hi = math.inf if high is None else high
+    if not lo <= loss_scale <= hi:
+        raise ValueError(
+            f"loss_scale must be within [min_loss_scale, max_loss_scale] = [{low!r}, {high!r}], "
+            f"got {loss_scale!r}: start inside the bounds, or widen them (None for no bound)"
+        )
