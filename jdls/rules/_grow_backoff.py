@@ -115,7 +115,9 @@ class GrowBackoff(Rule):
         if self.error_at_min_scale and self.min_loss_scale is None:
             raise ValueError("error_at_min_scale=True needs a min_loss_scale, got None")
 
-    def initial_state(self, counter: int = 0, hysteresis: int | None = None) -> GrowBackoffState:
+    def initial_state(  # type: ignore[override]
+        self, counter: int = 0, hysteresis: int | None = None
+    ) -> GrowBackoffState:
         """Counters to start from (default: a fresh run).
 
         Args:

@@ -79,7 +79,9 @@ class OverflowTolerance(Rule):
         if not (math.isfinite(tol) and tol >= 0):
             raise ValueError(f"overflow_tolerance must be >= 0, got {tol!r}")
 
-    def initial_state(self, counter: int = 0, overflows: int = 0) -> OverflowToleranceState:
+    def initial_state(  # type: ignore[override]
+        self, counter: int = 0, overflows: int = 0
+    ) -> OverflowToleranceState:
         """Counters to start from (default: a fresh run).
 
         Example:
