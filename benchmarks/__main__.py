@@ -82,6 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         for path in plot.plot_all(args.out, args.img or plot.DEFAULT_IMG, suffix):
             h.log(f"wrote {path}")
+        args.out.mkdir(parents=True, exist_ok=True)
         (args.out / f"summary{suffix}.md").write_text(plot.summary_markdown(args.out, suffix))
         return 0
     if args.suite != "all":
