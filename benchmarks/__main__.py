@@ -1,20 +1,13 @@
 """``python -m benchmarks <suite> [--quick]``: run a benchmark suite, write JSON and Markdown.
 
-Suites:
-
-* ``update``: update only, 8M float32 parameters in 64 leaves, every variant, skipped steps;
-* ``update-large``: update only, 100M parameters in 500 leaves (about 6 GiB of RAM);
-* ``step``: full train step of an 8M-parameter MLP, float16 compute, batch 256;
-* ``transformer``: full train step of a small decoder-only transformer;
-* ``compile``: compiled temporary memory and compile time, full step and update;
-* ``roofline``: achieved GB/s of the update against streaming kernels on the same bytes;
-* ``all``: every suite above, then ``summary.md`` and (unless ``--quick``) the plots;
-* ``plot``: only redraw the plots from the JSON already in ``--out``.
+The suites, and ``all`` and ``plot``, are listed by ``python -m benchmarks --help`` from
+``benchmarks/_registry.py``, the one place that names them.
 
 Each suite writes ``<out>/<suite>.json`` (every time of every round, the environment) and
-``<out>/<suite>.md``. ``--quick`` uses tiny sizes and a few rounds: a smoke test of the
-harness (CI runs it), not a measurement. ``--malloc keep`` runs with glibc keeping freed
-memory (see ``benchmarks/_harness.py``), writing ``<suite>-malloc-keep.*``.
+``<out>/<suite>.md``; ``<out>`` is ``benchmarks/results/`` unless ``--out`` says otherwise
+(not in git). ``--quick`` uses tiny sizes and a few rounds: a smoke test of the harness (CI
+runs it), not a measurement. ``--malloc keep`` runs with glibc keeping freed memory (see
+``benchmarks/_harness.py``), writing ``<suite>-malloc-keep.*``.
 """
 
 from __future__ import annotations
@@ -24,34 +17,17 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from benchmarks import _harness as h
-
-Suite = Callable[..., list[h.Section]]
-
-
-def _suites() -> dict[str, Suite]:
-    from benchmarks import bench_compile, bench_roofline, bench_step, bench_update
-
-    return {
-        "update": bench_update.suite,
-        "update-large": bench_update.suite_large,
-        "step": bench_step.suite,
-        "transformer": bench_step.suite_transformer,
-        "compile": bench_compile.suite,
-        "roofline": bench_roofline.suite,
-    }
-
-
-NAMES = ("update", "update-large", "step", "transformer", "compile", "roofline")
+from benchmarks._registry import SUITES, describe
 
 
 def run_suite(name: str, *, quick: bool, rounds: int | None, out: Path) -> list[h.Section]:
     env = h.environment()
     start = time.perf_counter()
-    sections = _suites()[name](quick=quick, rounds=rounds)
+    sections = SUITES[name].load()(quick=quick, rounds=rounds)
     seconds = time.perf_counter() - start
     stem = name + ("" if h.malloc_mode() == "default" else "-malloc-keep")
     json_path, md_path = h.write_results(
@@ -64,9 +40,17 @@ def run_suite(name: str, *, quick: bool, rounds: int | None, out: Path) -> list[
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m benchmarks", description=__doc__.splitlines()[0]
+        prog="python -m benchmarks",
+        description=__doc__.splitlines()[0],
+        epilog=describe(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("suite", choices=[*NAMES, "all", "plot"])
+    parser.add_argument(
+        "suite",
+        choices=[*SUITES, "all", "plot"],
+        metavar="SUITE",
+        help="a suite below, all, or plot",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny sizes, few rounds (CI)")
     parser.add_argument("--rounds", type=int, default=None, help="override the rounds")
     parser.add_argument(
@@ -98,6 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         for path in plot.plot_all(args.out, args.img or plot.DEFAULT_IMG, suffix):
             h.log(f"wrote {path}")
+        args.out.mkdir(parents=True, exist_ok=True)
         (args.out / f"summary{suffix}.md").write_text(plot.summary_markdown(args.out, suffix))
         return 0
     if args.suite != "all":
@@ -105,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     # One process per suite: each starts with a fresh heap and fresh caches, and the 100M
     # tree's memory goes back to the system before the next suite.
-    for name in NAMES:
+    for name in SUITES:
         cmd = [sys.executable, "-m", "benchmarks", name, "--out", str(args.out)]
         cmd += ["--quick"] if args.quick else []
         cmd += [] if args.rounds is None else ["--rounds", str(args.rounds)]

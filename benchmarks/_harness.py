@@ -31,7 +31,8 @@ from typing import Any
 
 import jax
 
-#: Where results go unless ``--out`` says otherwise.
+#: Where results go unless ``--out`` says otherwise; ignored by git (the benchmark command
+#: regenerates it), the summary that the docs cite is ``benchmarks/summary-*.md``.
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 

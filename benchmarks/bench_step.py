@@ -15,7 +15,7 @@ Workloads: an 8M-parameter MLP at batch 256 (``step``) and a small decoder-only 
 
 Each variant follows its library's documented pattern:
 
-* jdls: ``scale = jdls.get_dynamic_scale(state)``, ``scale.value_and_grad``, ``tx.update``
+* jdls: ``scale = jdls.get_scale(state)``, ``scale.value_and_grad``, ``tx.update``
   of ``jdls.wrap(adam)``, ``optax.apply_updates``;
 * Flax: ``DynamicScale.value_and_grad`` (its own check and adjustment), then
   ``jnp.where(is_fin, new, old)`` over the parameters and the optimizer state;
@@ -79,7 +79,7 @@ def jdls_method(loss: Callable[..., jax.Array], tx: optax.GradientTransformation
     """jdls: the scale lives in the optimizer state of ``jdls.wrap``."""
 
     def step(params: Any, state: Any, batch: Any) -> tuple[Any, Any, jax.Array]:
-        scale = jdls.get_dynamic_scale(state)
+        scale = jdls.get_scale(state)
         value, grads = scale.value_and_grad(loss)(params, batch)
         updates, state = tx.update(grads, state, params)
         return optax.apply_updates(params, updates), state, value

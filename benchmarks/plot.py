@@ -3,7 +3,7 @@
 ``python -m benchmarks plot [--out benchmarks/results] [--img docs/img]`` redraws
 ``perf_ratios.png`` (time ratios to the baseline, IQR whiskers, per suite) and
 ``perf_roofline.png`` (achieved GB/s against the streaming kernels); ``python -m benchmarks
-all`` also writes ``summary.md``, the issue-6 targets next to the measured values.
+all`` also writes ``summary.md``, jdls's performance targets next to the measured values.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def _rows(result: dict[str, Any] | None, section: int = 0) -> dict[str, dict[str
 
 
 def targets(out: Path, suffix: str = "") -> list[dict[str, Any]]:
-    """The issue-6 targets with the measured value of each (None where not measured)."""
+    """The performance targets with the measured value of each (None where not measured)."""
     step = _rows(load(out, "step", suffix))
     update = _rows(load(out, "update", suffix))
     large = _rows(load(out, "update-large", suffix))
@@ -112,7 +112,7 @@ def targets(out: Path, suffix: str = "") -> list[dict[str, Any]]:
 def summary_markdown(out: Path, suffix: str = "") -> str:
     rows = targets(out, suffix)
     lines = [
-        f"## Issue 6 targets{' (' + suffix.strip('-') + ')' if suffix else ''}",
+        f"## Targets{' (' + suffix.strip('-') + ')' if suffix else ''}",
         "",
         "| target | measured | limit | met |",
         "|:--|--:|--:|:--|",

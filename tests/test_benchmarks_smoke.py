@@ -3,6 +3,8 @@ well-formed JSON and Markdown for every suite (tiny sizes, a few rounds, no thre
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import json
 import math
 import os
@@ -13,7 +15,16 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SUITES = ("update", "update-large", "step", "transformer", "compile", "roofline")
+
+
+def _registry() -> object:
+    """``benchmarks/_registry.py``, the one list of suites (benchmarks/ is not installed)."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    return importlib.import_module("benchmarks._registry")
+
+
+SUITES = tuple(_registry().SUITES)  # type: ignore[attr-defined]
 
 
 @pytest.fixture(scope="module")
@@ -96,3 +107,19 @@ def test_skipped_cases_really_skip(results: Path) -> None:
     for row in rows:
         if row["label"].startswith(("jdls", "chain(jdls")):
             assert row["last_step_skipped"] is row["label"].endswith("[skipped step]")
+
+
+def test_help_lists_the_registry() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    registry = _registry()
+    for name in (*SUITES, *registry.TOOLS):  # type: ignore[attr-defined]
+        assert f"  {name}  " in proc.stdout
+    for module in registry.TOOLS:  # type: ignore[attr-defined]
+        assert importlib.util.find_spec(module) is not None, module

@@ -22,7 +22,7 @@ and the gradients divided by it (float32), and compared with the float32 gradien
 * ``err``: relative error ``||g - g32|| / ||g32||`` of the parameter gradients;
 * ``overflow``: some gradient is inf or NaN (the scale is too large for the format).
 
-Run ``python -m benchmarks.underflow_study`` (about a minute on 2 CPU cores). It writes
+Run ``python -m studies.underflow`` (about a minute on 2 CPU cores). It writes
 ``docs/underflow.md`` and ``docs/img/underflow.png``.
 """
 
@@ -336,7 +336,7 @@ elements are counted.
     return f"""# Gradient underflow: float16, cbfloat16, bfloat16
 
 Measured {date} on a 2-core CPU, jax {jax.__version__}, by
-`python -m benchmarks.underflow_study`, which writes this page and the plot; every number
+`python -m studies.underflow`, which writes this page and the plot; every number
 below comes from that run.
 
 ## Question

@@ -1,0 +1,103 @@
+"""The one list of benchmark suites and tools: ``python -m benchmarks``, its help text, ``all``,
+the smoke test (``tests/test_benchmarks_smoke.py``) and the package docstring read it.
+
+A *suite* is a function ``suite(quick=False, rounds=None) -> list[Section]`` that
+``python -m benchmarks <name>`` runs and writes to ``<out>/<name>.json`` and ``.md``; a *tool*
+is a module with its own command line (``python -m <module> --help``). Adding a suite is one
+line here. Nothing is imported until a suite runs, so reading the table is cheap.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Suite:
+    """One suite of ``python -m benchmarks``.
+
+    Attributes:
+      name: the command-line name, and the stem of its result files.
+      module: the module that defines it.
+      function: the name of ``suite(quick=False, rounds=None) -> list[Section]`` in it.
+      description: one line for the help text.
+    """
+
+    name: str
+    module: str
+    function: str
+    description: str
+
+    def load(self) -> Callable[..., list[Any]]:
+        """The suite function (imports its module, and so JAX)."""
+        return getattr(importlib.import_module(self.module), self.function)
+
+
+SUITES: dict[str, Suite] = {
+    s.name: s
+    for s in (
+        Suite(
+            "update",
+            "benchmarks.bench_update",
+            "suite",
+            "update only, 8M float32 parameters in 64 leaves, every variant, skipped steps",
+        ),
+        Suite(
+            "update-large",
+            "benchmarks.bench_update",
+            "suite_large",
+            "update only, 100M parameters in 500 leaves (about 6 GiB of RAM)",
+        ),
+        Suite(
+            "step",
+            "benchmarks.bench_step",
+            "suite",
+            "full train step of an 8M-parameter MLP, float16 compute, batch 256",
+        ),
+        Suite(
+            "transformer",
+            "benchmarks.bench_step",
+            "suite_transformer",
+            "full train step of a small decoder-only transformer",
+        ),
+        Suite(
+            "compile",
+            "benchmarks.bench_compile",
+            "suite",
+            "compiled temporary memory and compile time, full step and update",
+        ),
+        Suite(
+            "roofline",
+            "benchmarks.bench_roofline",
+            "suite",
+            "achieved GB/s of the update against streaming kernels on the same bytes",
+        ),
+    )
+}
+
+#: Modules with their own command line (not part of ``all``), by module name.
+TOOLS: dict[str, str] = {
+    "benchmarks.bench_update": "the update suite standalone, e.g. --only VARIANT... --rounds N",
+    "benchmarks.profile_ops": "per-kernel times (JAX profiler) and HLO kernel counts of variants",
+    "benchmarks.ablate_compile": "compile time of the update with parts of jdls.wrap taken out",
+    "benchmarks.bench_round": "cost of cbfloat16 rounding against a native float16 round trip",
+}
+
+
+def describe() -> str:
+    """The suites and tools as text (the epilog of ``python -m benchmarks --help``)."""
+    width = max(len(n) for n in [*SUITES, "all", "plot"])
+    lines = ["suites:"]
+    lines += [f"  {s.name:{width}}  {s.description}" for s in SUITES.values()]
+    lines += [
+        f"  {'all':{width}}  every suite above, then summary.md and (unless --quick) the plots",
+        f"  {'plot':{width}}  only redraw the plots and summary.md from the JSON in --out",
+        "",
+        "tools (python -m MODULE --help):",
+    ]
+    width = max(len(m) for m in TOOLS)
+    lines += [f"  {m:{width}}  {d}" for m, d in TOOLS.items()]
+    return "\n".join(lines)
