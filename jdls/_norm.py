@@ -32,6 +32,7 @@ __all__ = [
     "global_norm",
     "sharded_flags",
     "tree_norm",
+    "vary_like",
     "wide",
 ]
 
@@ -112,6 +113,25 @@ def sharded_flags(sharded: Any, grads: Any) -> list[bool] | None:
     return [bool(f) for f in jax.tree_util.tree_leaves(full)]
 
 
+def _varying_axes(t: Any) -> frozenset[Any]:
+    """The manual mesh axes a value varies over, inside ``shard_map`` (empty elsewhere)."""
+    mat = getattr(t, "manual_axis_type", None)  # jax >= 0.9; ``vma`` before
+    varying = getattr(mat, "varying", None) if mat is not None else getattr(t, "vma", None)
+    return frozenset(varying or ())
+
+
+def vary_like(x: Any, like: Any) -> Any:
+    """``x`` marked as varying over the axes ``like`` varies over (a no-op outside shard_map)."""
+    if not isinstance(like, jax.ShapeDtypeStruct):
+        like = jax.typeof(like)
+    missing = tuple(sorted(_varying_axes(like) - _varying_axes(jax.typeof(x)), key=str))
+    if not missing:
+        return x
+    if hasattr(lax, "pcast"):
+        return lax.pcast(x, missing, to="varying")
+    return lax.pvary(x, missing)  # type: ignore[attr-defined]  # pragma: no cover - older jax
+
+
 # --------------------------------------------------------------------------------------------
 # The norm.
 # --------------------------------------------------------------------------------------------
@@ -167,7 +187,8 @@ def _branches(
         xs, total = operands
         one = jnp.ones((), total.dtype)
         flags = jnp.zeros((len(xs),), jnp.bool_)
-        return jnp.array(True), jnp.sqrt(total), jnp.array(False), one, one, flags
+        # in shard_map, ``careful``'s scaled norm varies across devices like ``total``
+        return jnp.array(True), jnp.sqrt(total), jnp.array(False), one, vary_like(one, total), flags
 
     def careful(operands: tuple[list[jax.Array], jax.Array]) -> tuple[jax.Array, ...]:
         xs, total = operands

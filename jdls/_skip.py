@@ -14,37 +14,20 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
-__all__ = ["select", "skip_branch", "skip_value", "vary_like"]
+from jdls._norm import vary_like
 
-
-def _varying_axes(t: Any) -> frozenset[Any]:
-    """The manual mesh axes a value varies over, inside ``shard_map`` (empty elsewhere)."""
-    mat = getattr(t, "manual_axis_type", None)  # jax >= 0.9; ``vma`` before
-    varying = getattr(mat, "varying", None) if mat is not None else getattr(t, "vma", None)
-    return frozenset(varying or ())
+__all__ = ["keep_dtypes", "select", "skip_branch", "skip_value"]
 
 
-def vary_like(x: Any, like: Any) -> Any:
-    """``x`` marked as varying over the axes ``like`` varies over (a no-op outside shard_map)."""
-    if not isinstance(like, jax.ShapeDtypeStruct):
-        like = jax.typeof(like)
-    missing = tuple(sorted(_varying_axes(like) - _varying_axes(jax.typeof(x)), key=str))
-    if not missing:
-        return x
-    if hasattr(lax, "pcast"):
-        return lax.pcast(x, missing, to="varying")
-    return lax.pvary(x, missing)  # type: ignore[attr-defined]  # pragma: no cover - older jax
-
-
-def skip_value(s: jax.ShapeDtypeStruct) -> jax.Array:
+def skip_value(s: Any) -> jax.Array:
     """The update of a skipped step for one leaf: ``-0.0`` (zero for non-float leaves)."""
     if s.dtype == jax.dtypes.float0:
         return np.zeros(s.shape, jax.dtypes.float0)  # type: ignore[return-value]
-    if jnp.issubdtype(s.dtype, jnp.inexact):
-        return vary_like(jnp.full(s.shape, -0.0, s.dtype), s)
-    return vary_like(jnp.zeros(s.shape, s.dtype), s)
+    fill: complex = -0.0 if jnp.issubdtype(s.dtype, jnp.inexact) else 0
+    if jnp.issubdtype(s.dtype, jnp.complexfloating):
+        fill = complex(-0.0, -0.0)  # both parts: p + u keeps a -0.0 imaginary part too
+    return vary_like(jnp.full_like(s, fill), s)  # full_like keeps an explicit sharding
 
 
 def skip_branch(
@@ -71,3 +54,25 @@ def select(finite: jax.Array, computed: tuple[Any, Any], old_state: Any) -> tupl
         lambda new, old: jnp.where(finite, new, old).astype(new.dtype), state, old_state
     )
     return updates, state
+
+
+def keep_dtypes(new_state: Any, old_state: Any) -> Any:
+    """``new_state`` with each float leaf cast back to the dtype it had in ``old_state``.
+
+    Unscaled gradients are float32 while a bfloat16 or float16 model's optimizer state starts
+    in the parameter dtype; the inner update would promote the state, and the two branches of
+    ``lax.cond`` (like the carry of a ``lax.scan``) must keep one type.
+    """
+
+    def cast(new: Any, old: Any) -> Any:
+        old_dtype, new_dtype = getattr(old, "dtype", None), getattr(new, "dtype", None)
+        if old_dtype is None or new_dtype is None or old_dtype == new_dtype:
+            return new
+        if jnp.issubdtype(old_dtype, jnp.inexact) and jnp.issubdtype(new_dtype, jnp.inexact):
+            return new.astype(old_dtype)
+        return new
+
+    try:
+        return jax.tree_util.tree_map(cast, new_state, old_state)
+    except ValueError:  # the inner state changed structure: leave it to lax.cond to report
+        return new_state

@@ -36,7 +36,7 @@ from jdls._norm import (
     tree_norm,
 )
 from jdls._scale import DynamicScale, LossScale, check_scale
-from jdls._skip import select, skip_branch
+from jdls._skip import keep_dtypes, select, skip_branch
 from jdls._stats import Stats, WrapState
 
 __all__ = ["wrap"]
@@ -167,7 +167,11 @@ def wrap(
             tree = FloatLeaves(leaves, treedef, float_idx)
             if max_norm is not None:  # in the branch: fused into inner, skipped steps skip it
                 tree = clip_by_norm(tree, n, max_norm, fused=True)
-            return inner_tx.update(tree.unflatten(), inner_state, params, **dynamic, **dict(static))
+            grads = tree.unflatten()
+            updates, new_state = inner_tx.update(
+                grads, inner_state, params, **dynamic, **dict(static)
+            )
+            return updates, keep_dtypes(new_state, inner_state)
 
         return apply
 
