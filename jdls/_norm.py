@@ -3,7 +3,7 @@
 One sum of squares (in float32 or wider) does two jobs: it is finite exactly when every
 element is finite and the sum did not overflow, and its square root is the global norm, as
 ``optax.clip_by_global_norm`` computes it. When the sum is not finite, a second pass inside a
-``lax.cond`` (free on ordinary steps) sums the squares of the gradients times ``2**-96``,
+``lax.cond`` (free on ordinary steps) sums the squares of the gradients times ``2**-96`` (``2**-768`` in float64),
 which cannot overflow: a leaf's scaled sum is finite exactly when all its elements are, and
 when all are, the scaled sum gives the norm. ``jdls.clip`` and ``jdls.wrap`` both use it;
 docs/optax.md explains the choices.
@@ -38,7 +38,12 @@ __all__ = [
 
 AxisName = Hashable
 _F32 = jnp.float32
-_DOWN, _UP = 2.0**-96, 2.0**96  # exact scalings of the overflow pass
+
+
+def _down_exponent(dtype: Any) -> int:
+    """``k`` such that squares of elements times ``2**-k`` cannot overflow ``dtype``: 96 for
+    float32 (``|g| < 2**128``), 768 for float64 (``|g| < 2**1024``)."""
+    return 3 * int(jnp.finfo(dtype).maxexp) // 4
 
 
 # --------------------------------------------------------------------------------------------
@@ -163,7 +168,7 @@ class GlobalNorm(NamedTuple):
     finite: jax.Array  # every float element is finite
     norm: jax.Array  # global L2 norm; inf above the dtype's max or with an inf; NaN with a NaN
     robust: jax.Array  # the sum of squares overflowed: clip with ``down`` and ``scaled_norm``
-    down: jax.Array  # 2**-96 when robust (a runtime value: XLA must not fold it)
+    down: jax.Array  # 2**-96 (float32) when robust (a runtime value: XLA must not fold it)
     scaled_norm: jax.Array  # the norm of the gradients multiplied by ``down``
     leaf_nonfinite: jax.Array | None  # bool[number of float leaves], when asked for
 
@@ -192,14 +197,17 @@ def _branches(
 
     def careful(operands: tuple[list[jax.Array], jax.Array]) -> tuple[jax.Array, ...]:
         xs, total = operands
-        down = jnp.asarray(_DOWN, total.dtype)
-        sums = [_square_sum(wide(x) * down.astype(wide(x).dtype)) for x in xs]
+        k = _down_exponent(total.dtype)
+        down = jnp.asarray(2.0**-k, total.dtype)
+        sums = [
+            _square_sum(x.astype(jnp.promote_types(wide(x).dtype, total.dtype)) * down) for x in xs
+        ]
         flags = ~jnp.isfinite(jnp.stack(sums))
         if axis_name is not None:
             flags = lax.pmax(flags.astype(jnp.int32), axis_name) > 0
         finite = ~jnp.any(flags)
         scaled = jnp.sqrt(reduce(sums))
-        norm = jnp.where(finite, scaled * _UP, jnp.sqrt(total))  # may overflow to inf: right
+        norm = jnp.where(finite, scaled * 2.0**k, jnp.sqrt(total))  # may overflow to inf: right
         return finite, norm, finite, down, scaled, flags
 
     return reduce, usual, careful
@@ -274,6 +282,7 @@ def clip_by_norm(
     ``fused=True`` (``jdls.wrap(max_norm=...)``): ``g * a * b`` with two scalars, so that XLA
     fuses it into every consumer instead of writing the clipped gradients out; it may differ
     from optax's result in the last bit. On the overflow path both multiply by ``2**-96``
+    (``2**-768`` in float64)
     first: XLA rewrites ``g / norm`` into ``g * (1 / norm)``, and ``1 / norm`` of a huge norm
     is subnormal, flushed to zero.
     """
@@ -284,11 +293,11 @@ def clip_by_norm(
         a = jnp.where(keep | ~n.robust, one, n.down)
         b = jnp.where(keep, one, max_norm / jnp.where(n.robust, n.scaled_norm, n.norm))
         for g in tree.floats:
-            x = wide(g)
-            out.append(((x * a.astype(x.dtype)) * b.astype(x.dtype)).astype(g.dtype))
+            x = g.astype(jnp.promote_types(wide(g).dtype, a.dtype))  # float64 with x64 only
+            out.append(((x * a) * b.astype(x.dtype)).astype(g.dtype))
         return tree.with_floats(out)
     for g in tree.floats:
-        x = wide(g)
+        x = g.astype(jnp.promote_types(wide(g).dtype, n.norm.dtype))
         usual = (x / n.norm.astype(x.dtype)) * max_norm  # optax's expression, for equal results
         robust = (x * n.down.astype(x.dtype)) * (max_norm / n.scaled_norm).astype(x.dtype)
         out.append(jnp.where(keep, x, jnp.where(n.robust, robust, usual)).astype(g.dtype))
