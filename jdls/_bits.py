@@ -1,13 +1,15 @@
 """The exact kernels of emulated float formats: round, encode and decode.
 
-Every kernel takes the format as ``(e, m, bias)`` (exponent bits, mantissa bits, bias). They
-work on float32 bit patterns with integer operations only, so XLA's flush-to-zero of float32
-subnormals never touches them. How and why they are exact: docs/formats.md, "How it is exact".
+Every kernel takes the format as ``(e, m, bias)`` (exponent bits, mantissa bits, bias). The
+device kernels work on float32 bit patterns with integer operations only, so XLA's
+flush-to-zero of float32 subnormals never touches them; :func:`round_float64` rounds float64
+values on the host. How and why they are exact: docs/formats.md, "How it is exact".
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -16,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = ["from_bits_fn", "round_fn", "storage_dtype", "to_bits_fn"]
+__all__ = ["from_bits_fn", "round_float64", "round_fn", "storage_dtype", "to_bits_fn"]
 
 _U32 = jnp.uint32
 _F32_ABS = 0x7FFFFFFF
@@ -33,7 +35,30 @@ def storage_dtype(nbits: int) -> np.dtype:
 
 
 # --------------------------------------------------------------------------------------------
-# All constants are Python ints derived from (e, m, bias); the
+# Host: float64 values, rounded once.
+# --------------------------------------------------------------------------------------------
+
+
+def round_float64(x: Any, e: int, m: int, bias: int) -> np.ndarray:
+    """Rounds float64 values to the format exactly (ties to even) on the host; float32 out.
+
+    ``x / quantum`` is a power-of-two scaling (exact) to an integer part below ``2**(m + 1)``,
+    so ``np.rint`` rounds it exactly: one rounding, no float32 in between.
+    """
+    x = np.asarray(x, np.float64)
+    finite = np.isfinite(x)
+    xf = np.where(finite, x, 0.0)
+    _, exp = np.frexp(xf)  # |x| = f * 2**exp with 0.5 <= f < 1 (exp = 0 for zeros)
+    q = np.maximum(exp - 1, 1 - bias) - m  # log2 of the quantum; subnormals: 2**(emin - m)
+    with np.errstate(over="ignore"):
+        r = np.ldexp(np.rint(np.ldexp(xf, -q)), q)
+    largest = math.ldexp(2.0 - 2.0**-m, 2**e - 2 - bias)
+    r = np.where(np.abs(r) > largest, np.copysign(np.inf, xf), r)
+    return np.where(finite, r, x).astype(np.float32)  # exact: the values are float32 values
+
+
+# --------------------------------------------------------------------------------------------
+# Device: float32 bit patterns. All constants are Python ints derived from (e, m, bias); the
 # functions are cached per format so each format is traced once per shape.
 # --------------------------------------------------------------------------------------------
 

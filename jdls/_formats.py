@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from jdls._bits import from_bits_fn, round_fn, storage_dtype, to_bits_fn
+from jdls._bits import from_bits_fn, round_float64, round_fn, storage_dtype, to_bits_fn
 from jdls._checks import I32_MAX, check_int, is_float_array
 from jdls._finfo import FormatInfo, format_info
 
@@ -150,7 +150,7 @@ class FloatFormat:
     # -- conversions -----------------------------------------------------------------------
 
     def round(self, x: Any) -> jax.Array:
-        """Rounds float32 values to the nearest value of this format.
+        """Rounds values to the nearest value of this format.
 
         Round to nearest, ties to even; values at or beyond the overflow threshold
         ``(2 - 2**-(mantissa_bits + 1)) * 2**emax`` become ``+-inf``; gradual underflow
@@ -159,14 +159,16 @@ class FloatFormat:
         ``jax.vmap``; its derivative is the identity (straight-through).
 
         Args:
-          x: floating-point array or Python float. float16 and bfloat16 inputs are converted
-            to float32 first (exactly); float64 is rejected (that would round twice).
+          x: a float32, float16 or bfloat16 array (the latter two converted to float32
+            exactly), or a Python float or list of them (or a ``np.float64`` scalar), which
+            is rounded once, exactly, from its float64 value on the host. float64 arrays
+            are rejected: convert them to float32 first.
 
         Returns:
           A float32 array of the same shape holding values of this format.
 
         Raises:
-          TypeError: ``x`` is not floating-point, or is float64.
+          TypeError: ``x`` is not floating-point, or is a float64 array.
 
         Example:
           >>> import jax.numpy as jnp
@@ -176,12 +178,17 @@ class FloatFormat:
           [2.0, 0.0]
           >>> float(jdls.cbfloat16.round(x)[0])
           1.0
+          >>> float(jdls.FloatFormat(5, 10).round(1 + 2**-11 + 2**-40))  # not a tie in float64
+          1.0009765625
         """
         e, m, bias = self.exponent_bits, self.mantissa_bits, self.bias
+        host = _as_float64(x)
+        if host is not None:
+            return jnp.asarray(round_float64(host, e, m, bias))
         return round_fn(e, m, bias)(_as_float32(x, "round"))
 
     def to_bits(self, x: Any) -> jax.Array:
-        """Encodes float32 values in this format (after rounding them with :meth:`round`).
+        """Encodes values in this format (after rounding them with :meth:`round`).
 
         NaN is encoded as the canonical quiet NaN: sign 0, all-ones exponent, mantissa with
         only its top bit set (``0x7E00`` for float16 as in numpy; ``0x7F00`` for cbfloat16).
@@ -200,6 +207,8 @@ class FloatFormat:
           >>> hex(int(jdls.FloatFormat(5, 10).to_bits(-2.0)))
           '0xc000'
         """
+        if _as_float64(x) is not None:
+            x = self.round(x)  # rounded once on the host; to_bits keeps it as it is
         fn = to_bits_fn(self.exponent_bits, self.mantissa_bits, self.bias)
         return fn(_as_float32(x, "to_bits"))
 
@@ -231,6 +240,20 @@ class FloatFormat:
                 f"got dtype {arr.dtype}"
             )
         return from_bits_fn(self.exponent_bits, self.mantissa_bits, self.bias)(arr)
+
+
+def _as_float64(x: Any) -> np.ndarray | None:
+    """``x`` as a float64 array if it is a Python float or a list of them, else None."""
+    if isinstance(x, float):  # np.float64 too
+        return np.asarray(x, np.float64)
+    if isinstance(x, list | tuple):
+        try:
+            arr = np.asarray(x)
+        except (TypeError, ValueError):  # e.g. a list of tracers: jnp.asarray handles it
+            return None
+        if arr.dtype == np.float64:
+            return arr
+    return None
 
 
 def _as_float32(x: Any, what: str) -> jax.Array:
