@@ -2,8 +2,9 @@
 
 from jdls import presets
 from jdls._clip import clip
+from jdls._finfo import FormatInfo
 from jdls._flax import TrainState, nnx_value_and_grad, set_nnx_dynamic_scale
-from jdls._formats import FloatFormat, FormatInfo, cbfloat16, compress, decompress, finfo
+from jdls._formats import FloatFormat, cbfloat16, compress, decompress, finfo
 from jdls._optax import wrap
 from jdls._policy import Policy, get_policy
 from jdls._scale import (
