@@ -3,7 +3,8 @@
 from jdls import presets, rules
 from jdls._clip import clip
 from jdls._flax import TrainState, nnx_value_and_grad, set_nnx_scale
-from jdls._formats import FloatFormat, FormatInfo, cbfloat16, compress, decompress, finfo
+from jdls._finfo import FormatInfo
+from jdls._formats import FloatFormat, cbfloat16, compress, decompress, finfo
 from jdls._policy import Policy, get_policy
 from jdls._scale import DynamicScale, LossScale, NoOpScale, StaticScale, all_finite
 from jdls._stats import Stats, WrapState, get_scale, nonfinite_paths, set_scale, stats

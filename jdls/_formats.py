@@ -1,82 +1,28 @@
-"""IEEE-754 style float formats, emulated exactly with integer operations on float32 bits.
+"""Emulated float formats: :class:`FloatFormat`, :data:`cbfloat16`, finfo and 16-bit storage.
 
-A :class:`FloatFormat` describes a binary floating-point format with one sign bit,
-``exponent_bits`` exponent bits and ``mantissa_bits`` explicit mantissa bits, laid out and
-interpreted as IEEE-754 does: exponent bias ``2**(exponent_bits - 1) - 1`` unless given,
-subnormals (gradual underflow), signed zeros, ``+-inf`` (all-ones exponent, zero mantissa) and
-NaN (all-ones exponent, non-zero mantissa). Values live in ordinary float32 arrays;
-:meth:`FloatFormat.round` snaps them to the format's grid.
-
-How the emulation works (``round``):
-
-* The float32 bit pattern is split into sign, biased exponent ``E`` and significand. Rounding
-  to ``mantissa_bits`` bits is an integer rounding of the significand (round half to even) at
-  a bit position ``k`` that is ``23 - mantissa_bits`` for the format's normal numbers and grows
-  by one per binade below the format's smallest normal number, so that the absolute quantum
-  there is the format's smallest subnormal (gradual underflow).
-* A carry out of the significand moves into the exponent field, as in hardware; a result
-  beyond the largest finite value becomes ``inf``. NaN is returned unchanged.
-* Nothing uses float32 arithmetic, so the result does not depend on the floating-point
-  environment: XLA on CPU treats float32 subnormals as zero in arithmetic
-  (denormals-are-zero / flush-to-zero), but bit operations see the true bit pattern.
-
-Which formats are accepted (the exact rule): ``2 <= exponent_bits <= 8``,
-``1 <= mantissa_bits <= 23`` and a bias such that every *normal* number of the format is a
-normal float32 number, i.e. ``emin = 1 - bias >= -126`` and
-``emax = 2**exponent_bits - 2 - bias <= 127``. Then every value of the format, subnormals
-included, is exactly a float32 value, and ``round``, ``to_bits`` and ``from_bits`` are exact.
-With the default bias this holds for every ``exponent_bits <= 8``; with ``exponent_bits == 8``
-the bias must be 127.
-
-When the format's smallest subnormal is below float32's smallest normal ``2**-126`` (only
-formats with ``emin - mantissa_bits < -126``, e.g. bfloat16 = ``FloatFormat(8, 7)``), those
-subnormals are float32 *subnormals*. ``round``/``to_bits``/``from_bits`` still produce them
-exactly (bit patterns), but later float32 arithmetic on XLA CPU flushes them to zero, as it
-does for native bfloat16 arithmetic. Formats with ``emin - mantissa_bits >= -126`` (float16,
-cbfloat16, all float8 formats) never meet this: their subnormals are normal float32 numbers.
+A :class:`FloatFormat` is an IEEE-754 style binary format (sign, exponent, mantissa bits;
+subnormals, signed zeros, inf and NaN) whose values live in float32 arrays; the rounding,
+encoding and decoding kernels are in ``jdls._bits``. How the emulation is exact, which formats
+are accepted and where float32 subnormals meet XLA's flush-to-zero: docs/formats.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
-from collections.abc import Callable
 from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-from jax import lax
 
-__all__ = [
-    "FloatFormat",
-    "FormatInfo",
-    "cbfloat16",
-    "compress",
-    "decompress",
-    "finfo",
-]
+from jdls._bits import from_bits_fn, round_float64, round_fn, storage_dtype, to_bits_fn
+from jdls._checks import I32_MAX, check_int, is_float_array
+from jdls._finfo import FormatInfo, format_info
+
+__all__ = ["FloatFormat", "cbfloat16", "compress", "decompress", "finfo"]
 
 T = TypeVar("T")
-
-_U32 = jnp.uint32
-_F32_ABS = 0x7FFFFFFF
-_F32_SIGN = 0x80000000
-_F32_INF = 0x7F800000
-_F32_QNAN = 0x7FC00000
-
-
-# --------------------------------------------------------------------------------------------
-# The format.
-# --------------------------------------------------------------------------------------------
-
-
-def _check_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
-        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
-    return int(value)
 
 
 @dataclasses.dataclass(frozen=True, init=False)
@@ -102,7 +48,7 @@ class FloatFormat:
 
     Raises:
       TypeError: an argument is not an int (or, for ``name``, not a str).
-      ValueError: the format is outside what float32 can emulate exactly (see above).
+      ValueError: an argument is outside the ranges above (float32 could not hold the format).
 
     References:
       IEEE Std 754-2019, Standard for Floating-Point Arithmetic (binary interchange formats,
@@ -132,8 +78,9 @@ class FloatFormat:
         bias: int | None = None,
         name: str | None = None,
     ) -> None:
-        e = _check_int("exponent_bits", exponent_bits)
-        m = _check_int("mantissa_bits", mantissa_bits)
+        # check_int checks the type; the ranges are checked below, with their reasons.
+        e = check_int("exponent_bits", exponent_bits, -I32_MAX)
+        m = check_int("mantissa_bits", mantissa_bits, -I32_MAX)
         if e < 2:
             raise ValueError(
                 f"exponent_bits must be >= 2 (one exponent code for subnormals, one for "
@@ -154,7 +101,7 @@ class FloatFormat:
                 f"mantissa_bits must be <= 23: float32, which holds the emulated values, has "
                 f"23 mantissa bits, got {m}"
             )
-        b = 2 ** (e - 1) - 1 if bias is None else _check_int("bias", bias)
+        b = 2 ** (e - 1) - 1 if bias is None else check_int("bias", bias, -I32_MAX)
         lo, hi = 2**e - 129, 127
         if not lo <= b <= hi:
             raise ValueError(
@@ -183,10 +130,7 @@ class FloatFormat:
     @property
     def storage_dtype(self) -> np.dtype:
         """The smallest unsigned integer dtype that holds an encoding (uint8/uint16/uint32)."""
-        for dtype in (np.uint8, np.uint16, np.uint32):
-            if self.bits <= 8 * np.dtype(dtype).itemsize:
-                return np.dtype(dtype)
-        raise AssertionError("unreachable: bits <= 32")  # pragma: no cover
+        return storage_dtype(self.bits)
 
     @property
     def emin(self) -> int:
@@ -201,29 +145,30 @@ class FloatFormat:
     @property
     def finfo(self) -> FormatInfo:
         """Machine limits of the format, with the attributes of ``ml_dtypes.finfo``."""
-        return _format_info(self)
+        return format_info(self)
 
     # -- conversions -----------------------------------------------------------------------
 
     def round(self, x: Any) -> jax.Array:
-        """Rounds float32 values to the nearest value of this format.
+        """Rounds values to the nearest value of this format.
 
         Round to nearest, ties to even; values at or beyond the overflow threshold
-        ``(2 - 2**-(mantissa_bits + 1)) * 2**emax`` become ``+-inf`` (IEEE-754 rounding);
-        gradual underflow through subnormals; signed zeros kept; NaN returned unchanged.
-        Implemented with integer operations on the float32 bit pattern, so it is exact
-        on every backend (no float32 subnormal arithmetic is involved). It works under
-        ``jax.jit`` and ``jax.vmap``; its derivative is the identity (straight-through).
+        ``(2 - 2**-(mantissa_bits + 1)) * 2**emax`` become ``+-inf``; gradual underflow
+        through subnormals; signed zeros kept; NaN returned unchanged. Exact on every
+        backend (integer operations on the float32 bit pattern); works under ``jax.jit`` and
+        ``jax.vmap``; its derivative is the identity (straight-through).
 
         Args:
-          x: floating-point array or Python float. float16 and bfloat16 inputs are converted
-            to float32 first (exactly); float64 is rejected (that would round twice).
+          x: a float32, float16 or bfloat16 array (the latter two converted to float32
+            exactly), or a Python float or list of them (or a ``np.float64`` scalar), which
+            is rounded once, exactly, from its float64 value on the host. float64 arrays
+            are rejected: convert them to float32 first.
 
         Returns:
           A float32 array of the same shape holding values of this format.
 
         Raises:
-          TypeError: ``x`` is not floating-point, or is float64.
+          TypeError: ``x`` is not floating-point, or is a float64 array.
 
         Example:
           >>> import jax.numpy as jnp
@@ -233,18 +178,23 @@ class FloatFormat:
           [2.0, 0.0]
           >>> float(jdls.cbfloat16.round(x)[0])
           1.0
+          >>> float(jdls.FloatFormat(5, 10).round(1 + 2**-11 + 2**-40))  # not a tie in float64
+          1.0009765625
         """
-        return _round_fn(self.exponent_bits, self.mantissa_bits, self.bias)(_as_float32(x, "round"))
+        e, m, bias = self.exponent_bits, self.mantissa_bits, self.bias
+        host = _as_float64(x)
+        if host is not None:
+            return jnp.asarray(round_float64(host, e, m, bias))
+        return round_fn(e, m, bias)(_as_float32(x, "round"))
 
     def to_bits(self, x: Any) -> jax.Array:
-        """Encodes float32 values in this format (after rounding them with :meth:`round`).
+        """Encodes values in this format (after rounding them with :meth:`round`).
 
         NaN is encoded as the canonical quiet NaN: sign 0, all-ones exponent, mantissa with
-        only its top bit set (``0x7E00`` for float16 as in numpy; ``0x7F00`` =
-        ``0 111111 100000000`` for cbfloat16). The sign and payload of a NaN are not kept.
+        only its top bit set (``0x7E00`` for float16 as in numpy; ``0x7F00`` for cbfloat16).
 
         Args:
-          x: floating-point array or Python float (as for :meth:`round`).
+          x: as for :meth:`round`.
 
         Returns:
           An array of :attr:`storage_dtype` (uint16 for 16-bit formats, uint8 for 8-bit ones)
@@ -257,7 +207,9 @@ class FloatFormat:
           >>> hex(int(jdls.FloatFormat(5, 10).to_bits(-2.0)))
           '0xc000'
         """
-        fn = _to_bits_fn(self.exponent_bits, self.mantissa_bits, self.bias)
+        if _as_float64(x) is not None:
+            x = self.round(x)  # rounded once on the host; to_bits keeps it as it is
+        fn = to_bits_fn(self.exponent_bits, self.mantissa_bits, self.bias)
         return fn(_as_float32(x, "to_bits"))
 
     def from_bits(self, bits: Any) -> jax.Array:
@@ -287,7 +239,21 @@ class FloatFormat:
                 f"from_bits expects an integer array of encodings (e.g. {self.storage_dtype}), "
                 f"got dtype {arr.dtype}"
             )
-        return _from_bits_fn(self.exponent_bits, self.mantissa_bits, self.bias)(arr)
+        return from_bits_fn(self.exponent_bits, self.mantissa_bits, self.bias)(arr)
+
+
+def _as_float64(x: Any) -> np.ndarray | None:
+    """``x`` as a float64 array if it is a Python float or a list of them, else None."""
+    if isinstance(x, float):  # np.float64 too
+        return np.asarray(x, np.float64)
+    if isinstance(x, list | tuple):
+        try:
+            arr = np.asarray(x)
+        except (TypeError, ValueError):  # e.g. a list of tracers: jnp.asarray handles it
+            return None
+        if arr.dtype == np.float64:
+            return arr
+    return None
 
 
 def _as_float32(x: Any, what: str) -> jax.Array:
@@ -312,239 +278,16 @@ def _as_float32(x: Any, what: str) -> jax.Array:
 
 
 # --------------------------------------------------------------------------------------------
-# The bit manipulations. All constants are Python ints derived from (e, m, bias); the
-# functions are cached per format so each format is traced once per shape.
-# --------------------------------------------------------------------------------------------
-
-
-def _consts(e: int, m: int, bias: int) -> tuple[int, int, int]:
-    """Returns (k0, emin_f, max_bits): float32 bits dropped for normals, float32 biased
-    exponent of the smallest normal, float32 bit pattern of the largest finite value."""
-    k0 = 23 - m
-    emin_f = 128 - bias  # = (1 - bias) + 127, >= 1 by the bias rule
-    emax_f = (2**e - 2 - bias) + 127  # <= 254
-    max_bits = (emax_f << 23) | (((1 << m) - 1) << k0)
-    return k0, emin_f, max_bits
-
-
-def _u32(v: int) -> jax.Array:
-    return jnp.asarray(v, _U32)
-
-
-def _split(a: jax.Array, k0: int, emin_f: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """For |x| bits ``a``: returns (base, sig, k) with ``a == base + sig``, where ``sig`` is the
-    significand (implicit bit included) at exponent ``max(E, 1)`` and ``k`` the number of low
-    significand bits below the format's quantum at that exponent (clamped to 25)."""
-    e_eff = jnp.maximum(a >> 23, _u32(1))
-    base = (e_eff - _u32(1)) << 23
-    sig = a - base
-    below = _u32(emin_f) - jnp.minimum(e_eff, _u32(emin_f))  # binades below the smallest normal
-    k = jnp.minimum(below + _u32(k0), _u32(25))
-    return base, sig, k
-
-
-def _round_bits(u: jax.Array, e: int, m: int, bias: int) -> jax.Array:
-    """Rounds float32 bit patterns ``u`` (uint32) to the format; returns uint32 bit patterns."""
-    k0, emin_f, max_bits = _consts(e, m, bias)
-    a = u & _u32(_F32_ABS)
-    sign = u ^ a
-    base, sig, k = _split(a, k0, emin_f)
-    mask = (_u32(1) << k) - _u32(1)
-    lsb = (sig >> k) & _u32(1)
-    if k0 == 0:  # 23-bit mantissa: normal numbers need no rounding (k == 0)
-        lsb = lsb & jnp.minimum(k, _u32(1))
-    sig_r = (sig + (mask >> 1) + lsb) & ~mask  # round half to even at bit k
-    out = jnp.where(sig_r == 0, _u32(0), base + sig_r)
-    # Overflow (and inf, NaN): finite values beyond max_bits become inf; NaN (a > inf) stays.
-    out = jnp.where(out > _u32(max_bits), jnp.maximum(a, _u32(_F32_INF)), out)
-    return sign | out
-
-
-def _encode(r: jax.Array, e: int, m: int, bias: int) -> jax.Array:
-    """Encodes rounded float32 bit patterns ``r`` (uint32); returns uint32 encodings."""
-    k0, emin_f, _ = _consts(e, m, bias)
-    a = r & _u32(_F32_ABS)
-    sign = (r >> 31) << (e + m)
-    base, sig, k = _split(a, k0, emin_f)
-    e_eff = (base >> 23) + _u32(1)
-    # Normal: exponent field E - emin_f + 1, mantissa sig >> k0 (its implicit bit adds the 1).
-    # Subnormal (E < emin_f): exponent field 0, mantissa sig >> k.
-    field = (e_eff - jnp.minimum(e_eff, _u32(emin_f))) << m
-    enc = sign | (field + (sig >> k))
-    inf_code = ((1 << e) - 1) << m
-    nan_code = inf_code | (1 << (m - 1))
-    special = jnp.where(a == _u32(_F32_INF), sign | _u32(inf_code), _u32(nan_code))
-    return jnp.where(a >= _u32(_F32_INF), special, enc)
-
-
-def _decode(b: jax.Array, e: int, m: int, bias: int) -> jax.Array:
-    """Decodes uint32 encodings ``b``; returns float32 bit patterns (uint32)."""
-    k0, emin_f, _ = _consts(e, m, bias)
-    emask = (1 << e) - 1
-    ef = (b >> m) & _u32(emask)
-    mf = b & _u32((1 << m) - 1)
-    sign = ((b >> (e + m)) & _u32(1)) << 31
-    normal = ((ef + _u32(emin_f - 1)) << 23) | (mf << k0)
-    special = jnp.where(mf == 0, _u32(_F32_INF), _u32(_F32_QNAN) | (mf << k0))
-    # Subnormal value mf * 2**t. Below 2**-125 float32 bit patterns are linear in the value
-    # (bits = value * 2**149); above, normalise with an exact int -> float32 conversion and
-    # add t to the exponent field. Which applies is decided per format where possible.
-    t = emin_f - 127 - m
-    lin_limit = -125 - t  # mf < 2**lin_limit  <=>  mf * 2**t < 2**-125
-    lin = mf << (t + 149)
-    if lin_limit >= m:
-        sub = lin
-    else:
-        as_float = lax.bitcast_convert_type(mf.astype(jnp.int32).astype(jnp.float32), _U32)
-        scaled = as_float + _u32((t << 23) & 0xFFFFFFFF)
-        sub = jnp.where(mf < _u32(1 << max(lin_limit, 0)), lin, scaled)
-    out = jnp.where(ef == _u32(emask), special, jnp.where(ef == 0, sub, normal))
-    return sign | out
-
-
-@functools.cache
-def _round_fn(e: int, m: int, bias: int) -> Callable[[jax.Array], jax.Array]:
-    @jax.custom_jvp
-    def rnd(x: jax.Array) -> jax.Array:
-        u = lax.bitcast_convert_type(x, _U32)
-        return lax.bitcast_convert_type(_round_bits(u, e, m, bias), jnp.float32)
-
-    @rnd.defjvp
-    def _rnd_jvp(primals: tuple[jax.Array], tangents: tuple[jax.Array]) -> Any:
-        (x,), (t,) = primals, tangents
-        return rnd(x), t  # straight-through
-
-    return jax.jit(rnd)
-
-
-@functools.cache
-def _to_bits_fn(e: int, m: int, bias: int) -> Callable[[jax.Array], jax.Array]:
-    storage = FloatFormat(e, m, bias).storage_dtype
-
-    def to_bits(x: jax.Array) -> jax.Array:
-        u = lax.bitcast_convert_type(x, _U32)
-        return _encode(_round_bits(u, e, m, bias), e, m, bias).astype(storage)
-
-    return jax.jit(to_bits)
-
-
-@functools.cache
-def _from_bits_fn(e: int, m: int, bias: int) -> Callable[[jax.Array], jax.Array]:
-    nbits = 1 + e + m
-
-    def from_bits(b: jax.Array) -> jax.Array:
-        b32 = b.astype(_U32) & _u32((1 << nbits) - 1)
-        return lax.bitcast_convert_type(_decode(b32, e, m, bias), jnp.float32)
-
-    return jax.jit(from_bits)
-
-
-# --------------------------------------------------------------------------------------------
 # cbfloat16 and machine limits.
 # --------------------------------------------------------------------------------------------
 
 cbfloat16 = FloatFormat(6, 9, name="cbfloat16")
 """Cerebras CB16: 1 sign, 6 exponent, 9 mantissa bits, **bias 31 (assumed)**.
 
-Cerebras documents the bit widths but not the bias or the special values; jdls assumes the
-IEEE-754 reading (bias ``2**5 - 1 = 31``, subnormals, inf/NaN), which matches Cerebras'
-default maximum loss scale of 2**31 for cbfloat16. Then the largest finite value is
-``(2 - 2**-9) * 2**31``, the smallest normal ``2**-30``, the smallest subnormal ``2**-39``.
-For another bias use ``jdls.FloatFormat(6, 9, bias=..., name=...)``.
-
-Reference: Cerebras documentation, "Data formats" (CB16 half-precision).
+Cerebras documents the bit widths only; jdls assumes the IEEE-754 reading (bias 31,
+subnormals, inf/NaN): docs/formats.md, "cbfloat16 and its bias". For another bias use
+``jdls.FloatFormat(6, 9, bias=..., name=...)``.
 """
-
-
-@dataclasses.dataclass(frozen=True)
-class FormatInfo:
-    """Machine limits of a :class:`FloatFormat`, with the attributes of ``ml_dtypes.finfo``.
-
-    Values are float32 scalars (every value of the format is exactly a float32).
-    ``precision`` and ``resolution`` follow numpy's definition, ``precision =
-    int(-log10(eps))`` and ``resolution = 10**-precision`` rounded to the format; ml_dtypes
-    hard-codes ``precision = 1`` for its float8 types, where this gives 0 for e4m3 and e5m2.
-
-    Attributes:
-      bits: total bits. nexp / iexp: exponent bits. nmant: mantissa bits.
-      max / min: largest / most negative finite value. eps: ``2**-nmant``, the gap between
-        1 and the next value. epsneg: ``2**-(nmant + 1)``, the gap below 1.
-      smallest_normal / tiny: ``2**minexp``. smallest_subnormal: ``2**(minexp - nmant)``.
-      machep / negep: exponents of eps / epsneg. minexp: exponent of the smallest normal.
-      maxexp: the smallest power of 2 that overflows (``emax + 1``).
-      precision / resolution: approximate decimal digits and ``10**-precision``.
-      dtype: the :class:`FloatFormat`. name: its name.
-
-    Example:
-      >>> import jdls
-      >>> info = jdls.finfo("cbfloat16")
-      >>> info.minexp, info.maxexp, float(info.smallest_subnormal) == 2.0**-39
-      (-30, 32, True)
-    """
-
-    bits: int
-    nexp: int
-    iexp: int
-    nmant: int
-    machep: int
-    negep: int
-    minexp: int
-    maxexp: int
-    precision: int
-    eps: np.float32
-    epsneg: np.float32
-    max: np.float32
-    min: np.float32
-    smallest_normal: np.float32
-    tiny: np.float32
-    smallest_subnormal: np.float32
-    resolution: np.float32
-    dtype: FloatFormat
-    name: str
-
-    def __str__(self) -> str:
-        return (
-            f"Machine parameters for {self.name} (emulated: {self.dtype})\n"
-            f"precision = {self.precision}   resolution = {self.resolution:.6g}\n"
-            f"machep = {self.machep}   eps = {self.eps:.6g}\n"
-            f"negep = {self.negep}   epsneg = {self.epsneg:.6g}\n"
-            f"minexp = {self.minexp}   tiny = {self.tiny:.6g}\n"
-            f"maxexp = {self.maxexp}   max = {self.max:.6g}\n"
-            f"nexp = {self.nexp}   min = -max\n"
-            f"smallest_normal = {self.smallest_normal:.6g}   "
-            f"smallest_subnormal = {self.smallest_subnormal:.6g}"
-        )
-
-
-@functools.cache
-def _format_info(fmt: FloatFormat) -> FormatInfo:
-    e, m = fmt.exponent_bits, fmt.mantissa_bits
-    f32 = np.float32
-    max_ = math.ldexp(2.0 - 2.0**-m, fmt.emax)
-    precision = int(-math.log10(2.0**-m))
-    resolution = np.asarray(fmt.round(np.float32(10.0**-precision)))
-    return FormatInfo(
-        bits=fmt.bits,
-        nexp=e,
-        iexp=e,
-        nmant=m,
-        machep=-m,
-        negep=-m - 1,
-        minexp=fmt.emin,
-        maxexp=fmt.emax + 1,
-        precision=precision,
-        eps=f32(2.0**-m),
-        epsneg=f32(2.0 ** (-m - 1)),
-        max=f32(max_),
-        min=f32(-max_),
-        smallest_normal=f32(math.ldexp(1.0, fmt.emin)),
-        tiny=f32(math.ldexp(1.0, fmt.emin)),
-        smallest_subnormal=f32(math.ldexp(1.0, fmt.emin - m)),
-        resolution=f32(resolution),
-        dtype=fmt,
-        name=fmt.name,
-    )
-
 
 _NAMED_FORMATS = {"cbfloat16": cbfloat16}
 
@@ -588,10 +331,6 @@ def finfo(dtype: Any) -> FormatInfo | np.finfo:
 # --------------------------------------------------------------------------------------------
 
 
-def _is_float_array(x: Any) -> bool:
-    return isinstance(x, np.ndarray | jax.Array) and jnp.issubdtype(x.dtype, jnp.floating)
-
-
 def compress(tree: T, fmt: FloatFormat = cbfloat16) -> T:
     """Encodes the floating-point leaves of a pytree in a format's bits (e.g. uint16).
 
@@ -617,7 +356,7 @@ def compress(tree: T, fmt: FloatFormat = cbfloat16) -> T:
     """
     if not isinstance(fmt, FloatFormat):
         raise TypeError(f"fmt must be a jdls.FloatFormat (e.g. jdls.cbfloat16), got {fmt!r}")
-    return jax.tree_util.tree_map(lambda x: fmt.to_bits(x) if _is_float_array(x) else x, tree)
+    return jax.tree_util.tree_map(lambda x: fmt.to_bits(x) if is_float_array(x) else x, tree)
 
 
 def decompress(tree: T, fmt: FloatFormat = cbfloat16) -> T:

@@ -1,29 +1,9 @@
 """Mixed-precision policies (jmp-compatible) with native and emulated compute formats.
 
-A :class:`Policy` names three formats: ``param`` (how parameters are stored), ``compute``
-(the precision of the forward and backward computation) and ``output`` (what the model
-returns). It parses from jmp's string syntax, e.g. ``"params=float32,compute=cbfloat16,
-output=float32"``, and its casts apply to the floating-point leaves of a pytree.
-
-Native dtypes (float32, float16, bfloat16, the ml_dtypes float8 types) are cast natively
-with ``astype``. Emulated formats (:data:`jdls.cbfloat16` or any :class:`jdls.FloatFormat`)
-are float32 arrays whose values are rounded to the format's grid at every policy cast, and
-whose *cotangents* are rounded at the same casts, so that gradients underflow and overflow
-as they would in that format on hardware.
-
-Backward pass of a cast (the rule, for native and emulated formats alike): a cast from format
-``S`` (source) to format ``D`` (destination) is, forward, ``round_D(x)``; backward, the
-cotangent ``g`` is ``round_S(round_D(g))``: the cotangent of a ``D`` value is a ``D`` value,
-and it is converted to ``S`` on its way back. For native dtypes this is exactly what JAX's
-transpose of ``astype`` does (the cotangent is computed in ``D`` and converted to the input's
-dtype). For emulated formats the array dtype is float32 on both sides, so the policy supplies
-the formats: ``D`` is the cast's target, and ``S`` is the input's dtype, except for a float32
-input when the policy's source format for that cast is emulated; the source format is
-``param`` for :meth:`Policy.cast_to_compute`, ``compute`` for :meth:`Policy.cast_to_output`
-and ``compute`` for :meth:`Policy.cast_to_param` (which converts compute values back, e.g.
-gradients). Rounding happens at the casts only: values and cotangents between two casts are
-float32 (like an accelerator that accumulates in float32). To round an intermediate
-activation and its cotangent too, cast it with :meth:`Policy.cast_to_compute`.
+A :class:`Policy` names the formats of parameters, computation and outputs and casts the
+floating-point leaves of pytrees between them; casts to emulated formats (a
+:class:`jdls.FloatFormat`) round values and, backward, cotangents to the format's grid. The
+string syntax and the exact backward rule of a cast: docs/formats.md, "Precision policies".
 """
 
 from __future__ import annotations
@@ -37,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jdls._checks import is_float_array
 from jdls._formats import FloatFormat, cbfloat16
 
 __all__ = ["Policy", "get_policy"]
@@ -167,13 +148,9 @@ def _emulated_cast(
     return cast
 
 
-def _is_float_array(x: Any) -> bool:
-    return isinstance(x, np.ndarray | jax.Array) and jnp.issubdtype(x.dtype, jnp.floating)
-
-
 def _cast_floating_to(tree: T, dst: PolicyDType, src: PolicyDType) -> T:
     def cast(x: Any) -> Any:
-        if not _is_float_array(x):
+        if not is_float_array(x):
             return x
         emulated_src = src if isinstance(src, FloatFormat) and x.dtype == np.float32 else None
         if not isinstance(dst, FloatFormat) and emulated_src is None:
@@ -193,8 +170,8 @@ class Policy:
     :data:`jdls.cbfloat16`. Fields given as dtype names, numpy dtypes or scalar types
     (``jnp.float16``) are normalised to ``np.dtype``; ``FloatFormat`` fields are kept. Casts
     touch only floating-point array leaves (``np.ndarray`` or ``jax.Array``); integers,
-    Python scalars and ``None`` pass through. See the module documentation for the exact
-    backward rule of the casts.
+    Python scalars and ``None`` pass through. The backward rule of the casts:
+    docs/formats.md, "The backward pass of a cast".
 
     References:
       jmp, "Mixed precision training in JAX" (https://github.com/google-deepmind/jmp):

@@ -609,3 +609,86 @@ def test_from_bits_reads_only_the_low_bits():
 )
 def test_exported(name):
     assert name in jdls.__all__ and getattr(jdls, name) is getattr(jdls._formats, name)
+
+
+# --------------------------------------------------------------------------------------------
+# Python floats (float64) are rounded once, exactly, not float64 -> float32 -> format.
+# --------------------------------------------------------------------------------------------
+
+
+def fraction_round(fmt: FloatFormat, v: float) -> float:
+    """Round to nearest, ties to even, in exact rational arithmetic (fractions.Fraction)."""
+    from fractions import Fraction
+
+    if not math.isfinite(v) or v == 0.0:
+        return v
+    ax = abs(Fraction(v))
+    p = ax.numerator.bit_length() - ax.denominator.bit_length()  # 2**p <= ax < 2**(p + 2)
+    p = p + 1 if Fraction(2) ** (p + 1) <= ax else p
+    quantum = Fraction(2) ** (max(p, fmt.emin) - fmt.mantissa_bits)
+    n, rest = divmod(ax, quantum)
+    n += rest > quantum / 2 or (rest == quantum / 2 and n % 2 == 1)
+    r = n * quantum
+    r = math.inf if r > Fraction(float(fmt.finfo.max)) else float(r)
+    return math.copysign(r, v)
+
+
+def double_rounding_traps(fmt: FloatFormat) -> list[float]:
+    """Float64 values that float32 rounds onto a tie of ``fmt`` (or off one), both signs:
+    ties of normal and subnormal numbers and the overflow threshold, each times
+    ``1 +- 2**-30`` and ``1 +- 2**-40`` (below float32's half ulp), and the exact ties."""
+    m, emin, emax = fmt.mantissa_bits, fmt.emin, fmt.emax
+    ties = [math.ldexp(k + 0.5, emin - m) for k in range(4)]  # subnormal ties, at 0 too
+    ties += [math.ldexp(1 + (k + 0.5) * 2.0**-m, p) for k in range(4) for p in (emin, 0, 3)]
+    ties += [math.ldexp(2 - 2.0 ** -(m + 1), emax)]  # overflow threshold
+    values = [
+        t * (1 + d) for t in ties for d in (0.0, 2.0**-30, -(2.0**-30), 2.0**-40, -(2.0**-40))
+    ]
+    return values + [-v for v in values]
+
+
+def test_round_python_float_once_float16():
+    fmt = FloatFormat(5, 10)
+    assert (
+        float(fmt.round(1 + 2**-11 + 2**-40))
+        == 1.0009765625
+        == float(np.float16(1 + 2**-11 + 2**-40))
+    )
+    values = double_rounding_traps(fmt)
+    with np.errstate(over="ignore"):  # numpy rounds float64 to float16 once, exactly
+        want = np.array(values, np.float64).astype(np.float16).astype(np.float32)
+    assert_same_floats(jnp.stack([fmt.round(v) for v in values]), want, values)
+    assert_same_floats(fmt.round(values), want, values)  # a list of Python floats
+    assert_same_floats(fmt.round(np.float64(values[7])), want[7])
+    assert (np.asarray(fmt.to_bits(values)) == want.astype(np.float16).view(np.uint16)).all()
+
+
+@pytest.mark.parametrize(
+    "fmt", [FloatFormat(8, 7), cbfloat16, FloatFormat(4, 3)], ids=lambda fmt: fmt.name
+)
+def test_round_python_float_once_exact_reference(fmt):
+    # ml_dtypes converts float64 to bfloat16 through float32 (twice rounded): the reference
+    # here is exact rational arithmetic; the float16 test above checks it against numpy.
+    values = double_rounding_traps(fmt)
+    want = np.array([fraction_round(fmt, v) for v in values], np.float32)
+    assert_same_floats(fmt.round(values), want, values)
+    assert_same_floats(jnp.stack([fmt.round(v) for v in values]), want, values)
+    f16 = FloatFormat(5, 10)
+    with np.errstate(over="ignore"):
+        assert [fraction_round(f16, v) for v in double_rounding_traps(f16)] == [
+            float(np.float16(v)) for v in double_rounding_traps(f16)
+        ]
+
+
+def test_round_python_float_specials_and_jit():
+    for v in (0.0, -0.0, math.inf, -math.inf, 1e300, -1e300, 1e-320, -1e-320):
+        got = np.asarray(cbfloat16.round(v))
+        assert got.dtype == np.float32 and got.shape == ()
+        assert got == fraction_round(cbfloat16, v) and np.signbit(got) == np.signbit(v)
+    assert np.isnan(cbfloat16.round(math.nan))
+    trap = 1 + 2**-10 + 2**-40  # a cbfloat16 tie in float32, above it in float64
+    assert float(jax.jit(lambda: cbfloat16.round(trap))()) == 1 + 2**-9
+    assert int(cbfloat16.to_bits(trap)) == 0x3E01
+    # float64 arrays are still rejected (under jit they could not be rounded on the host).
+    with pytest.raises(TypeError, match="round expects float32 values, got float64"):
+        cbfloat16.round(np.array([trap]))
