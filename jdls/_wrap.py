@@ -25,7 +25,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from jdls._checks import check_limit
+from jdls._checks import check_int, check_limit
 from jdls._norm import (
     AxisName,
     FloatLeaves,
@@ -35,7 +35,7 @@ from jdls._norm import (
     flatten_floats,
     tree_norm,
 )
-from jdls._scale import DynamicScale, LossScale, check_scale
+from jdls._scale import DynamicScale, LossScale, all_finite, check_scale
 from jdls._skip import keep_dtypes, select, skip_branch
 from jdls._stats import Stats, WrapState
 
@@ -54,6 +54,7 @@ def wrap(
     sharded: bool | Any | Callable[[Any], Any] | None = None,
     skip_with: str = "cond",
     track_nonfinite: bool = False,
+    max_consecutive_skips: int | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Dynamic loss scaling around an optax transformation: skip non-finite steps, adjust.
 
@@ -97,6 +98,9 @@ def wrap(
         runs it and selects the result with ``jnp.where`` (see docs/optax.md for timings).
       track_nonfinite: record which gradient leaves held an inf or NaN
         (:func:`jdls.nonfinite_paths`).
+      max_consecutive_skips: fail loudly (a ``FloatingPointError`` raised from the step,
+        surfacing as a ``JaxRuntimeError`` that quotes it) once this many steps in a row were
+        skipped, naming the likely causes; None (default) never fails.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a :class:`jdls.WrapState`.
@@ -130,6 +134,8 @@ def wrap(
     if max_norm is not None:
         max_norm = check_limit("max_norm", max_norm)
     check_sharded(axis_name, sharded, max_norm is not None, "jdls.wrap")
+    if max_consecutive_skips is not None:
+        max_consecutive_skips = check_int("max_consecutive_skips", max_consecutive_skips, 1)
     if skip_with not in _SKIP_WITH:
         raise ValueError(f"skip_with must be one of {_SKIP_WITH}, got {skip_with!r}")
     for name, flag in (
@@ -182,9 +188,12 @@ def wrap(
         _check_match(updates, params)
         tree = flatten_floats(updates)
 
-        # Decide: one sum of squares gives finiteness and the global norm.
+        # Decide: one sum of squares gives finiteness and the global norm; a non-finite loss
+        # given as ``value`` (optax's extra argument) makes the step non-finite too.
         n = tree_norm(tree, axis_name=axis_name, sharded=sharded, per_leaf=track_nonfinite)
         finite = n.finite & ~n.robust if skip_norm_overflow else n.finite
+        if "value" in extra_args:
+            finite = finite & _finite_value(extra_args["value"], axis_name)
 
         # Apply the inner update, or skip it.
         dynamic = {k: v for k, v in extra_args.items() if _is_arrays(v)}
@@ -201,6 +210,8 @@ def wrap(
 
         # Record the step and adjust the scale.
         stats = _record(state.stats, finite, n, tree)
+        if max_consecutive_skips is not None:
+            _fail_if_stuck(stats.consecutive_skips, max_consecutive_skips)
         return new_updates, WrapState(state.scale.adjust(finite), inner_state, stats)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -221,6 +232,31 @@ def _record(old: Stats, finite: jax.Array, n: GlobalNorm, tree: FloatLeaves) -> 
         grad_norm=n.norm.astype(jnp.float32),
         nonfinite=nonfinite,
     )
+
+
+def _finite_value(value: Any, axis_name: AxisName | None) -> jax.Array:
+    """Whether every float leaf of the ``value`` extra argument is finite, on every device."""
+    ok = all_finite(value)
+    if axis_name is not None:
+        ok = lax.pmin(ok.astype(jnp.int32), axis_name) > 0
+    return ok
+
+
+def _fail_if_stuck(consecutive: jax.Array, limit: int) -> None:
+    def fail(count: Any) -> None:
+        raise FloatingPointError(
+            f"jdls.wrap skipped {int(count)} steps in a row (max_consecutive_skips={limit}). "
+            "Likely causes: the loss was scaled with a scale built outside the step instead "
+            "of jdls.get_scale(opt_state); scaled gradients were passed to tx.update (use "
+            "scale.value_and_grad, which unscales); optax.MultiSteps(jdls.wrap(...)) kept a "
+            "NaN in its accumulator (use jdls.wrap(optax.MultiSteps(...))); or the data or "
+            "the parameters hold an inf or NaN (jdls.nonfinite_paths names the leaves)."
+        )
+
+    def report() -> None:
+        jax.debug.callback(fail, consecutive)
+
+    lax.cond(consecutive >= limit, report, lambda: None)
 
 
 # --------------------------------------------------------------------------------------------
