@@ -7,7 +7,15 @@ from jdls._flax import TrainState, nnx_value_and_grad, set_nnx_scale
 from jdls._formats import FloatFormat, cbfloat16, compress, decompress, finfo
 from jdls._policy import Policy, get_policy
 from jdls._scale import DynamicScale, LossScale, NoOpScale, StaticScale, all_finite
-from jdls._stats import Stats, WrapState, get_scale, nonfinite_paths, set_scale, stats
+from jdls._stats import (
+    Stats,
+    WrapState,
+    get_scale,
+    keep_if_skipped,
+    nonfinite_paths,
+    set_scale,
+    stats,
+)
 from jdls._wrap import wrap
 from jdls.rules import MinimumScaleError
 
@@ -33,6 +41,7 @@ __all__ = [
     "finfo",
     "get_policy",
     "get_scale",
+    "keep_if_skipped",
     "nnx_value_and_grad",
     "nonfinite_paths",
     "presets",

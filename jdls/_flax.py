@@ -30,7 +30,7 @@ from jdls._scale import (
     check_scale,
     scaled_value_and_grad,
 )
-from jdls._stats import Stats, get_scale, replace_scale, snapshot, stats
+from jdls._stats import Stats, get_scale, keep_if_skipped, replace_scale, snapshot, stats
 
 __all__ = ["TrainState", "nnx_value_and_grad", "set_nnx_scale"]
 
@@ -63,6 +63,16 @@ class TrainState(train_state.TrainState):
       >>> float(state.loss_scale), int(state.stats.skipped_steps)
       (1024.0, 0)
     """
+
+    def apply_gradients(self, *, grads: Any, **kwargs: Any) -> TrainState:
+        """Flax's ``apply_gradients``; other fields given (e.g. ``batch_stats``) keep their old
+        values on a skipped step, as the parameters and the optimizer state do.
+
+        ``step`` still counts every call, as in Flax.
+        """
+        new = super().apply_gradients(grads=grads, **kwargs)
+        kept = {k: keep_if_skipped(new.opt_state, v, getattr(self, k)) for k, v in kwargs.items()}
+        return new.replace(**kept) if kept else new
 
     @property
     def scale(self) -> LossScale:

@@ -20,6 +20,7 @@ __all__ = [
     "Stats",
     "WrapState",
     "get_scale",
+    "keep_if_skipped",
     "nonfinite_paths",
     "replace_scale",
     "set_scale",
@@ -194,6 +195,33 @@ def stats(opt_state: Any) -> Stats:
       (True, 1, 16384.0)
     """
     return _the_wrap_state(opt_state, "stats").stats
+
+
+def keep_if_skipped(opt_state: Any, new: Any, old: Any) -> Any:
+    """``new`` if the last step of the one :func:`jdls.wrap` in ``opt_state`` was taken, else ``old``.
+
+    A skipped step leaves the parameters and the optimizer state as they were; model state
+    updated by the forward pass (Flax ``batch_stats``, NNX ``BatchStat``) needs this to stay
+    as it was too: one float16 overflow would otherwise poison running statistics for good.
+
+    Args:
+      opt_state: the optimizer state after ``tx.update``.
+      new: the model state the step computed.
+      old: the model state before the step (same structure).
+
+    Returns:
+      ``new`` or ``old``, leaf by leaf, selected on device (usable inside ``jit``).
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jdls
+      >>> tx = jdls.wrap(optax.sgd(0.1))
+      >>> params = {"w": jnp.zeros(2)}
+      >>> _, state = tx.update({"w": jnp.array([jnp.inf, 0.0])}, tx.init(params), params)
+      >>> jdls.keep_if_skipped(state, {"mean": jnp.ones(2)}, {"mean": jnp.zeros(2)})["mean"].tolist()
+      [0.0, 0.0]
+    """
+    finite = _the_wrap_state(opt_state, "keep_if_skipped").stats.finite
+    return jax.tree_util.tree_map(lambda n, o: jnp.where(finite, n, o), new, old)
 
 
 def nonfinite_paths(opt_state: Any) -> list[str]:
