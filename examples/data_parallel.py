@@ -131,11 +131,10 @@ def train(mode: str, args: argparse.Namespace) -> dict:
         losses.append(loss)
         if i % 25 == 0 or i == args.steps - 1:
             bar.set_postfix(loss=f"{float(loss):.3f}", scale=f"{float(state.loss_scale):g}")
-    stats = state.stats
     return {
         "losses": np.asarray(jax.device_get(losses)),
-        "loss_scale": float(stats.loss_scale),
-        "skipped_steps": int(stats.skipped_steps),
+        "loss_scale": float(state.loss_scale),
+        "skipped_steps": int(state.stats.skipped_steps),
         "replicated": all(p.sharding.is_fully_replicated for p in jax.tree.leaves(state.params)),
     }
 

@@ -181,7 +181,7 @@ def train(
 
     @jax.jit
     def train_step(state: train_state.TrainState, idx: jax.Array) -> tuple[Any, dict]:
-        scale = jdls.get_dynamic_scale(state.opt_state)
+        scale = jdls.get_scale(state.opt_state)
         (_, cross_entropy), grads = scale.value_and_grad(loss_fn, has_aux=True)(
             state.params, x_train[idx], y_train[idx]
         )
@@ -215,6 +215,7 @@ def train(
                 )
     history = jax.device_get(history)
     final = jdls.stats(state.opt_state)
+    final_scale = jdls.get_scale(state.opt_state)
     acc = float(accuracy(state.params))
     seconds = time.perf_counter() - start
     column = {key: np.array([h[key] for h in history]) for key in history[0]}
@@ -224,7 +225,7 @@ def train(
         accuracy=acc,
         zero_fraction=float(np.nanmean(zeros)) if column["finite"].any() else float("nan"),
         skipped=int(final.skipped_steps),
-        loss_scale=float(final.loss_scale),
+        loss_scale=float(final_scale.loss_scale),
         seconds=seconds,
         loss=column["loss"],
         scale=column["scale"],

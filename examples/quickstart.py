@@ -5,7 +5,7 @@ things make it mixed-precision training with dynamic loss scaling:
 
 1. ``tx = jdls.wrap(optax.adam(...))``: the optimizer skips a step whose gradients hold an inf
    or NaN and adjusts the loss scale after every step;
-2. ``scale = jdls.get_dynamic_scale(opt_state)``: the scale for this step;
+2. ``scale = jdls.get_scale(opt_state)``: the scale for this step;
 3. ``scale.value_and_grad(loss_fn)``: scales the loss, differentiates, and returns the
    unscaled loss and the unscaled gradients (float32).
 
@@ -51,7 +51,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
     @jax.jit
     def train_step(params: dict, opt_state: jdls.WrapState) -> tuple:
-        scale = jdls.get_dynamic_scale(opt_state)
+        scale = jdls.get_scale(opt_state)
         loss, grads = scale.value_and_grad(loss_fn)(params, x, y)  # unscaled, float32
         updates, opt_state = tx.update(grads, opt_state, params)  # skipped if not finite
         return optax.apply_updates(params, updates), opt_state, loss
@@ -60,11 +60,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
     for _ in trange(args.steps, desc="quickstart", disable=args.quiet):
         params, opt_state, loss = train_step(params, opt_state)
 
-    stats = jdls.stats(opt_state)
     result = {
         "loss": float(loss),
-        "loss_scale": float(stats.loss_scale),
-        "skipped_steps": int(stats.skipped_steps),
+        "loss_scale": float(jdls.get_scale(opt_state).loss_scale),
+        "skipped_steps": int(jdls.stats(opt_state).skipped_steps),
     }
     print(
         f"loss {result['loss']:.3g}, loss scale {result['loss_scale']:g}, "
