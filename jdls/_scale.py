@@ -213,7 +213,7 @@ def scaled_value_and_grad(
     return value_and_grad_fn
 
 
-def check_scale(scale: Any, what: str = "scale") -> LossScale:
+def check_scale(scale: Any, what: str = "scale", wrapping: bool = False) -> LossScale:
     """``scale`` if it is a loss scale instance, else an error saying what to pass."""
     if isinstance(scale, LossScale):
         return scale
@@ -228,10 +228,12 @@ def check_scale(scale: Any, what: str = "scale") -> LossScale:
             f"pass jdls.StaticScale({scale!r})"
         )
     if callable(getattr(scale, "init", None)) and callable(getattr(scale, "update", None)):
-        raise TypeError(
-            f"{what} must be a jdls loss scale, got an optax transformation; the optimizer is "
-            "the first argument: jdls.wrap(optax.adam(1e-3), jdls.DynamicScale())"
+        hint = (
+            "the optimizer is the first argument: jdls.wrap(optax.adam(1e-3), jdls.DynamicScale())"
+            if wrapping
+            else "pass a loss scale such as jdls.DynamicScale(...)"
         )
+        raise TypeError(f"{what} must be a jdls loss scale, got an optax transformation; {hint}")
     raise TypeError(
         f"{what} must be a jdls loss scale: jdls.DynamicScale(...), a jdls.presets scale, "
         f"jdls.StaticScale(...) or jdls.NoOpScale(); got {type(scale).__name__}"
@@ -397,6 +399,20 @@ class DynamicScale(LossScale):
         object.__setattr__(self, "loss_scale", jnp.asarray(value, _F32))
         object.__setattr__(self, "state", state)
         object.__setattr__(self, "rule", rule)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached when normal lookup fails: point to where moved attributes live now.
+        if name in ("counter", "hysteresis", "overflows", "min_scale_overflows"):
+            raise AttributeError(
+                f"DynamicScale has no attribute {name!r}: the rule's counters are in "
+                f"scale.state (scale.state.{name})"
+            )
+        if name == "skipped":
+            raise AttributeError(
+                "DynamicScale has no attribute 'skipped': the skip count is a statistic of "
+                "jdls.wrap, jdls.stats(opt_state).skipped_steps"
+            )
+        raise AttributeError(f"DynamicScale has no attribute {name!r}")
 
     def replace(self, **changes: Any) -> DynamicScale:
         """A copy with some fields replaced, unvalidated (for advanced use and tests).

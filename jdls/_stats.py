@@ -56,6 +56,14 @@ class Stats(NamedTuple):
         """Whether the last step was skipped (``~finite``)."""
         return jnp.logical_not(self.finite)
 
+    def __getattr__(self, name: str) -> Any:
+        if name == "loss_scale":
+            raise AttributeError(
+                "jdls.Stats has no loss_scale: the scale is jdls.get_scale(opt_state).loss_scale "
+                "(state.loss_scale on a jdls.TrainState)"
+            )
+        raise AttributeError(f"jdls.Stats has no attribute {name!r}")
+
 
 class WrapState(NamedTuple):
     """The optimizer state of :func:`jdls.wrap`.

@@ -130,7 +130,7 @@ def wrap(
       2018; ``torch.amp.GradScaler.step``; ``optax.apply_if_finite``.
     """
     inner_tx = _check_inner(inner)
-    scale0 = DynamicScale() if scale is None else check_scale(scale)
+    scale0 = DynamicScale() if scale is None else check_scale(scale, wrapping=True)
     if max_norm is not None:
         max_norm = check_limit("max_norm", max_norm)
     check_sharded(axis_name, sharded, max_norm is not None, "jdls.wrap")

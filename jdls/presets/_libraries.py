@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import optax
 
-from jdls._checks import F32_MAX, F32_TINY, check_int, check_positive_finite
+from jdls._checks import F32_MAX, F32_TINY, check_int, check_limit, check_positive_finite
 from jdls._scale import DynamicScale, NoOpScale, StaticScale
 from jdls._wrap import wrap
 from jdls.rules import GrowBackoff, OverflowTolerance
@@ -297,6 +298,8 @@ def cerebras(
     max_loss_scale: float | None = None,
     overflow_tolerance: float = 0.0,
     half_dtype: str = "float16",
+    *,
+    max_gradient_norm: float | None = None,
 ) -> DynamicScale | StaticScale | NoOpScale:
     """Cerebras' ``cerebras.pytorch.amp.GradScaler``: the :class:`jdls.rules.OverflowTolerance` rule.
 
@@ -317,6 +320,8 @@ def cerebras(
         cbfloat16, as ``cstorch.amp.set_half_dtype`` sets it).
       overflow_tolerance: tolerated fraction of non-finite steps, >= 0.
       half_dtype: ``"float16"``, ``"bfloat16"`` or ``"cbfloat16"``.
+      max_gradient_norm: not accepted here (a TypeError says where it goes: clipping is the
+        wrap's, :func:`cerebras_wrap`).
 
     Returns:
       The scale.
@@ -328,6 +333,11 @@ def cerebras(
       >>> type(jdls.presets.cerebras(loss_scale=128.0)).__name__
       'StaticScale'
     """
+    if max_gradient_norm is not None:
+        raise TypeError(
+            "presets.cerebras builds the scale; clipping belongs to the wrap: "
+            f"jdls.presets.cerebras_wrap(optimizer, max_gradient_norm={max_gradient_norm!r}, ...)"
+        )
     if half_dtype not in _CEREBRAS_MAX_LOSS_SCALE:
         raise ValueError(
             f"half_dtype must be one of {sorted(_CEREBRAS_MAX_LOSS_SCALE)}, got {half_dtype!r}"
@@ -365,32 +375,39 @@ def cerebras_wrap(
     inner: optax.GradientTransformation,
     *,
     max_gradient_norm: float | None = None,
-    **scaler_options: Any,
+    **options: Any,
 ) -> optax.GradientTransformationExtraArgs:
     """``jdls.wrap`` configured as Cerebras' ``optimizer_step`` with its ``GradScaler``.
 
-    The scale is :func:`cerebras` ``(**scaler_options)``; with a dynamic scale, a step whose
-    float32 global gradient norm is not finite is skipped even when every element is finite
-    (``skip_norm_overflow=True``), as Cerebras decides; ``max_gradient_norm`` clips (fused).
+    The scale is :func:`cerebras` built from the options that are its arguments; the other
+    options (``axis_name``, ``sharded``, ``skip_with``, ``track_nonfinite``...) go to
+    :func:`jdls.wrap`. With a dynamic scale, a step whose float32 global gradient norm is not
+    finite is skipped even when every element is finite (``skip_norm_overflow=True``), as
+    Cerebras decides; ``max_gradient_norm`` clips (fused into the update).
 
     Args:
       inner: the optax optimizer.
       max_gradient_norm: global-norm clipping limit (None: no clipping).
-      **scaler_options: arguments of :func:`cerebras`.
+      **options: arguments of :func:`cerebras` and of :func:`jdls.wrap`.
 
     Returns:
       The transformation.
 
     Example:
       >>> import jax.numpy as jnp, optax, jdls
-      >>> tx = jdls.presets.cerebras_wrap(optax.sgd(0.1), max_gradient_norm=1.0)
+      >>> tx = jdls.presets.cerebras_wrap(optax.sgd(0.1), max_gradient_norm=1.0, skip_with="select")
       >>> float(jdls.get_scale(tx.init({"w": jnp.zeros(2)})).loss_scale)
       32768.0
     """
-    scale = cerebras(**scaler_options)
+    scaler_names = set(inspect.signature(cerebras).parameters) - {"max_gradient_norm"}
+    scale = cerebras(**{k: v for k, v in options.items() if k in scaler_names})
+    wrap_options = {k: v for k, v in options.items() if k not in scaler_names}
+    if max_gradient_norm is not None:
+        max_gradient_norm = check_limit("max_gradient_norm", max_gradient_norm)
     return wrap(
         inner,
         scale,
         max_norm=max_gradient_norm,
         skip_norm_overflow=isinstance(scale, DynamicScale),
+        **wrap_options,
     )

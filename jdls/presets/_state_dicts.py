@@ -43,6 +43,11 @@ def _item(x: Any) -> Any:
     return np.asarray(x).item()
 
 
+def _describe(scale: Any) -> str:
+    rule = getattr(scale, "rule", None)
+    return type(scale).__name__ + (f" with rule {type(rule).__name__}" if rule is not None else "")
+
+
 def _pytorch_rule(scale: Any) -> GrowBackoff:
     """The rule of ``scale`` if :func:`pytorch` could have made it, else a ValueError."""
     rule = getattr(scale, "rule", None)
@@ -51,7 +56,7 @@ def _pytorch_rule(scale: Any) -> GrowBackoff:
         if twin.rule == rule:  # type: ignore[union-attr]
             return rule
     raise ValueError(
-        f"expected a scale made by jdls.presets.pytorch(...), got {scale!r}; a GradScaler "
+        f"expected a scale made by jdls.presets.pytorch(...), got {_describe(scale)}; a GradScaler "
         "state dict holds only PyTorch's rule: convert with jdls.presets.pytorch first"
     )
 
@@ -173,7 +178,7 @@ def to_cerebras_state_dict(scale: DynamicScale, num_skipped_steps: Any = 0) -> d
     """
     if not (isinstance(scale, DynamicScale) and isinstance(scale.rule, OverflowTolerance)):
         raise ValueError(
-            f"expected a dynamic scale made by jdls.presets.cerebras(...), got {scale!r}; "
+            f"expected a dynamic scale made by jdls.presets.cerebras(...), got {_describe(scale)}; "
             "convert with jdls.presets.cerebras first"
         )
     return {

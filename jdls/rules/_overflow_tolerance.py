@@ -75,9 +75,9 @@ class OverflowTolerance(Rule):
             raise ValueError(f"backoff_factor must be in the open interval (0, 1), got {backoff!r}")
         check_int("growth_interval", self.growth_interval, 1)
         check_bounds(self.min_loss_scale, self.max_loss_scale)
-        tol = check_number("overflow_tolerance", self.tolerance)
+        tol = check_number("tolerance", self.tolerance)
         if not (math.isfinite(tol) and tol >= 0):
-            raise ValueError(f"overflow_tolerance must be >= 0, got {tol!r}")
+            raise ValueError(f"tolerance must be >= 0, got {tol!r}")
 
     def initial_state(  # type: ignore[override]
         self, counter: int = 0, overflows: int = 0
