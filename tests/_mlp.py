@@ -1,8 +1,9 @@
 """A small MLP train step with fault injection, shared by the reliability tests.
 
-Not a test module (no ``test_`` prefix): ``test_soak.py``, ``test_checkpoint.py`` and the
-subprocess workers (``_checkpoint_worker.py``, ``_two_process_worker.py``) import it, so the
-main process and a fresh process run the very same step.
+Not a test module (no ``test_`` prefix): ``integration/test_soak.py``,
+``integration/test_checkpoint.py``, ``integration/test_distributed.py`` and the subprocess
+workers (``integration/_checkpoint_worker.py``, ``integration/_two_process_worker.py``)
+import it, so the main process and a fresh process run the very same step.
 
 One step takes a *spec*, four int32 numbers:
 
@@ -24,7 +25,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax import lax
 
 import jdls
 
@@ -103,29 +103,6 @@ def train_step(
     grads = inject(grads, kind, leaf, pos)
     updates, new_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), new_state, loss
-
-
-def bits(x: jax.Array) -> jax.Array:
-    """The bit pattern of a float array (for exact comparisons inside jit)."""
-    x = jnp.asarray(x)
-    if jnp.issubdtype(x.dtype, jnp.floating):
-        width = {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[x.dtype.itemsize]
-        return lax.bitcast_convert_type(x, width)
-    return x
-
-
-def same_bits(a: Any, b: Any) -> jax.Array:
-    """Whether two pytrees of arrays are bit for bit equal (a bool scalar, traceable)."""
-    flags = [
-        jnp.all(bits(x) == bits(y))
-        for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True)
-    ]
-    return jnp.all(jnp.stack(flags)) if flags else jnp.array(True)
-
-
-def host_bytes(tree: Any) -> list[bytes]:
-    """Every leaf of a pytree as raw bytes, for comparisons on the host."""
-    return [np.asarray(x).tobytes() for x in jax.tree_util.tree_leaves(jax.device_get(tree))]
 
 
 def make_specs(

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
@@ -22,12 +21,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _helpers import INF, NAN, ROOT, assert_bitwise_equal
 
 import jdls
 
-ROOT = Path(__file__).resolve().parent.parent
 PARAMS = {"w": jnp.ones(3)}
-INF, NAN = float("inf"), float("nan")
 
 
 class Case(NamedTuple):
@@ -815,9 +813,9 @@ def test_limitation_unscale_twice_divides_twice():
     scale = jdls.StaticScale(2.0**15)
     true = jax.grad(_loss)(PARAMS)
     _, grads = scale.value_and_grad(_loss)(PARAMS)
-    assert _same(grads, true)
+    assert_bitwise_equal(grads, true)
     twice = scale.unscale(grads)
-    assert _same(twice, jax.tree.map(lambda g: g / 2.0**15, true))
+    assert_bitwise_equal(twice, jax.tree.map(lambda g: g / 2.0**15, true))
 
 
 def test_limitation_scaled_gradients_given_to_wrap():
@@ -825,7 +823,7 @@ def test_limitation_scaled_gradients_given_to_wrap():
     ``loss_scale`` times too large; an overflow is still detected and skipped."""
     scale = jdls.StaticScale(2.0**15)
     scaled = jax.grad(lambda p: scale.scale(_loss(p)))(PARAMS)
-    assert _same(scaled, jax.tree.map(lambda g: g * 2.0**15, jax.grad(_loss)(PARAMS)))
+    assert_bitwise_equal(scaled, jax.tree.map(lambda g: g * 2.0**15, jax.grad(_loss)(PARAMS)))
 
 
 def test_debug_check_grad_norm_does_not_depend_on_the_scale():
@@ -850,10 +848,3 @@ def test_debug_check_grad_norm_does_not_depend_on_the_scale():
     assert _grad_norm(high, unscaled_twice) == _grad_norm(low, unscaled_twice) / 2
     assert _grad_norm(high, not_unscaled) == _grad_norm(low, not_unscaled) * 2
     assert _grad_norm(high, scaled_twice) == _grad_norm(low, scaled_twice) * 2
-
-
-def _same(a: Any, b: Any) -> bool:
-    return all(
-        np.asarray(x).tobytes() == np.asarray(y).tobytes()
-        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
-    )

@@ -3,19 +3,14 @@ on non-finite ones and on finite gradients whose norm overflows float32."""
 
 from __future__ import annotations
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _assertions import assert_bitwise_equal
-from absl.testing import parameterized
+from _helpers import INF, NAN, assert_bitwise_equal, maybe_jit, with_and_without_jit
 
 import jdls
-
-INF, NAN = float("inf"), float("nan")
-F32_MAX = float(np.finfo(np.float32).max)
 
 
 def assert_close(a, b):
@@ -46,188 +41,204 @@ def grads_of(seed, scale=1.0):
     }
 
 
-class ClipTest(chex.TestCase):
-    @chex.variants(with_jit=True, without_jit=True)
-    @parameterized.parameters(0.1, 3.0, 100.0)
-    def test_equals_optax_on_finite_gradients(self, max_norm):
-        # Norms of these gradients are about 4.5: some limits clip, some do not.
-        for seed in range(2):
-            grads = grads_of(seed)
-            ours, _ = self.variant(jdls.clip(max_norm).update)(grads, optax.EmptyState())
-            theirs, _ = self.variant(optax.clip_by_global_norm(max_norm).update)(
-                grads, optax.EmptyState()
-            )
-            assert_bitwise_equal(ours, theirs)
+@with_and_without_jit
+@pytest.mark.parametrize("max_norm", [0.1, 3.0, 100.0])
+def test_equals_optax_on_finite_gradients(max_norm, jit):
+    # Norms of these gradients are about 4.5: some limits clip, some do not.
+    for seed in range(2):
+        grads = grads_of(seed)
+        ours, _ = maybe_jit(jdls.clip(max_norm).update, jit)(grads, optax.EmptyState())
+        theirs, _ = maybe_jit(optax.clip_by_global_norm(max_norm).update, jit)(
+            grads, optax.EmptyState()
+        )
+        assert_bitwise_equal(ours, theirs)
 
-    @chex.variants(with_jit=True, without_jit=True)
-    @parameterized.parameters(INF, -INF, NAN)
-    def test_nonfinite_gradients_pass_through(self, bad):
-        grads = grads_of(0, scale=10.0)
-        grads["a"] = grads["a"].at[1, 2].set(bad)
-        out, _ = self.variant(jdls.clip(1.0).update)(grads, optax.EmptyState())
-        assert_bitwise_equal(out, grads)
-        # What optax does instead: the finite elements become zeros (or NaN), the inf NaN.
-        theirs, _ = optax.clip_by_global_norm(1.0).update(grads, optax.EmptyState())
-        assert not np.isfinite(np.asarray(theirs["a"][1, 2]))
-        if not np.isnan(bad):
-            assert np.all(np.asarray(theirs["b"][0]) == 0)
 
-    @chex.variants(with_jit=True, without_jit=True)
-    def test_norm_overflowing_float32_still_clips(self):
-        # The norm is 6e38 > float32 max: optax's norm is inf and every update becomes 0.
-        grads = {"a": jnp.array([3e38, -3e38]), "b": jnp.array([3e38, 3e38])}
-        out, _ = self.variant(jdls.clip(2.0).update)(grads, optax.EmptyState())
-        np.testing.assert_array_equal(out["a"], [1.0, -1.0])
-        np.testing.assert_array_equal(out["b"], [1.0, 1.0])
-        theirs, _ = optax.clip_by_global_norm(2.0).update(grads, optax.EmptyState())
-        np.testing.assert_array_equal(theirs["a"], [0.0, -0.0])
+@with_and_without_jit
+@pytest.mark.parametrize("bad", [INF, -INF, NAN])
+def test_nonfinite_gradients_pass_through(bad, jit):
+    grads = grads_of(0, scale=10.0)
+    grads["a"] = grads["a"].at[1, 2].set(bad)
+    out, _ = maybe_jit(jdls.clip(1.0).update, jit)(grads, optax.EmptyState())
+    assert_bitwise_equal(out, grads)
+    # What optax does instead: the finite elements become zeros (or NaN), the inf NaN.
+    theirs, _ = optax.clip_by_global_norm(1.0).update(grads, optax.EmptyState())
+    assert not np.isfinite(np.asarray(theirs["a"][1, 2]))
+    if not np.isnan(bad):
+        assert np.all(np.asarray(theirs["b"][0]) == 0)
 
-    @chex.variants(with_jit=True, without_jit=True)
-    def test_squares_overflowing_float32_still_clips(self):
-        # Squares (1e40) overflow, the norm (2e20) does not.
-        grads = {"a": jnp.array([1e20, -1e20, 1e20, 1e20]), "tiny": jnp.array([1e-30])}
-        out, _ = self.variant(jdls.clip(1.0).update)(grads, optax.EmptyState())
-        np.testing.assert_array_equal(out["a"], [0.5, -0.5, 0.5, 0.5])
-        assert 0.0 <= float(out["tiny"][0]) < 1e-45
 
-    def test_a_limit_above_an_overflowing_norm_leaves_gradients_alone(self):
-        grads = {"a": jnp.array([1e20, 1e20])}  # norm 1.4e20 < limit 1e30
-        out, _ = jdls.clip(1e30).update(grads, optax.EmptyState())
-        assert_bitwise_equal(out, grads)
+@with_and_without_jit
+def test_norm_overflowing_float32_still_clips(jit):
+    # The norm is 6e38 > float32 max: optax's norm is inf and every update becomes 0.
+    grads = {"a": jnp.array([3e38, -3e38]), "b": jnp.array([3e38, 3e38])}
+    out, _ = maybe_jit(jdls.clip(2.0).update, jit)(grads, optax.EmptyState())
+    np.testing.assert_array_equal(out["a"], [1.0, -1.0])
+    np.testing.assert_array_equal(out["b"], [1.0, 1.0])
+    theirs, _ = optax.clip_by_global_norm(2.0).update(grads, optax.EmptyState())
+    np.testing.assert_array_equal(theirs["a"], [0.0, -0.0])
 
-    def test_float16_leaves_are_clipped_in_float32(self):
-        grads = {"h": jnp.array([300.0, 400.0], jnp.float16), "f": jnp.zeros(2)}
-        out, _ = jdls.clip(1.0).update(grads, optax.EmptyState())
-        assert out["h"].dtype == jnp.float16
-        np.testing.assert_array_equal(out["h"], np.array([0.6, 0.8], np.float16))
-        # optax squares in float16: 300**2 overflows and the update becomes zero.
-        theirs, _ = optax.clip_by_global_norm(1.0).update(grads, optax.EmptyState())
-        np.testing.assert_array_equal(theirs["h"], [0.0, 0.0])
 
-    @chex.variants(with_jit=True, without_jit=True)
-    def test_max_value(self):
-        grads = {
-            "f": jnp.array([-5.0, -1.0, 0.5, 2.0, INF, -INF, NAN]),
-            "i": jnp.array([7, -9]),
-            "none": None,
-        }
-        out, _ = self.variant(jdls.clip(max_value=1.5).update)(grads, optax.EmptyState())
-        np.testing.assert_array_equal(out["f"], [-1.5, -1.0, 0.5, 1.5, INF, -INF, NAN])
-        assert_bitwise_equal(out["i"], grads["i"])
-        assert out["none"] is None
+@with_and_without_jit
+def test_squares_overflowing_float32_still_clips(jit):
+    # Squares (1e40) overflow, the norm (2e20) does not.
+    grads = {"a": jnp.array([1e20, -1e20, 1e20, 1e20]), "tiny": jnp.array([1e-30])}
+    out, _ = maybe_jit(jdls.clip(1.0).update, jit)(grads, optax.EmptyState())
+    np.testing.assert_array_equal(out["a"], [0.5, -0.5, 0.5, 0.5])
+    assert 0.0 <= float(out["tiny"][0]) < 1e-45
 
-    @chex.variants(with_jit=True, without_jit=True)
-    def test_integer_bool_none_and_empty(self):
-        grads = {
-            "n": jnp.array([10**6]),
-            "b": jnp.array(True),
-            "x": None,
-            "w": jnp.array([3.0, 4.0]),
-        }
-        out, _ = self.variant(jdls.clip(1.0).update)(grads, optax.EmptyState())
-        assert_bitwise_equal(out["n"], grads["n"]) and out["x"] is None
-        assert bool(out["b"])
-        np.testing.assert_allclose(out["w"], [0.6, 0.8], rtol=1e-7)
-        out, _ = self.variant(jdls.clip(1.0).update)({}, optax.EmptyState())
-        assert out == {}
-        out, _ = self.variant(jdls.clip(1.0).update)({"e": jnp.zeros((0, 3))}, optax.EmptyState())
-        assert out["e"].shape == (0, 3)
 
-    def test_traced_limit_from_inject_hyperparams(self):
-        tx = optax.inject_hyperparams(jdls.clip)(max_norm=1.0)
-        state = tx.init({"w": jnp.zeros(2)})
-        out, state = jax.jit(tx.update)({"w": jnp.array([3.0, 4.0])}, state)
-        np.testing.assert_allclose(out["w"], [0.6, 0.8], rtol=1e-7)
-        state.hyperparams["max_norm"] = jnp.asarray(10.0)
-        out, _ = jax.jit(tx.update)({"w": jnp.array([3.0, 4.0])}, state)
-        np.testing.assert_array_equal(out["w"], [3.0, 4.0])
+def test_a_limit_above_an_overflowing_norm_leaves_gradients_alone():
+    grads = {"a": jnp.array([1e20, 1e20])}  # norm 1.4e20 < limit 1e30
+    out, _ = jdls.clip(1e30).update(grads, optax.EmptyState())
+    assert_bitwise_equal(out, grads)
 
-    def test_arguments(self):
-        with pytest.raises(ValueError, match="max_norm or max_value, not both"):
-            jdls.clip(1.0, 1.0)
-        with pytest.raises(ValueError, match="leave jdls.clip out"):
-            jdls.clip()
-        for bad in (0.0, -1.0, INF, NAN):
-            with pytest.raises(ValueError, match="max_norm must be a finite number > 0"):
-                jdls.clip(max_norm=bad)
-            with pytest.raises(ValueError, match="max_value must be a finite number > 0"):
-                jdls.clip(max_value=bad)
-        with pytest.raises(TypeError, match="max_norm must be a number"):
-            jdls.clip(max_norm="1.0")
-        with pytest.raises(ValueError, match="must be a scalar"):
-            jdls.clip(max_norm=jnp.ones(2))
-        assert jdls.clip(max_norm=jnp.float32(2.0)) is not None
-        with pytest.raises(ValueError, match="sharded=True"):
-            jdls.clip(1.0, axis_name="i")
+
+def test_float16_leaves_are_clipped_in_float32():
+    grads = {"h": jnp.array([300.0, 400.0], jnp.float16), "f": jnp.zeros(2)}
+    out, _ = jdls.clip(1.0).update(grads, optax.EmptyState())
+    assert out["h"].dtype == jnp.float16
+    np.testing.assert_array_equal(out["h"], np.array([0.6, 0.8], np.float16))
+    # optax squares in float16: 300**2 overflows and the update becomes zero.
+    theirs, _ = optax.clip_by_global_norm(1.0).update(grads, optax.EmptyState())
+    np.testing.assert_array_equal(theirs["h"], [0.0, 0.0])
+
+
+@with_and_without_jit
+def test_max_value(jit):
+    grads = {
+        "f": jnp.array([-5.0, -1.0, 0.5, 2.0, INF, -INF, NAN]),
+        "i": jnp.array([7, -9]),
+        "none": None,
+    }
+    out, _ = maybe_jit(jdls.clip(max_value=1.5).update, jit)(grads, optax.EmptyState())
+    np.testing.assert_array_equal(out["f"], [-1.5, -1.0, 0.5, 1.5, INF, -INF, NAN])
+    assert_bitwise_equal(out["i"], grads["i"])
+    assert out["none"] is None
+
+
+@with_and_without_jit
+def test_integer_bool_none_and_empty(jit):
+    grads = {
+        "n": jnp.array([10**6]),
+        "b": jnp.array(True),
+        "x": None,
+        "w": jnp.array([3.0, 4.0]),
+    }
+    out, _ = maybe_jit(jdls.clip(1.0).update, jit)(grads, optax.EmptyState())
+    assert_bitwise_equal(out["n"], grads["n"]) and out["x"] is None
+    assert bool(out["b"])
+    np.testing.assert_allclose(out["w"], [0.6, 0.8], rtol=1e-7)
+    out, _ = maybe_jit(jdls.clip(1.0).update, jit)({}, optax.EmptyState())
+    assert out == {}
+    out, _ = maybe_jit(jdls.clip(1.0).update, jit)({"e": jnp.zeros((0, 3))}, optax.EmptyState())
+    assert out["e"].shape == (0, 3)
+
+
+def test_traced_limit_from_inject_hyperparams():
+    tx = optax.inject_hyperparams(jdls.clip)(max_norm=1.0)
+    state = tx.init({"w": jnp.zeros(2)})
+    out, state = jax.jit(tx.update)({"w": jnp.array([3.0, 4.0])}, state)
+    np.testing.assert_allclose(out["w"], [0.6, 0.8], rtol=1e-7)
+    state.hyperparams["max_norm"] = jnp.asarray(10.0)
+    out, _ = jax.jit(tx.update)({"w": jnp.array([3.0, 4.0])}, state)
+    np.testing.assert_array_equal(out["w"], [3.0, 4.0])
+
+
+def test_arguments():
+    with pytest.raises(ValueError, match="max_norm or max_value, not both"):
+        jdls.clip(1.0, 1.0)
+    with pytest.raises(ValueError, match="leave jdls.clip out"):
+        jdls.clip()
+    for bad in (0.0, -1.0, INF, NAN):
+        with pytest.raises(ValueError, match="max_norm must be a finite number > 0"):
+            jdls.clip(max_norm=bad)
+        with pytest.raises(ValueError, match="max_value must be a finite number > 0"):
+            jdls.clip(max_value=bad)
+    with pytest.raises(TypeError, match="max_norm must be a number"):
+        jdls.clip(max_norm="1.0")
+    with pytest.raises(ValueError, match="must be a scalar"):
+        jdls.clip(max_norm=jnp.ones(2))
+    assert jdls.clip(max_norm=jnp.float32(2.0)) is not None
+    with pytest.raises(ValueError, match="sharded=True"):
+        jdls.clip(1.0, axis_name="i")
+
+
+# --------------------------------------------------------------------------------------------
+# In a chain with jdls.wrap, and fused into it (max_norm).
+# --------------------------------------------------------------------------------------------
 
 
 def adam_with_schedule():
     return optax.adam(optax.cosine_decay_schedule(1e-2, decay_steps=5))
 
 
-class ChainTest(chex.TestCase):
-    @chex.variants(with_jit=True, without_jit=True)
-    def test_chain_matches_optax_chain_on_finite_steps(self):
-        ours = optax.chain(jdls.clip(1.0), jdls.wrap(adam_with_schedule()))
-        theirs = optax.chain(optax.clip_by_global_norm(1.0), adam_with_schedule())
-        s1, s2 = ours.init(grads_of(0)), theirs.init(grads_of(0))
-        up1, up2 = self.variant(ours.update), self.variant(theirs.update)
-        for seed in range(2):
-            grads = grads_of(seed, scale=[0.01, 10.0][seed])
-            u1, s1 = up1(grads, s1)
-            u2, s2 = up2(grads, s2)
-            assert_close(u1, u2)
-        assert_close(s1[1].inner_state, s2[1])
+@with_and_without_jit
+def test_chain_matches_optax_chain_on_finite_steps(jit):
+    ours = optax.chain(jdls.clip(1.0), jdls.wrap(adam_with_schedule()))
+    theirs = optax.chain(optax.clip_by_global_norm(1.0), adam_with_schedule())
+    s1, s2 = ours.init(grads_of(0)), theirs.init(grads_of(0))
+    up1, up2 = maybe_jit(ours.update, jit), maybe_jit(theirs.update, jit)
+    for seed in range(2):
+        grads = grads_of(seed, scale=[0.01, 10.0][seed])
+        u1, s1 = up1(grads, s1)
+        u2, s2 = up2(grads, s2)
+        assert_close(u1, u2)
+    assert_close(s1[1].inner_state, s2[1])
 
-    @chex.variants(with_jit=True, without_jit=True)
-    def test_fused_equals_chain(self):
-        self.check_fused_equals_chain("cond")
 
-    def test_fused_equals_chain_with_select(self):
-        self.check_fused_equals_chain("select", jax.jit)
+@with_and_without_jit
+def test_fused_equals_chain(jit):
+    check_fused_equals_chain("cond", jit)
 
-    def check_fused_equals_chain(self, skip_with, variant=None):
-        """wrap(inner, max_norm=c) matches chain(clip(c), wrap(inner)) through overflowing norms
-        and skipped steps (same decisions, same norm, updates within a few ulps)."""
-        fused = jdls.wrap(adam_with_schedule(), max_norm=1.0, skip_with=skip_with)
-        chained = optax.chain(jdls.clip(1.0), jdls.wrap(adam_with_schedule()))
-        params = grads_of(0)
-        s1, s2 = fused.init(params), chained.init(params)
-        variant = variant or self.variant
-        up1, up2 = variant(fused.update), variant(chained.update)
-        huge = {"a": jnp.full((3, 4), 3e38), "b": [jnp.full(5, -3e38)], "c": jnp.float32(1.0)}
-        bad = grads_of(2)
-        bad["b"][0] = bad["b"][0].at[3].set(NAN)
-        for grads in [grads_of(0, 0.01), huge, bad, grads_of(1, 10.0)]:
-            u1, s1 = up1(grads, s1, params)
-            u2, s2 = up2(grads, s2, params)
-            assert_close(u1, u2)
-            assert bool(jdls.stats(s1).finite) == bool(jdls.stats(s2).finite)
-            norm = float(jdls.stats(s1).grad_norm)
-            if grads is huge:
-                assert norm == INF
-            elif grads is bad:
-                assert np.isnan(norm)
-            else:
-                expected = float(optax.tree.norm(grads))
-                assert norm == expected
-        assert_close(s1.inner_state, s2[1].inner_state)
-        assert int(jdls.stats(s1).skipped_steps) == 1
 
-    def test_fused_clip_matches_optax_clip_then_adam(self):
-        fused = jdls.wrap(optax.adam(1e-2), max_norm=0.5)
-        plain = optax.chain(optax.clip_by_global_norm(0.5), optax.adam(1e-2))
-        s1, s2 = fused.init(grads_of(0)), plain.init(grads_of(0))
-        for seed in range(2):
-            u1, s1 = jax.jit(fused.update)(grads_of(seed), s1)
-            u2, s2 = jax.jit(plain.update)(grads_of(seed), s2)
-            assert_close(u1, u2)
+def test_fused_equals_chain_with_select():
+    check_fused_equals_chain("select", jit=True)
 
-    def test_cerebras_formula_differs_by_at_most_1e_6_relative(self):
-        """Documented difference: Cerebras multiplies by min(c / (norm + 1e-6), 1)."""
-        grads = grads_of(0, scale=3.0)
-        norm = float(optax.tree.norm(grads))
-        out, _ = jdls.clip(1.0).update(grads, optax.EmptyState())
-        coef = min(1.0 / (norm + 1e-6), 1.0)
-        for ours, g in zip(jax.tree.leaves(out), jax.tree.leaves(grads), strict=True):
-            np.testing.assert_allclose(ours, np.asarray(g) * coef, rtol=2e-6)
+
+def check_fused_equals_chain(skip_with, jit):
+    """wrap(inner, max_norm=c) matches chain(clip(c), wrap(inner)) through overflowing norms
+    and skipped steps (same decisions, same norm, updates within a few ulps)."""
+    fused = jdls.wrap(adam_with_schedule(), max_norm=1.0, skip_with=skip_with)
+    chained = optax.chain(jdls.clip(1.0), jdls.wrap(adam_with_schedule()))
+    params = grads_of(0)
+    s1, s2 = fused.init(params), chained.init(params)
+    up1, up2 = maybe_jit(fused.update, jit), maybe_jit(chained.update, jit)
+    huge = {"a": jnp.full((3, 4), 3e38), "b": [jnp.full(5, -3e38)], "c": jnp.float32(1.0)}
+    bad = grads_of(2)
+    bad["b"][0] = bad["b"][0].at[3].set(NAN)
+    for grads in [grads_of(0, 0.01), huge, bad, grads_of(1, 10.0)]:
+        u1, s1 = up1(grads, s1, params)
+        u2, s2 = up2(grads, s2, params)
+        assert_close(u1, u2)
+        assert bool(jdls.stats(s1).finite) == bool(jdls.stats(s2).finite)
+        norm = float(jdls.stats(s1).grad_norm)
+        if grads is huge:
+            assert norm == INF
+        elif grads is bad:
+            assert np.isnan(norm)
+        else:
+            expected = float(optax.tree.norm(grads))
+            assert norm == expected
+    assert_close(s1.inner_state, s2[1].inner_state)
+    assert int(jdls.stats(s1).skipped_steps) == 1
+
+
+def test_fused_clip_matches_optax_clip_then_adam():
+    fused = jdls.wrap(optax.adam(1e-2), max_norm=0.5)
+    plain = optax.chain(optax.clip_by_global_norm(0.5), optax.adam(1e-2))
+    s1, s2 = fused.init(grads_of(0)), plain.init(grads_of(0))
+    for seed in range(2):
+        u1, s1 = jax.jit(fused.update)(grads_of(seed), s1)
+        u2, s2 = jax.jit(plain.update)(grads_of(seed), s2)
+        assert_close(u1, u2)
+
+
+def test_cerebras_formula_differs_by_at_most_1e_6_relative():
+    """Documented difference: Cerebras multiplies by min(c / (norm + 1e-6), 1)."""
+    grads = grads_of(0, scale=3.0)
+    norm = float(optax.tree.norm(grads))
+    out, _ = jdls.clip(1.0).update(grads, optax.EmptyState())
+    coef = min(1.0 / (norm + 1e-6), 1.0)
+    for ours, g in zip(jax.tree.leaves(out), jax.tree.leaves(grads), strict=True):
+        np.testing.assert_allclose(ours, np.asarray(g) * coef, rtol=2e-6)

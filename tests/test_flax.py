@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _helpers import assert_bitwise_equal, maybe_jit, with_and_without_jit
 from flax import nnx, serialization
 from flax.training import train_state
 
@@ -15,13 +16,6 @@ import jdls
 
 X = jnp.arange(12, dtype=jnp.float32).reshape(4, 3) / 10
 Y = jnp.ones((4, 2), jnp.float32)
-
-
-def assert_trees_equal(a, b):
-    """Same structure and bitwise-equal leaves."""
-    assert jax.tree.structure(a) == jax.tree.structure(b)
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 # --------------------------------------------------------------------------------------------
@@ -45,18 +39,17 @@ def linen_loss(state):
     return loss_fn
 
 
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@with_and_without_jit
 def test_linen_trainstate_finite_step_is_the_inner_update(jit):
     state, inner = make_linen()
     grads = jax.grad(linen_loss(state))(state.params)
-    apply = jax.jit(lambda s, g: s.apply_gradients(grads=g)) if jit else None
-    new = apply(state, grads) if jit else state.apply_gradients(grads=grads)
+    new = maybe_jit(lambda s, g: s.apply_gradients(grads=g), jit)(state, grads)
 
     updates, inner_state = inner.update(grads, inner.init(state.params), state.params)
-    assert_trees_equal(new.params, optax.apply_updates(state.params, updates))
+    assert_bitwise_equal(new.params, optax.apply_updates(state.params, updates))
     wrap_state = new.opt_state
     assert isinstance(wrap_state, jdls.WrapState)
-    assert_trees_equal(wrap_state.inner_state, inner_state)
+    assert_bitwise_equal(wrap_state.inner_state, inner_state)
     assert int(new.step) == 1
     assert float(jdls.get_dynamic_scale(new).loss_scale) == 2048.0  # grown (interval 1)
     assert int(jdls.stats(new).skipped_steps) == 0
@@ -70,8 +63,8 @@ def test_linen_trainstate_nonfinite_step_is_skipped_exactly(bad):
     bad_grads = jax.tree.map(lambda g: g.at[(0,) * g.ndim].set(bad), grads)
     new = jax.jit(lambda s, g: s.apply_gradients(grads=g))(state, bad_grads)
 
-    assert_trees_equal(new.params, state.params)
-    assert_trees_equal(new.opt_state.inner_state, state.opt_state.inner_state)
+    assert_bitwise_equal(new.params, state.params)
+    assert_bitwise_equal(new.opt_state.inner_state, state.opt_state.inner_state)
     assert float(jdls.get_dynamic_scale(new).loss_scale) == 1024.0  # 2048 halved
     stats = jdls.stats(new)
     assert int(stats.skipped_steps) == 1
@@ -100,7 +93,7 @@ def test_jdls_trainstate_value_and_grad_is_exact_in_float32():
     loss, grads = jax.jit(lambda s: s.value_and_grad(loss_fn)(s.params))(state)
     ref_loss, ref_grads = jax.value_and_grad(loss_fn)(state.params)
     assert float(loss) == float(ref_loss)  # the unscaled loss
-    assert_trees_equal(grads, ref_grads)  # power-of-two scale: exact in float32
+    assert_bitwise_equal(grads, ref_grads)  # power-of-two scale: exact in float32
 
 
 def test_jdls_trainstate_value_and_grad_has_aux_and_argnums():
@@ -117,9 +110,9 @@ def test_jdls_trainstate_value_and_grad_has_aux_and_argnums():
         loss_fn, argnums=(0, 1), has_aux=True
     )(state.params, X)
     assert float(loss) == float(ref_loss)
-    assert_trees_equal(pred, ref_pred)
-    assert_trees_equal(g_params, ref_gp)
-    assert_trees_equal(g_x, ref_gx)
+    assert_bitwise_equal(pred, ref_pred)
+    assert_bitwise_equal(g_params, ref_gp)
+    assert_bitwise_equal(g_x, ref_gx)
 
 
 def test_jdls_trainstate_rescues_float16_underflow():
@@ -150,7 +143,7 @@ def test_jdls_trainstate_serialization_round_trip():
     assert isinstance(restored, jdls.TrainState)
     assert float(restored.loss_scale) == 128.0
     assert restored.dynamic_scale.rule == state.dynamic_scale.rule
-    assert_trees_equal(restored.params, state.params)
+    assert_bitwise_equal(restored.params, state.params)
     assert int(restored.step) == 1
 
 
@@ -219,11 +212,11 @@ def test_nnx_optimizer_finite_step_is_the_inner_update(jit):
 
     loss, grads = (nnx.jit(step) if jit else step)(model, optimizer)
     assert float(loss) == float(ref_loss)
-    assert_trees_equal(nnx.as_pure(grads), nnx.as_pure(ref_grads))
+    assert_bitwise_equal(nnx.as_pure(grads), nnx.as_pure(ref_grads))
 
     inner = optax.sgd(0.1)
     updates, _ = inner.update(nnx.as_pure(ref_grads), inner.init(before), before)
-    assert_trees_equal(params_of(model), optax.apply_updates(before, updates))
+    assert_bitwise_equal(params_of(model), optax.apply_updates(before, updates))
     stats = jdls.stats(nnx.as_pure(optimizer.opt_state))
     assert float(stats.loss_scale) == 2048.0
     assert int(stats.skipped_steps) == 0
@@ -236,7 +229,7 @@ def test_nnx_value_and_grad_is_exact_in_float32():
     loss, grads = jdls.nnx_value_and_grad(nnx_loss, scale)(model)
     ref_loss, ref_grads = nnx.value_and_grad(nnx_loss)(model)
     assert float(loss) == float(ref_loss)
-    assert_trees_equal(nnx.as_pure(grads), nnx.as_pure(ref_grads))
+    assert_bitwise_equal(nnx.as_pure(grads), nnx.as_pure(ref_grads))
 
 
 def test_nnx_optimizer_nonfinite_step_is_skipped_exactly():
@@ -253,9 +246,9 @@ def test_nnx_optimizer_nonfinite_step_is_skipped_exactly():
     assert not bool(jdls.all_finite(nnx.as_pure(grads)))
     optimizer.update(model, grads)
 
-    assert_trees_equal(params_of(model), params)
+    assert_bitwise_equal(params_of(model), params)
     new_state = nnx.as_pure(optimizer.opt_state)
-    assert_trees_equal(new_state.inner_state, opt_state.inner_state)
+    assert_bitwise_equal(new_state.inner_state, opt_state.inner_state)
     stats = jdls.stats(new_state)
     assert float(stats.loss_scale) == 1024.0  # 2048 halved
     assert int(stats.skipped_steps) == 1

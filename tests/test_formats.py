@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import math
 
-import chex
 import hypothesis.extra.numpy as hnp
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from _helpers import f32_bits, maybe_jit, with_and_without_jit
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -54,10 +54,6 @@ CUSTOM_NAMES = list(CUSTOM)
 # --------------------------------------------------------------------------------------------
 # Helpers and the independent oracle.
 # --------------------------------------------------------------------------------------------
-
-
-def f32_bits(x) -> np.ndarray:
-    return np.asarray(x, dtype=np.float32).view(np.uint32)
 
 
 def assert_same_floats(got, want, inputs=None) -> None:
@@ -361,49 +357,52 @@ def test_cbfloat16_special_values():
 # --------------------------------------------------------------------------------------------
 
 
-class TransformTest(chex.TestCase):
-    @chex.variants(with_jit=True, without_jit=True)
-    def test_round_to_bits_from_bits(self):
-        x = np.array([1.0 + 2.0**-10, 3e-12, -1e30, 0.1], np.float32)
-        rnd = self.variant(cbfloat16.round)
-        enc = self.variant(cbfloat16.to_bits)
-        dec = self.variant(cbfloat16.from_bits)
-        assert_same_floats(rnd(x), oracle_round(cbfloat16, x))
-        assert_same_floats(dec(enc(x)), oracle_round(cbfloat16, x))
+@with_and_without_jit
+def test_round_to_bits_from_bits(jit):
+    x = np.array([1.0 + 2.0**-10, 3e-12, -1e30, 0.1], np.float32)
+    rnd = maybe_jit(cbfloat16.round, jit)
+    enc = maybe_jit(cbfloat16.to_bits, jit)
+    dec = maybe_jit(cbfloat16.from_bits, jit)
+    assert_same_floats(rnd(x), oracle_round(cbfloat16, x))
+    assert_same_floats(dec(enc(x)), oracle_round(cbfloat16, x))
 
-    @chex.variants(with_jit=True, without_jit=True)
-    def test_straight_through_gradient(self):
-        x = jnp.array([1.0 + 2.0**-10, 1e-13, 1e30, 0.3])
-        grad = self.variant(jax.grad(lambda v: jnp.sum(cbfloat16.round(v) * jnp.arange(4.0))))
-        assert_same_floats(grad(x), np.arange(4.0))
-        primal, tangent = jax.jvp(cbfloat16.round, (x,), (jnp.full(4, 0.5),))
-        assert_same_floats(tangent, np.full(4, 0.5))
-        assert_same_floats(primal, oracle_round(cbfloat16, np.asarray(x)))
 
-    def test_vmap(self):
-        x = jnp.linspace(-3.0, 3.0, 12).reshape(3, 4) * 1e-11
-        assert_same_floats(jax.vmap(cbfloat16.round)(x), oracle_round(cbfloat16, np.asarray(x)))
-        bits = jax.vmap(cbfloat16.to_bits)(x)
-        assert bits.dtype == jnp.uint16 and bits.shape == (3, 4)
+@with_and_without_jit
+def test_straight_through_gradient(jit):
+    x = jnp.array([1.0 + 2.0**-10, 1e-13, 1e30, 0.3])
+    grad = maybe_jit(jax.grad(lambda v: jnp.sum(cbfloat16.round(v) * jnp.arange(4.0))), jit)
+    assert_same_floats(grad(x), np.arange(4.0))
+    primal, tangent = jax.jvp(cbfloat16.round, (x,), (jnp.full(4, 0.5),))
+    assert_same_floats(tangent, np.full(4, 0.5))
+    assert_same_floats(primal, oracle_round(cbfloat16, np.asarray(x)))
 
-    def test_format_is_static_config(self):
-        @jax.jit(static_argnums=0)
-        def f(fmt, x):
-            return fmt.round(x)
 
-        x = jnp.array([1.0 + 2.0**-8])
-        assert float(f(cbfloat16, x)[0]) == 1.0 + 2.0**-8
-        assert float(f(FloatFormat(5, 2), x)[0]) == 1.0
-        assert hash(FloatFormat(6, 9)) == hash(cbfloat16)
-        assert FloatFormat(6, 9) == cbfloat16 and FloatFormat(6, 9, bias=30) != cbfloat16
+def test_vmap():
+    x = jnp.linspace(-3.0, 3.0, 12).reshape(3, 4) * 1e-11
+    assert_same_floats(jax.vmap(cbfloat16.round)(x), oracle_round(cbfloat16, np.asarray(x)))
+    bits = jax.vmap(cbfloat16.to_bits)(x)
+    assert bits.dtype == jnp.uint16 and bits.shape == (3, 4)
 
-    def test_narrow_float_inputs_are_widened_exactly(self):
-        x16 = np.array([1.5, 2.0**-24, -3.0], np.float16)
-        out = cbfloat16.round(jnp.asarray(x16))
-        assert out.dtype == jnp.float32
-        assert_same_floats(out, oracle_round(cbfloat16, x16.astype(np.float32)))
-        bf = jnp.array([1.0 + 2.0**-7], jnp.bfloat16)
-        assert float(cbfloat16.round(bf)[0]) == 1.0 + 2.0**-7
+
+def test_format_is_static_config():
+    @jax.jit(static_argnums=0)
+    def f(fmt, x):
+        return fmt.round(x)
+
+    x = jnp.array([1.0 + 2.0**-8])
+    assert float(f(cbfloat16, x)[0]) == 1.0 + 2.0**-8
+    assert float(f(FloatFormat(5, 2), x)[0]) == 1.0
+    assert hash(FloatFormat(6, 9)) == hash(cbfloat16)
+    assert FloatFormat(6, 9) == cbfloat16 and FloatFormat(6, 9, bias=30) != cbfloat16
+
+
+def test_narrow_float_inputs_are_widened_exactly():
+    x16 = np.array([1.5, 2.0**-24, -3.0], np.float16)
+    out = cbfloat16.round(jnp.asarray(x16))
+    assert out.dtype == jnp.float32
+    assert_same_floats(out, oracle_round(cbfloat16, x16.astype(np.float32)))
+    bf = jnp.array([1.0 + 2.0**-7], jnp.bfloat16)
+    assert float(cbfloat16.round(bf)[0]) == 1.0 + 2.0**-7
 
 
 # --------------------------------------------------------------------------------------------
@@ -492,45 +491,46 @@ def test_finfo_delegates_for_native_dtypes():
 # --------------------------------------------------------------------------------------------
 
 
-class StorageTest(chex.TestCase):
-    @chex.variants(with_jit=True, without_jit=True)
-    def test_compress_round_trip(self):
-        key = jax.random.key(0)
-        tree = {
-            "w": jax.random.normal(key, (64, 32)) * 1e-6,
-            "b": jnp.linspace(-1e10, 1e10, 32),
-            "step": jnp.array(7, jnp.int32),
-            "mask": jnp.array([True, False]),
-            "none": None,
-            "half": jnp.ones(3, jnp.float16) / 3,
-        }
-        packed = self.variant(compress)(tree)
-        assert packed["none"] is None
-        assert packed["w"].dtype == jnp.uint16 and packed["b"].dtype == jnp.uint16
-        assert packed["step"].dtype == jnp.int32 and int(packed["step"]) == 7
-        assert packed["mask"].dtype == jnp.bool_
-        assert packed["w"].nbytes * 2 == tree["w"].nbytes
-        assert packed["b"].nbytes * 2 == tree["b"].nbytes
-        back = self.variant(decompress)(packed)
-        assert back["none"] is None and int(back["step"]) == 7
-        for name in ("w", "b", "half"):
-            assert back[name].dtype == jnp.float32
-            assert_same_floats(back[name], cbfloat16.round(tree[name]))
+@with_and_without_jit
+def test_compress_round_trip(jit):
+    key = jax.random.key(0)
+    tree = {
+        "w": jax.random.normal(key, (64, 32)) * 1e-6,
+        "b": jnp.linspace(-1e10, 1e10, 32),
+        "step": jnp.array(7, jnp.int32),
+        "mask": jnp.array([True, False]),
+        "none": None,
+        "half": jnp.ones(3, jnp.float16) / 3,
+    }
+    packed = maybe_jit(compress, jit)(tree)
+    assert packed["none"] is None
+    assert packed["w"].dtype == jnp.uint16 and packed["b"].dtype == jnp.uint16
+    assert packed["step"].dtype == jnp.int32 and int(packed["step"]) == 7
+    assert packed["mask"].dtype == jnp.bool_
+    assert packed["w"].nbytes * 2 == tree["w"].nbytes
+    assert packed["b"].nbytes * 2 == tree["b"].nbytes
+    back = maybe_jit(decompress, jit)(packed)
+    assert back["none"] is None and int(back["step"]) == 7
+    for name in ("w", "b", "half"):
+        assert back[name].dtype == jnp.float32
+        assert_same_floats(back[name], cbfloat16.round(tree[name]))
 
-    def test_memory_halves_for_the_whole_tree(self):
-        tree = [np.ones((256, 256), np.float32), np.zeros(1000, np.float32)]
-        packed = compress(tree)
-        before = sum(x.nbytes for x in tree)
-        after = sum(x.nbytes for x in packed)
-        assert after * 2 == before
 
-    def test_eight_bit_format(self):
-        fmt = FloatFormat(4, 3)
-        x = jnp.array([0.3, -250.0, 1e-3])
-        packed = compress({"x": x}, fmt=fmt)
-        assert packed["x"].dtype == jnp.uint8
-        back = decompress(packed, fmt=fmt)["x"]
-        assert_same_floats(back, x.astype(jnp.float8_e4m3).astype(jnp.float32))
+def test_memory_halves_for_the_whole_tree():
+    tree = [np.ones((256, 256), np.float32), np.zeros(1000, np.float32)]
+    packed = compress(tree)
+    before = sum(x.nbytes for x in tree)
+    after = sum(x.nbytes for x in packed)
+    assert after * 2 == before
+
+
+def test_eight_bit_format():
+    fmt = FloatFormat(4, 3)
+    x = jnp.array([0.3, -250.0, 1e-3])
+    packed = compress({"x": x}, fmt=fmt)
+    assert packed["x"].dtype == jnp.uint8
+    back = decompress(packed, fmt=fmt)["x"]
+    assert_same_floats(back, x.astype(jnp.float8_e4m3).astype(jnp.float32))
 
 
 # --------------------------------------------------------------------------------------------

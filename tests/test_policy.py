@@ -2,28 +2,17 @@
 
 from __future__ import annotations
 
-import chex
 import jax
 import jax.numpy as jnp
-import jmp
 import numpy as np
 import pytest
+from _helpers import assert_bitwise_equal, f32_bits, maybe_jit, with_and_without_jit
 
 import jdls
 from jdls._formats import FloatFormat, cbfloat16
 from jdls._policy import Policy, get_policy
 
 F32, F16, BF16 = np.dtype("float32"), np.dtype("float16"), np.dtype(jnp.bfloat16)
-
-
-def bits(x) -> np.ndarray:
-    return np.asarray(x, np.float32).view(np.uint32)
-
-
-def assert_bits_equal(got, want) -> None:
-    got, want = np.asarray(got), np.asarray(want)
-    assert got.dtype == want.dtype, (got.dtype, want.dtype)
-    np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
 
 
 # --------------------------------------------------------------------------------------------
@@ -49,6 +38,7 @@ JMP_STRINGS = [
 
 @pytest.mark.parametrize("name", JMP_STRINGS)
 def test_parses_like_jmp(name):
+    jmp = pytest.importorskip("jmp")
     ours, theirs = get_policy(name), jmp.get_policy(name)
     assert ours.param_dtype == theirs.param_dtype
     assert ours.compute_dtype == theirs.compute_dtype
@@ -132,6 +122,7 @@ def test_bad_policy_fields():
 
 
 def test_native_casts_match_jmp():
+    jmp = pytest.importorskip("jmp")
     tree = {
         "w": jnp.linspace(-1.0, 1.0, 7) * 1e-5,
         "n": np.linspace(0.0, 1.0, 3, dtype=np.float32),
@@ -148,7 +139,7 @@ def test_native_casts_match_jmp():
             assert got["i"].dtype == jnp.int32
             assert isinstance(got["n"], np.ndarray) == isinstance(want["n"], np.ndarray)
             for key in ("w", "n", "i"):
-                assert_bits_equal(got[key], want[key])
+                assert_bitwise_equal(got[key], want[key])
 
 
 def test_native_backward_is_jax_transpose():
@@ -167,93 +158,98 @@ VALUES = np.array(
 )
 
 
-class EmulatedCastTest(chex.TestCase):
-    @chex.variants(with_jit=True, without_jit=True)
-    def test_forward_rounds_to_grid(self):
-        policy = get_policy("params=float32,compute=cbfloat16,output=float32")
-        tree = {"x": VALUES, "i": jnp.arange(2), "none": None, "h": jnp.ones(2, jnp.float16)}
-        out = self.variant(policy.cast_to_compute)(tree)
-        assert out["none"] is None and out["i"].dtype == jnp.int32
-        assert out["x"].dtype == jnp.float32 and out["h"].dtype == jnp.float32
-        assert_bits_equal(out["x"], cbfloat16.round(VALUES))
-        assert_bits_equal(out["h"], np.ones(2, np.float32))
+@with_and_without_jit
+def test_forward_rounds_to_grid(jit):
+    policy = get_policy("params=float32,compute=cbfloat16,output=float32")
+    tree = {"x": VALUES, "i": jnp.arange(2), "none": None, "h": jnp.ones(2, jnp.float16)}
+    out = maybe_jit(policy.cast_to_compute, jit)(tree)
+    assert out["none"] is None and out["i"].dtype == jnp.int32
+    assert out["x"].dtype == jnp.float32 and out["h"].dtype == jnp.float32
+    assert_bitwise_equal(out["x"], cbfloat16.round(VALUES))
+    assert_bitwise_equal(out["h"], np.ones(2, np.float32))
 
-    @chex.variants(with_jit=True, without_jit=True)
-    def test_backward_of_cast_to_compute_rounds_cotangent(self):
-        policy = get_policy("params=float32,compute=cbfloat16,output=float32")
-        cotangent = jnp.asarray(VALUES)
 
-        def loss(w):
-            return jnp.vdot(policy.cast_to_compute(w), cotangent)
+@with_and_without_jit
+def test_backward_of_cast_to_compute_rounds_cotangent(jit):
+    policy = get_policy("params=float32,compute=cbfloat16,output=float32")
+    cotangent = jnp.asarray(VALUES)
 
-        grad = self.variant(jax.grad(loss))(jnp.ones_like(cotangent))
-        want = cbfloat16.round(VALUES)
-        assert_bits_equal(grad, want)
-        # 1e-13 and -2**-40 underflowed (to +0 and -0), 5e9 overflowed to inf.
-        assert list(bits(want)[[1, 6]]) == [0, 0x80000000] and np.isinf(want[3])
+    def loss(w):
+        return jnp.vdot(policy.cast_to_compute(w), cotangent)
 
-    @chex.variants(with_jit=True, without_jit=True)
-    def test_backward_of_cast_to_output_rounds_to_compute_grid(self):
-        # The output cast's input is a compute (cbfloat16) value: its cotangent is cbfloat16.
-        policy = get_policy("p=f32,c=cbfloat16,o=f32")
-        cotangent = jnp.asarray(VALUES)
-        grad = self.variant(jax.grad(lambda y: jnp.vdot(policy.cast_to_output(y), cotangent)))
-        assert_bits_equal(grad(jnp.ones(VALUES.size)), cbfloat16.round(VALUES))
-        # With float32 compute the output cast is the identity, forward and backward.
-        plain = get_policy("p=f32,c=f32,o=f32")
-        grad32 = jax.grad(lambda y: jnp.vdot(plain.cast_to_output(y), cotangent))
-        assert_bits_equal(grad32(jnp.ones(VALUES.size)), VALUES)
+    grad = maybe_jit(jax.grad(loss), jit)(jnp.ones_like(cotangent))
+    want = cbfloat16.round(VALUES)
+    assert_bitwise_equal(grad, want)
+    # 1e-13 and -2**-40 underflowed (to +0 and -0), 5e9 overflowed to inf.
+    assert list(f32_bits(want)[[1, 6]]) == [0, 0x80000000] and np.isinf(want[3])
 
-    def test_backward_rounds_destination_then_source(self):
-        # params cbfloat16, compute float16: the cotangent is f16 (JAX), then cbfloat16.
-        policy = get_policy("p=cbfloat16,c=f16,o=f32")
-        g = np.array([1e-6, 1e-9, 70000.0, 1.0 + 2.0**-10, 1.0 + 3 * 2.0**-10], np.float32)
 
-        def loss(w):
-            return jnp.vdot(policy.cast_to_compute(w).astype(jnp.float32), g)
+@with_and_without_jit
+def test_backward_of_cast_to_output_rounds_to_compute_grid(jit):
+    # The output cast's input is a compute (cbfloat16) value: its cotangent is cbfloat16.
+    policy = get_policy("p=f32,c=cbfloat16,o=f32")
+    cotangent = jnp.asarray(VALUES)
+    grad = maybe_jit(jax.grad(lambda y: jnp.vdot(policy.cast_to_output(y), cotangent)), jit)
+    assert_bitwise_equal(grad(jnp.ones(VALUES.size)), cbfloat16.round(VALUES))
+    # With float32 compute the output cast is the identity, forward and backward.
+    plain = get_policy("p=f32,c=f32,o=f32")
+    grad32 = jax.grad(lambda y: jnp.vdot(plain.cast_to_output(y), cotangent))
+    assert_bitwise_equal(grad32(jnp.ones(VALUES.size)), VALUES)
 
-        with np.errstate(over="ignore"):
-            want = cbfloat16.round(g.astype(np.float16).astype(np.float32))
-        assert_bits_equal(jax.grad(loss)(jnp.ones(5)), want)
-        assert float(want[1]) == 0.0 and np.isinf(want[2])  # f16 underflow / overflow
-        # float16 keeps 1 + 2**-10 and 1 + 3 * 2**-10; both are cbfloat16 ties, to even.
-        assert (float(want[3]), float(want[4])) == (1.0, 1.0 + 2.0**-8)
 
-    def test_cast_to_param_backward_uses_compute_grid(self):
-        policy = get_policy("p=f32,c=cbfloat16,o=f32")
-        g = jnp.asarray(VALUES)
-        grad = jax.grad(lambda w: jnp.vdot(policy.cast_to_param(w), g))(jnp.ones(VALUES.size))
-        assert_bits_equal(grad, cbfloat16.round(VALUES))
-        # Forward: float32 values are unchanged by a float32 param cast.
-        assert_bits_equal(policy.cast_to_param(jnp.asarray(VALUES)), VALUES)
+def test_backward_rounds_destination_then_source():
+    # params cbfloat16, compute float16: the cotangent is f16 (JAX), then cbfloat16.
+    policy = get_policy("p=cbfloat16,c=f16,o=f32")
+    g = np.array([1e-6, 1e-9, 70000.0, 1.0 + 2.0**-10, 1.0 + 3 * 2.0**-10], np.float32)
 
-    def test_vmap_and_static_policy(self):
-        policy = get_policy("c=cbfloat16")
+    def loss(w):
+        return jnp.vdot(policy.cast_to_compute(w).astype(jnp.float32), g)
 
-        @jax.jit(static_argnums=0)
-        def f(p, x):
-            return jax.vmap(p.cast_to_compute)(x)
+    with np.errstate(over="ignore"):
+        want = cbfloat16.round(g.astype(np.float16).astype(np.float32))
+    assert_bitwise_equal(jax.grad(loss)(jnp.ones(5)), want)
+    assert float(want[1]) == 0.0 and np.isinf(want[2])  # f16 underflow / overflow
+    # float16 keeps 1 + 2**-10 and 1 + 3 * 2**-10; both are cbfloat16 ties, to even.
+    assert (float(want[3]), float(want[4])) == (1.0, 1.0 + 2.0**-8)
 
-        x = jnp.asarray(VALUES).reshape(2, 4)
-        assert_bits_equal(f(policy, x), cbfloat16.round(x))
 
-    def test_mlp_gradients_underflow_like_the_format(self):
-        """A whole model: emulated gradients equal float32 gradients rounded at the casts."""
-        policy = get_policy("p=f32,c=cbfloat16,o=f32")
-        w = jax.random.normal(jax.random.key(1), (8, 4))
-        # Multiples of 1/8: every sum below is exact, whatever the summation order.
-        x = jax.random.randint(jax.random.key(2), (16, 8), -8, 9).astype(jnp.float32) / 8
+def test_cast_to_param_backward_uses_compute_grid():
+    policy = get_policy("p=f32,c=cbfloat16,o=f32")
+    g = jnp.asarray(VALUES)
+    grad = jax.grad(lambda w: jnp.vdot(policy.cast_to_param(w), g))(jnp.ones(VALUES.size))
+    assert_bitwise_equal(grad, cbfloat16.round(VALUES))
+    # Forward: float32 values are unchanged by a float32 param cast.
+    assert_bitwise_equal(policy.cast_to_param(jnp.asarray(VALUES)), VALUES)
 
-        def loss(w, scale):
-            wc, xc = policy.cast_to_compute((w, x))
-            return scale * jnp.sum(policy.cast_to_output(xc @ wc))
 
-        # dL/dw = x_c^T @ round_cb(scale * ones); with scale 1e-14 the cotangent underflows.
-        assert not np.any(np.asarray(jax.grad(loss)(w, 1e-14)))
-        g = jax.grad(loss)(w, 2.0**-20)
-        xc = cbfloat16.round(x)
-        want = cbfloat16.round(xc.T @ jnp.full((16, 4), 2.0**-20))
-        assert_bits_equal(g, want)
+def test_vmap_and_static_policy():
+    policy = get_policy("c=cbfloat16")
+
+    @jax.jit(static_argnums=0)
+    def f(p, x):
+        return jax.vmap(p.cast_to_compute)(x)
+
+    x = jnp.asarray(VALUES).reshape(2, 4)
+    assert_bitwise_equal(f(policy, x), cbfloat16.round(x))
+
+
+def test_mlp_gradients_underflow_like_the_format():
+    """A whole model: emulated gradients equal float32 gradients rounded at the casts."""
+    policy = get_policy("p=f32,c=cbfloat16,o=f32")
+    w = jax.random.normal(jax.random.key(1), (8, 4))
+    # Multiples of 1/8: every sum below is exact, whatever the summation order.
+    x = jax.random.randint(jax.random.key(2), (16, 8), -8, 9).astype(jnp.float32) / 8
+
+    def loss(w, scale):
+        wc, xc = policy.cast_to_compute((w, x))
+        return scale * jnp.sum(policy.cast_to_output(xc @ wc))
+
+    # dL/dw = x_c^T @ round_cb(scale * ones); with scale 1e-14 the cotangent underflows.
+    assert not np.any(np.asarray(jax.grad(loss)(w, 1e-14)))
+    g = jax.grad(loss)(w, 2.0**-20)
+    xc = cbfloat16.round(x)
+    want = cbfloat16.round(xc.T @ jnp.full((16, 4), 2.0**-20))
+    assert_bitwise_equal(g, want)
 
 
 def test_exported():

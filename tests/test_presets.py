@@ -17,13 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import reference_rules as ref
+from _helpers import F32_MAX, with_and_without_jit
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import jdls
 
 TINY = float(np.finfo(np.float32).tiny)
-F32_MAX = float(np.finfo(np.float32).max)
 SETTINGS = settings(
     max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
 )
@@ -45,8 +45,6 @@ init_scales = st.one_of(
     st.integers(-20, 127).map(lambda e: 2.0**e),
     st.floats(2.0**-10, 2.0**100, allow_nan=False, width=32),
 )
-
-JIT = pytest.mark.parametrize("jit", [True, False], ids=["jit", "nojit"])
 
 
 @functools.cache
@@ -97,7 +95,7 @@ def torch_trajectory(flags, init_scale, growth_factor, backoff_factor, growth_in
     return out
 
 
-@JIT
+@with_and_without_jit
 @SETTINGS
 @given(flags=flag_sequences, g=factors, b=backoffs, n=intervals, s0=init_scales)
 def test_pytorch_matches_torch_kernel(jit, flags, g, b, n, s0):
@@ -146,7 +144,7 @@ def flax_trajectory(flags, **kwargs):
     return out
 
 
-@JIT
+@with_and_without_jit
 @SETTINGS
 @given(
     flags=flag_sequences,
@@ -207,7 +205,7 @@ def _jmp_step(period, factor, min_loss_scale):
     return jax.jit(step)
 
 
-@JIT
+@with_and_without_jit
 @SETTINGS
 @given(
     flags=flag_sequences,
@@ -240,7 +238,7 @@ def test_jmp_matches_jmp(jit, flags, factor, period, s0, minimum):
 # --------------------------------------------------------------------------------------------
 
 
-@JIT
+@with_and_without_jit
 @SETTINGS
 @given(flags=flag_sequences, n=intervals, s0=init_scales)
 def test_keras_matches_reference(jit, flags, n, s0):
@@ -257,7 +255,7 @@ def test_keras_reaches_inf_and_zero_like_keras():
     assert float(down.adjust(False).loss_scale) == 0.0
 
 
-@JIT
+@with_and_without_jit
 @SETTINGS
 @given(
     flags=flag_sequences,
@@ -307,7 +305,7 @@ def test_deepspeed_error_at_min_scale_is_recorded_and_raised_on_host():
     assert quiet.adjust(False).check() is not None
 
 
-@JIT
+@with_and_without_jit
 @SETTINGS
 @given(
     flags=flag_sequences,
@@ -332,7 +330,7 @@ def test_megatron_matches_reference(jit, flags, g, b, n, s0, min_scale, hysteres
     assert_same_scales(ours, [reference.step(f) for f in flags], flags)
 
 
-@JIT
+@with_and_without_jit
 @SETTINGS
 @given(
     flags=flag_sequences,

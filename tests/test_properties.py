@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import functools
 
-import _mlp
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 import reference_rules as ref
+from _helpers import F32_MAX, same_bits
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -36,7 +36,6 @@ import jdls
 
 F32 = np.float32
 TINY = float(np.finfo(np.float32).tiny)
-F32_MAX = float(np.finfo(np.float32).max)
 LONG = 2048  # steps per sequence for the presets
 SETTINGS = settings(
     max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
@@ -380,7 +379,7 @@ def _wrap_runner(name: str, skip_with: str):
         grads["w"] = grads["w"].at[t % 5].set(jnp.where(finite, grads["w"][t % 5], bad))
         updates, new_state = tx.update(grads, state, params)
         new_params = optax.apply_updates(params, updates)
-        kept = _mlp.same_bits(new_params, params)
+        kept = same_bits(new_params, params)
         s = jdls.stats(new_state)
         count = new_state.inner_state[0].count
         return (new_params, new_state), (

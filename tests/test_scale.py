@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from absl.testing import parameterized
+from _helpers import F32_MAX, maybe_jit, with_and_without_jit
 
 import jdls
-
-F32_MAX = float(np.finfo(np.float32).max)
 
 
 def kinds():
@@ -131,55 +128,56 @@ def test_default_never_reaches_zero_inf_or_nan():
     assert bool(jnp.all(jnp.isfinite(hist) & (hist >= 1.0)))
 
 
-class AdjustTest(chex.TestCase):
-    @chex.variants(with_jit=True, without_jit=True)
-    def test_exact_trajectory(self):
-        adjust = self.variant(lambda s, f: s.adjust(f))
-        s = jdls.DynamicScale(8.0, growth_interval=2, min_loss_scale=2.0, max_loss_scale=16.0)
-        got = []
-        for f in [True, True, True, True, False, False, False, True, False, True, True]:
-            s = adjust(s, f)
-            got.append((float(s.loss_scale), int(s.counter), int(s.skipped)))
-        assert got == [
-            (8.0, 1, 0),
-            (16.0, 0, 0),
-            (16.0, 1, 0),
-            (16.0, 0, 0),  # growth clamped at the maximum
-            (8.0, 0, 1),
-            (4.0, 0, 2),
-            (2.0, 0, 3),
-            (2.0, 1, 3),
-            (2.0, 0, 4),  # backoff clamped at the minimum
-            (2.0, 1, 4),
-            (4.0, 0, 4),
-        ]
+@with_and_without_jit
+def test_exact_trajectory(jit):
+    adjust = maybe_jit(lambda s, f: s.adjust(f), jit)
+    s = jdls.DynamicScale(8.0, growth_interval=2, min_loss_scale=2.0, max_loss_scale=16.0)
+    got = []
+    for f in [True, True, True, True, False, False, False, True, False, True, True]:
+        s = adjust(s, f)
+        got.append((float(s.loss_scale), int(s.counter), int(s.skipped)))
+    assert got == [
+        (8.0, 1, 0),
+        (16.0, 0, 0),
+        (16.0, 1, 0),
+        (16.0, 0, 0),  # growth clamped at the maximum
+        (8.0, 0, 1),
+        (4.0, 0, 2),
+        (2.0, 0, 3),
+        (2.0, 1, 3),
+        (2.0, 0, 4),  # backoff clamped at the minimum
+        (2.0, 1, 4),
+        (4.0, 0, 4),
+    ]
 
-    @chex.variants(with_jit=True, without_jit=True)
-    def test_hysteresis(self):
-        adjust = self.variant(lambda s, f: s.adjust(f))
-        s = jdls.DynamicScale(64.0, hysteresis=3, growth_interval=2)
-        seq = [False, False, False, False, True, True, False, False]
-        got = []
-        for f in seq:
-            s = adjust(s, f)
-            got.append((float(s.loss_scale), int(s.hysteresis)))
-        # Two overflows forgiven, then every overflow backs off until a growth refills.
-        assert got == [
-            (64.0, 2),
-            (64.0, 1),
-            (32.0, 1),
-            (16.0, 1),
-            (16.0, 1),
-            (32.0, 3),
-            (32.0, 2),
-            (32.0, 1),
-        ]
 
-    @chex.variants(with_jit=True, without_jit=True)
-    def test_static_and_noop_never_change(self):
-        for _, scale in kinds()[1:]:
-            out = self.variant(lambda s: s.adjust(False).adjust(True))(scale)
-            assert float(out.loss_scale) == float(scale.loss_scale)
+@with_and_without_jit
+def test_hysteresis(jit):
+    adjust = maybe_jit(lambda s, f: s.adjust(f), jit)
+    s = jdls.DynamicScale(64.0, hysteresis=3, growth_interval=2)
+    seq = [False, False, False, False, True, True, False, False]
+    got = []
+    for f in seq:
+        s = adjust(s, f)
+        got.append((float(s.loss_scale), int(s.hysteresis)))
+    # Two overflows forgiven, then every overflow backs off until a growth refills.
+    assert got == [
+        (64.0, 2),
+        (64.0, 1),
+        (32.0, 1),
+        (16.0, 1),
+        (16.0, 1),
+        (32.0, 3),
+        (32.0, 2),
+        (32.0, 1),
+    ]
+
+
+@with_and_without_jit
+def test_static_and_noop_never_change(jit):
+    for _, scale in kinds()[1:]:
+        out = maybe_jit(lambda s: s.adjust(False).adjust(True), jit)(scale)
+        assert float(out.loss_scale) == float(scale.loss_scale)
 
 
 # --------------------------------------------------------------------------------------------
@@ -187,50 +185,49 @@ class AdjustTest(chex.TestCase):
 # --------------------------------------------------------------------------------------------
 
 
-class ScaleUnscaleTest(chex.TestCase):
-    @chex.variants(with_jit=True, without_jit=True)
-    @parameterized.named_parameters(*kinds())
-    def test_dtypes(self, scale):
-        tree = {
-            "f16": jnp.full((2,), 3.0, jnp.float16),
-            "bf16": jnp.full((2,), 3.0, jnp.bfloat16),
-            "f32": jnp.full((2,), 3.0, jnp.float32),
-            "int": jnp.arange(2, dtype=jnp.int32),
-            "bool": jnp.array([True, False]),
-            "none": None,
-        }
-        scaled = self.variant(scale.scale)(tree)
-        unscaled = self.variant(scale.unscale)(tree)
-        assert scaled["none"] is None and unscaled["none"] is None
-        for k in ("f16", "bf16", "f32", "int", "bool"):
-            assert scaled[k].dtype == tree[k].dtype, k
-        assert unscaled["f16"].dtype == jnp.float32
-        assert unscaled["bf16"].dtype == jnp.float32
-        assert unscaled["f32"].dtype == jnp.float32
-        np.testing.assert_array_equal(unscaled["int"], tree["int"])
-        np.testing.assert_array_equal(unscaled["bool"], tree["bool"])
-        s = float(scale.loss_scale)
-        np.testing.assert_array_equal(scaled["f32"], np.float32(3.0 * s))
-        np.testing.assert_array_equal(unscaled["f32"], np.float32(3.0 / s))
+@with_and_without_jit
+@pytest.mark.parametrize("scale", [s for _, s in kinds()], ids=[n for n, _ in kinds()])
+def test_dtypes(scale, jit):
+    tree = {
+        "f16": jnp.full((2,), 3.0, jnp.float16),
+        "bf16": jnp.full((2,), 3.0, jnp.bfloat16),
+        "f32": jnp.full((2,), 3.0, jnp.float32),
+        "int": jnp.arange(2, dtype=jnp.int32),
+        "bool": jnp.array([True, False]),
+        "none": None,
+    }
+    scaled = maybe_jit(scale.scale, jit)(tree)
+    unscaled = maybe_jit(scale.unscale, jit)(tree)
+    assert scaled["none"] is None and unscaled["none"] is None
+    for k in ("f16", "bf16", "f32", "int", "bool"):
+        assert scaled[k].dtype == tree[k].dtype, k
+    assert unscaled["f16"].dtype == jnp.float32
+    assert unscaled["bf16"].dtype == jnp.float32
+    assert unscaled["f32"].dtype == jnp.float32
+    np.testing.assert_array_equal(unscaled["int"], tree["int"])
+    np.testing.assert_array_equal(unscaled["bool"], tree["bool"])
+    s = float(scale.loss_scale)
+    np.testing.assert_array_equal(scaled["f32"], np.float32(3.0 * s))
+    np.testing.assert_array_equal(unscaled["f32"], np.float32(3.0 / s))
 
-    @chex.variants(with_jit=True, without_jit=True)
-    def test_unscale_of_half_gradients_loses_nothing(self):
-        # 2**-14 / 2**16 = 2**-30: a float16 result would flush to zero; float32 keeps it.
-        grads = jnp.array([2.0**-14, 65504.0, 2.0**-24], jnp.float16)
-        out = self.variant(jdls.StaticScale(2.0**16).unscale)(grads)
-        assert out.dtype == jnp.float32
-        np.testing.assert_array_equal(
-            out, np.array([2.0**-30, 65504.0 / 2**16, 2.0**-40], np.float32)
-        )
 
-    @chex.variants(with_jit=True, without_jit=True)
-    def test_scale_float16_forms_product_in_float32(self):
-        # 0.001 * 2**20 = 1048.576 fits float16, though 2**20 itself does not.
-        out = self.variant(jdls.StaticScale(2.0**20).scale)(jnp.float16(0.001))
-        assert out.dtype == jnp.float16
-        assert float(out) == float(np.float16(np.float32(np.float16(0.001)) * np.float32(2**20)))
-        # A product beyond float16's range really overflows: that is what loss scaling detects.
-        assert np.isinf(float(jdls.StaticScale(2.0**20).scale(jnp.float16(1.0))))
+@with_and_without_jit
+def test_unscale_of_half_gradients_loses_nothing(jit):
+    # 2**-14 / 2**16 = 2**-30: a float16 result would flush to zero; float32 keeps it.
+    grads = jnp.array([2.0**-14, 65504.0, 2.0**-24], jnp.float16)
+    out = maybe_jit(jdls.StaticScale(2.0**16).unscale, jit)(grads)
+    assert out.dtype == jnp.float32
+    np.testing.assert_array_equal(out, np.array([2.0**-30, 65504.0 / 2**16, 2.0**-40], np.float32))
+
+
+@with_and_without_jit
+def test_scale_float16_forms_product_in_float32(jit):
+    # 0.001 * 2**20 = 1048.576 fits float16, though 2**20 itself does not.
+    out = maybe_jit(jdls.StaticScale(2.0**20).scale, jit)(jnp.float16(0.001))
+    assert out.dtype == jnp.float16
+    assert float(out) == float(np.float16(np.float32(np.float16(0.001)) * np.float32(2**20)))
+    # A product beyond float16's range really overflows: that is what loss scaling detects.
+    assert np.isinf(float(jdls.StaticScale(2.0**20).scale(jnp.float16(1.0))))
 
 
 # --------------------------------------------------------------------------------------------
@@ -242,54 +239,57 @@ def loss_fn(w, x):
     return jnp.mean((x @ w.astype(jnp.float16)).astype(jnp.float32) ** 2) * 1e-3
 
 
-class ValueAndGradTest(chex.TestCase):
-    @chex.variants(with_jit=True, without_jit=True)
-    @parameterized.named_parameters(*kinds())
-    def test_matches_jax_value_and_grad(self, scale):
-        w = jnp.linspace(-1, 1, 12, dtype=jnp.float32).reshape(4, 3)
-        x = jnp.linspace(0, 2, 8, dtype=jnp.float32).reshape(2, 4)
-        f = lambda w, x: jnp.sum((x @ w) ** 2)  # noqa: E731
-        value, grads = self.variant(scale.value_and_grad(f))(w, x)
-        ref_value, ref_grads = jax.value_and_grad(f)(w, x)
-        assert float(value) == float(ref_value)  # the value is the loss, never re-divided
-        np.testing.assert_allclose(grads, ref_grads, rtol=1e-6)  # power-of-2 scale: exact-ish
+@with_and_without_jit
+@pytest.mark.parametrize("scale", [s for _, s in kinds()], ids=[n for n, _ in kinds()])
+def test_matches_jax_value_and_grad(scale, jit):
+    w = jnp.linspace(-1, 1, 12, dtype=jnp.float32).reshape(4, 3)
+    x = jnp.linspace(0, 2, 8, dtype=jnp.float32).reshape(2, 4)
+    f = lambda w, x: jnp.sum((x @ w) ** 2)  # noqa: E731
+    value, grads = maybe_jit(scale.value_and_grad(f), jit)(w, x)
+    ref_value, ref_grads = jax.value_and_grad(f)(w, x)
+    assert float(value) == float(ref_value)  # the value is the loss, never re-divided
+    np.testing.assert_allclose(grads, ref_grads, rtol=1e-6)  # power-of-2 scale: exact-ish
 
-    @chex.variants(with_jit=True, without_jit=True)
-    def test_has_aux_and_argnums(self):
-        scale = jdls.DynamicScale(2.0**10)
 
-        def f(a, b):
-            return jnp.sum(a * b), {"aux": a.sum()}
+@with_and_without_jit
+def test_has_aux_and_argnums(jit):
+    scale = jdls.DynamicScale(2.0**10)
 
-        a, b = jnp.array([1.0, 2.0]), jnp.array([3.0, 4.0])
-        (value, aux), (ga, gb) = self.variant(
-            scale.value_and_grad(f, argnums=(0, 1), has_aux=True)
-        )(a, b)
-        (rv, raux), (rga, rgb) = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(a, b)
-        assert float(value) == float(rv) and float(aux["aux"]) == float(raux["aux"])
-        np.testing.assert_array_equal(ga, rga)
-        np.testing.assert_array_equal(gb, rgb)
+    def f(a, b):
+        return jnp.sum(a * b), {"aux": a.sum()}
 
-    def test_float16_underflow_is_rescued_by_scaling(self):
-        w = jnp.full((4, 3), 1e-2, jnp.float32)
-        x = jnp.full((2, 4), 1e-2, jnp.float32)
-        _, unscaled = jdls.NoOpScale().value_and_grad(loss_fn)(w, x)
-        _, scaled = jdls.StaticScale(2.0**14).value_and_grad(loss_fn)(w, x)
-        assert unscaled.dtype == scaled.dtype == jnp.float32
-        assert float(jnp.abs(unscaled).max()) == 0.0  # flushed in float16
-        assert float(jnp.abs(scaled).min()) > 0.0
-        exact = jax.grad(lambda w: jnp.mean((x @ w) ** 2) * 1e-3)(w)  # all in float32
-        np.testing.assert_allclose(scaled, exact, rtol=1e-2)
+    a, b = jnp.array([1.0, 2.0]), jnp.array([3.0, 4.0])
+    (value, aux), (ga, gb) = maybe_jit(scale.value_and_grad(f, argnums=(0, 1), has_aux=True), jit)(
+        a, b
+    )
+    (rv, raux), (rga, rgb) = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(a, b)
+    assert float(value) == float(rv) and float(aux["aux"]) == float(raux["aux"])
+    np.testing.assert_array_equal(ga, rga)
+    np.testing.assert_array_equal(gb, rgb)
 
-    def test_overflowing_scaled_loss_gives_nonfinite_grads_but_exact_value(self):
-        f = lambda w: jnp.sum(w.astype(jnp.float16) * 1000.0)  # noqa: E731
-        value, grads = jdls.StaticScale(2.0**16).value_and_grad(f)(jnp.ones(2))
-        assert float(value) == 2000.0
-        assert not bool(jdls.all_finite(grads))
 
-    def test_has_aux_requires_pair(self):
-        with pytest.raises(TypeError, match="pair"):
-            jdls.DynamicScale().value_and_grad(lambda w: w.sum(), has_aux=True)(jnp.ones(2))
+def test_float16_underflow_is_rescued_by_scaling():
+    w = jnp.full((4, 3), 1e-2, jnp.float32)
+    x = jnp.full((2, 4), 1e-2, jnp.float32)
+    _, unscaled = jdls.NoOpScale().value_and_grad(loss_fn)(w, x)
+    _, scaled = jdls.StaticScale(2.0**14).value_and_grad(loss_fn)(w, x)
+    assert unscaled.dtype == scaled.dtype == jnp.float32
+    assert float(jnp.abs(unscaled).max()) == 0.0  # flushed in float16
+    assert float(jnp.abs(scaled).min()) > 0.0
+    exact = jax.grad(lambda w: jnp.mean((x @ w) ** 2) * 1e-3)(w)  # all in float32
+    np.testing.assert_allclose(scaled, exact, rtol=1e-2)
+
+
+def test_overflowing_scaled_loss_gives_nonfinite_grads_but_exact_value():
+    f = lambda w: jnp.sum(w.astype(jnp.float16) * 1000.0)  # noqa: E731
+    value, grads = jdls.StaticScale(2.0**16).value_and_grad(f)(jnp.ones(2))
+    assert float(value) == 2000.0
+    assert not bool(jdls.all_finite(grads))
+
+
+def test_has_aux_requires_pair():
+    with pytest.raises(TypeError, match="pair"):
+        jdls.DynamicScale().value_and_grad(lambda w: w.sum(), has_aux=True)(jnp.ones(2))
 
 
 # --------------------------------------------------------------------------------------------
@@ -297,27 +297,28 @@ class ValueAndGradTest(chex.TestCase):
 # --------------------------------------------------------------------------------------------
 
 
-class AllFiniteTest(chex.TestCase):
-    @chex.variants(with_jit=True, without_jit=True)
-    @parameterized.parameters(np.inf, -np.inf, np.nan)
-    def test_detects_each_special(self, special):
-        tree = {"a": jnp.ones(3), "b": [jnp.zeros((2, 2), jnp.float16), None]}
-        bad = {"a": jnp.ones(3), "b": [jnp.zeros((2, 2), jnp.float16).at[1, 0].set(special), None]}
-        f = self.variant(jdls.all_finite)
-        assert bool(f(tree)) is True
-        assert bool(f(bad)) is False
+@with_and_without_jit
+@pytest.mark.parametrize("special", [np.inf, -np.inf, np.nan])
+def test_detects_each_special(special, jit):
+    tree = {"a": jnp.ones(3), "b": [jnp.zeros((2, 2), jnp.float16), None]}
+    bad = {"a": jnp.ones(3), "b": [jnp.zeros((2, 2), jnp.float16).at[1, 0].set(special), None]}
+    f = maybe_jit(jdls.all_finite, jit)
+    assert bool(f(tree)) is True
+    assert bool(f(bad)) is False
 
-    @chex.variants(with_jit=True, without_jit=True)
-    def test_ignores_non_float_and_handles_empty(self):
-        f = self.variant(jdls.all_finite)
-        assert bool(f({"step": jnp.array(3), "mask": jnp.array([True])})) is True
-        assert bool(f({})) is True
-        assert bool(f([None, ()])) is True
-        assert f({}).dtype == jnp.bool_ and f({}).shape == ()
 
-    def test_large_finite_values_are_finite(self):
-        # A sum-based check would overflow here and report a false non-finite.
-        assert bool(jdls.all_finite(jnp.full((1000,), F32_MAX))) is True
+@with_and_without_jit
+def test_ignores_non_float_and_handles_empty(jit):
+    f = maybe_jit(jdls.all_finite, jit)
+    assert bool(f({"step": jnp.array(3), "mask": jnp.array([True])})) is True
+    assert bool(f({})) is True
+    assert bool(f([None, ()])) is True
+    assert f({}).dtype == jnp.bool_ and f({}).shape == ()
+
+
+def test_large_finite_values_are_finite():
+    # A sum-based check would overflow here and report a false non-finite.
+    assert bool(jdls.all_finite(jnp.full((1000,), F32_MAX))) is True
 
 
 # --------------------------------------------------------------------------------------------

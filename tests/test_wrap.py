@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _assertions import assert_bitwise_equal
-from absl.testing import parameterized
+from _helpers import (
+    INF,
+    NAN,
+    assert_bitwise_equal,
+    loss_scale_of,
+    maybe_jit,
+    random_like,
+    run_steps,
+    with_and_without_jit,
+)
 
 import jdls
-
-INF, NAN = float("inf"), float("nan")
 
 
 def small_params():
@@ -22,13 +27,6 @@ def small_params():
         "dense": {"kernel": jnp.array([[0.5, -0.0], [1.5, -2.0]]), "bias": jnp.array([-0.0, 0.25])},
         "scale": jnp.array(1.0),
     }
-
-
-def random_grads(seed, params):
-    rng = np.random.default_rng(seed)
-    return jax.tree_util.tree_map(
-        lambda p: jnp.asarray(rng.standard_normal(np.shape(p)).astype(np.float32)), params
-    )
 
 
 def poison(grads, rng):
@@ -46,346 +44,362 @@ def scheduled_adam():
     return optax.adamw(optax.linear_schedule(1e-1, 1e-3, transition_steps=10), weight_decay=0.1)
 
 
-class WrapTest(chex.TestCase):
-    @chex.variants(with_jit=True, without_jit=True)
-    def test_finite_step_is_the_inner_step(self):
-        params = small_params()
-        grads = random_grads(0, params)
-        tx = jdls.wrap(optax.adam(0.1))
-        updates, state = self.variant(tx.update)(grads, tx.init(params), params)
-        inner = optax.adam(0.1)
-        expected, expected_state = jax.jit(inner.update)(grads, inner.init(params), params)
-        assert_bitwise_equal(updates, expected)
-        assert_bitwise_equal(state.inner_state, expected_state)
-        stats = jdls.stats(state)
-        assert bool(stats.finite) and not bool(stats.skipped)
-        assert int(stats.skipped_steps) == 0 and int(stats.consecutive_skips) == 0
-        assert float(stats.loss_scale) == 2.0**15
-        np.testing.assert_allclose(float(stats.grad_norm), float(optax.tree.norm(grads)), 1e-6)
-        assert int(state.scale.counter) == 1
-
-    @chex.variants(with_jit=True, without_jit=True)
-    @parameterized.parameters(INF, -INF, NAN)
-    def test_nonfinite_step_is_skipped(self, bad):
-        params = small_params()
-        grads = random_grads(1, params)
-        grads["dense"]["kernel"] = grads["dense"]["kernel"].at[1, 0].set(bad)
-        tx = jdls.wrap(optax.adam(0.1), jdls.DynamicScale(1024.0))
-        state0 = tx.init(params)
-        updates, state = self.variant(tx.update)(grads, state0, params)
-        # Zero updates, -0.0, so that apply_updates returns the params bit for bit.
-        for u in jax.tree_util.tree_leaves(updates):
-            assert np.all(np.asarray(u) == 0) and np.all(np.signbit(np.asarray(u)))
-        assert_bitwise_equal(optax.apply_updates(params, updates), params)
-        assert_bitwise_equal(state.inner_state, state0.inner_state)
-        stats = jdls.stats(state)
-        assert bool(stats.skipped) and not bool(stats.finite)
-        assert float(stats.loss_scale) == 512.0
-        assert int(stats.skipped_steps) == 1 and int(stats.consecutive_skips) == 1
-        assert np.isnan(float(stats.grad_norm)) == np.isnan(bad)
-        assert np.isinf(float(stats.grad_norm)) == np.isinf(bad)
-
-    @chex.variants(with_jit=True, without_jit=True)
-    @parameterized.product(seed=[0, 1], skip_with=["cond", "select"])
-    def test_skips_are_exact(self, seed, skip_with):
-        """Injected inf/NaN steps leave params and inner state as if those steps never were."""
-        rng = np.random.default_rng(seed)
-        params = small_params()
-        n_steps = 6
-        bad_steps = set(rng.choice(n_steps, size=2, replace=False).tolist())
-        grads_seq = [random_grads(100 * seed + t, params) for t in range(n_steps)]
-        poisoned = [poison(g, rng) if t in bad_steps else g for t, g in enumerate(grads_seq)]
-        clean = [g for t, g in enumerate(grads_seq) if t not in bad_steps]
-
-        tx = jdls.wrap(scheduled_adam(), jdls.DynamicScale(2.0**10), skip_with=skip_with)
-
-        def step(params, state, grads):
-            updates, state = tx.update(grads, state, params)
-            return optax.apply_updates(params, updates), state
-
-        step = self.variant(step)
-
-        def run(seq):
-            p, s = params, tx.init(params)
-            for g in seq:
-                p, s = step(p, s, g)
-            return p, s
-
-        p_bad, s_bad = run(poisoned)
-        p_ref, s_ref = run(clean)
-        assert_bitwise_equal(p_bad, p_ref)
-        assert_bitwise_equal(s_bad.inner_state, s_ref.inner_state)
-        assert int(s_bad.inner_state[0].count) == n_steps - len(bad_steps)
-        stats = jdls.stats(s_bad)
-        assert int(stats.skipped_steps) == len(bad_steps)
-        assert float(stats.loss_scale) == 2.0**10 / 2 ** len(bad_steps)
-        assert bool(stats.finite) == ((n_steps - 1) not in bad_steps)
-
-    def test_skips_match_the_plain_inner_optimizer(self):
-        """The reference may also be the inner optimizer alone, jitted, on the clean steps.
-
-        Updates and state are compared as returned: when ``apply_updates`` is compiled in the
-        same ``jit`` as a plain optimizer, XLA may fuse the two and contract ``p + u`` into a
-        fused multiply-add, which is not what happens behind the wrap's ``lax.cond``.
-        """
-        params = small_params()
-        grads_seq = [random_grads(t, params) for t in range(4)]
-        bad = poison(grads_seq[1], np.random.default_rng(0))
-        inner = scheduled_adam()
-        tx = jdls.wrap(inner)
-        wrapped, plain = jax.jit(tx.update), jax.jit(inner.update)
-        apply = jax.jit(optax.apply_updates)
-
-        p, s = params, tx.init(params)
-        for g in [grads_seq[0], bad, *grads_seq[1:]]:
-            u, s = wrapped(g, s, p)
-            p = apply(p, u)
-        q, r = params, inner.init(params)
-        for g in grads_seq:
-            u, r = plain(g, r, q)
-            q = apply(q, u)
-        assert_bitwise_equal(p, q)
-        assert_bitwise_equal(s.inner_state, r)
-
-    def test_consecutive_skips_and_growth(self):
-        params = {"w": jnp.zeros(2)}
-        tx = jdls.wrap(optax.sgd(1.0), jdls.DynamicScale(8.0, growth_interval=2))
-        step = jax.jit(tx.update)
-        state = tx.init(params)
-        ok, bad = {"w": jnp.ones(2)}, {"w": jnp.array([1.0, NAN])}
-        seen = []
-        for g in [bad, bad, ok, ok, ok, bad]:
-            _, state = step(g, state, params)
-            s = jdls.stats(state)
-            seen.append((float(s.loss_scale), int(s.consecutive_skips), int(s.skipped_steps)))
-        assert seen == [(4, 1, 1), (2, 2, 2), (2, 0, 2), (4, 0, 2), (4, 0, 2), (2, 1, 3)]
-
-    @parameterized.parameters("static", "noop")
-    def test_static_and_noop_scales_still_skip(self, kind):
-        scale = jdls.StaticScale(128.0) if kind == "static" else jdls.NoOpScale()
-        params = {"w": jnp.zeros(2)}
-        tx = jdls.wrap(optax.sgd(1.0), scale)
-        state = tx.init(params)
-        updates, state = jax.jit(tx.update)({"w": jnp.array([INF, 1.0])}, state, params)
-        assert_bitwise_equal(optax.apply_updates(params, updates), params)
-        stats = jdls.stats(state)
-        assert bool(stats.skipped) and int(stats.skipped_steps) == 1
-        assert float(stats.loss_scale) == float(scale.loss_scale)
-        updates, state = jax.jit(tx.update)({"w": jnp.array([2.0, 1.0])}, state, params)
-        np.testing.assert_array_equal(updates["w"], [-2.0, -1.0])
-        assert type(jdls.get_dynamic_scale(state)) is type(scale)
-
-    def test_extra_args_reach_the_inner_transformation(self):
-        def update(updates, state, params=None, *, factor):
-            return jax.tree_util.tree_map(lambda g: g * factor, updates), state
-
-        inner = optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(), update)
-        tx = jdls.wrap(inner)
-        params = {"w": jnp.zeros(2)}
-        updates, _ = jax.jit(tx.update)({"w": jnp.ones(2)}, tx.init(params), params, factor=3.0)
-        np.testing.assert_array_equal(updates["w"], [3.0, 3.0])
-
-        # Non-array extra arguments (a function, a Python number, an unhashable list) too.
-        def update2(updates, state, params=None, *, fn, offset, more):
-            return jax.tree_util.tree_map(lambda g: fn(g) + offset + sum(more), updates), state
-
-        inner = optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(), update2)
-        tx = jdls.wrap(inner)
-        for offset in (1.0, 2.0):
-            updates, _ = tx.update(
-                {"w": jnp.ones(2)}, tx.init(params), params, fn=jnp.exp, offset=offset, more=[1.0]
-            )
-            np.testing.assert_allclose(updates["w"], np.exp(1.0) + offset + 1.0, rtol=1e-6)
-        # An inner transformation without extra-args support ignores them.
-        tx = jdls.wrap(optax.sgd(1.0))
-        updates, _ = tx.update({"w": jnp.ones(2)}, tx.init(params), params, factor=3.0)
-        np.testing.assert_array_equal(updates["w"], [-1.0, -1.0])
-
-    def test_cerebras_preset_brings_its_clipping(self):
-        scale = jdls.presets.cerebras(max_gradient_norm=1.0)
-        params = {"w": jnp.zeros(2)}
-        tx = jdls.wrap(optax.sgd(1.0), scale)
-        updates, state = tx.update({"w": jnp.array([3.0, 4.0])}, tx.init(params), params)
-        np.testing.assert_allclose(updates["w"], [-0.6, -0.8], rtol=1e-7)
-        assert float(jdls.stats(state).grad_norm) == 5.0
-        # An explicit max_norm wins.
-        tx = jdls.wrap(optax.sgd(1.0), scale, max_norm=10.0)
-        updates, _ = tx.update({"w": jnp.array([3.0, 4.0])}, tx.init(params), params)
-        np.testing.assert_array_equal(updates["w"], [-3.0, -4.0])
-
-    def test_finite_gradients_whose_squares_overflow_are_not_skipped(self):
-        params = {"a": jnp.zeros(2), "b": jnp.zeros(2)}
-        tx = jdls.wrap(optax.sgd(1.0))
-        step = jax.jit(tx.update)
-        # Squares overflow float32 (1e40), the norm (2e20) does not.
-        grads = {"a": jnp.array([1e20, -1e20]), "b": jnp.array([1e20, 1e20])}
-        updates, state = step(grads, tx.init(params), params)
-        assert not bool(jdls.stats(state).skipped)
-        np.testing.assert_allclose(float(jdls.stats(state).grad_norm), 2e20, rtol=1e-6)
-        np.testing.assert_array_equal(updates["a"], -grads["a"])
-        # Even the norm overflows (4 * 3e38 > float32 max): finite, norm inf.
-        grads = {"a": jnp.array([3e38, -3e38]), "b": jnp.array([3e38, 3e38])}
-        _, state = step(grads, state, params)
-        assert not bool(jdls.stats(state).skipped)
-        assert float(jdls.stats(state).grad_norm) == INF
-
-    def test_float16_gradients_are_checked_in_float32(self):
-        params = {"w": jnp.zeros(2, jnp.float16)}
-        tx = jdls.wrap(optax.sgd(1.0))
-        grads = {"w": jnp.array([300.0, 400.0], jnp.float16)}  # squares overflow float16
-        updates, state = tx.update(grads, tx.init(params), params)
-        assert not bool(jdls.stats(state).skipped)
-        assert float(jdls.stats(state).grad_norm) == 500.0
-        assert updates["w"].dtype == jnp.float16
-
-    def test_init_copies_the_scale_so_donation_is_safe(self):
-        tx = jdls.wrap(optax.sgd(1.0), jdls.DynamicScale(64.0))
-        params = {"w": jnp.zeros(2)}
-        step = jax.jit(tx.update, donate_argnums=(1,))
-        step({"w": jnp.ones(2)}, tx.init(params), params)
-        assert float(tx.init(params).scale.loss_scale) == 64.0  # still alive
-
-    def test_stats_before_any_step(self):
-        tx = jdls.wrap(optax.sgd(1.0))
-        s = jdls.stats(tx.init({"w": jnp.zeros(2)}))
-        assert bool(s.finite) and int(s.skipped_steps) == 0
-        assert np.isnan(float(s.grad_norm)) and s.nonfinite is None
-
-    def test_stats_inside_jit(self):
-        tx = jdls.wrap(optax.sgd(1.0))
-        params = {"w": jnp.zeros(2)}
-
-        @jax.jit
-        def step(state, grads):
-            _, state = tx.update(grads, state, params)
-            return state, jdls.stats(state).skipped
-
-        state, skipped = step(tx.init(params), {"w": jnp.array([NAN, 0.0])})
-        assert bool(skipped)
-        state, skipped = step(state, {"w": jnp.array([1.0, 0.0])})
-        assert not bool(skipped)
+@with_and_without_jit
+def test_finite_step_is_the_inner_step(jit):
+    params = small_params()
+    grads = random_like(0, params)
+    tx = jdls.wrap(optax.adam(0.1))
+    updates, state = maybe_jit(tx.update, jit)(grads, tx.init(params), params)
+    inner = optax.adam(0.1)
+    expected, expected_state = jax.jit(inner.update)(grads, inner.init(params), params)
+    assert_bitwise_equal(updates, expected)
+    assert_bitwise_equal(state.inner_state, expected_state)
+    stats = jdls.stats(state)
+    assert bool(stats.finite) and not bool(stats.skipped)
+    assert int(stats.skipped_steps) == 0 and int(stats.consecutive_skips) == 0
+    assert float(stats.loss_scale) == 2.0**15
+    np.testing.assert_allclose(float(stats.grad_norm), float(optax.tree.norm(grads)), 1e-6)
+    assert int(state.scale.counter) == 1
 
 
-class TrackNonfiniteTest(chex.TestCase):
-    @chex.variants(with_jit=True, without_jit=True)
-    def test_names_the_leaves(self):
-        params = {
-            "params": {
-                "dense": {"kernel": jnp.zeros((2, 2)), "bias": jnp.zeros(2)},
-                "head": {"kernel": jnp.zeros(3)},
-            },
-            "count": jnp.array(0, jnp.int32),
-        }
-        grads = jax.tree_util.tree_map(jnp.ones_like, params)
-        grads["params"]["dense"]["kernel"] = jnp.array([[1.0, INF], [0.0, 0.0]])
-        grads["params"]["head"]["kernel"] = jnp.array([NAN, 0.0, 0.0])
-        tx = jdls.wrap(optax.identity(), track_nonfinite=True)
-        _, state = self.variant(tx.update)(grads, tx.init(params), params)
-        assert jdls.nonfinite_paths(state) == [
-            "['params']['dense']['kernel']",
-            "['params']['head']['kernel']",
-        ]
-        flags = jdls.stats(state).nonfinite
-        assert jax.tree_util.tree_structure(flags) == jax.tree_util.tree_structure(params)
-        assert not bool(flags["count"]) and not bool(flags["params"]["dense"]["bias"])
-        # A finite step clears the flags.
-        _, state = self.variant(tx.update)(jax.tree_util.tree_map(jnp.ones_like, params), state)
-        assert jdls.nonfinite_paths(state) == []
-
-    def test_overflowing_squares_are_not_flagged(self):
-        params = {"a": jnp.zeros(2), "b": jnp.zeros(2)}
-        tx = jdls.wrap(optax.identity(), track_nonfinite=True)
-        grads = {"a": jnp.array([3e38, 3e38]), "b": jnp.array([1.0, -INF])}
-        _, state = jax.jit(tx.update)(grads, tx.init(params), params)
-        assert jdls.nonfinite_paths(state) == ["['b']"]
-
-    def test_needs_tracking(self):
-        tx = jdls.wrap(optax.identity())
-        with pytest.raises(ValueError, match="track_nonfinite=True"):
-            jdls.nonfinite_paths(tx.init({"w": jnp.zeros(1)}))
+@with_and_without_jit
+@pytest.mark.parametrize("bad", [INF, -INF, NAN])
+def test_nonfinite_step_is_skipped(bad, jit):
+    params = small_params()
+    grads = random_like(1, params)
+    grads["dense"]["kernel"] = grads["dense"]["kernel"].at[1, 0].set(bad)
+    tx = jdls.wrap(optax.adam(0.1), jdls.DynamicScale(1024.0))
+    state0 = tx.init(params)
+    updates, state = maybe_jit(tx.update, jit)(grads, state0, params)
+    # Zero updates, -0.0, so that apply_updates returns the params bit for bit.
+    for u in jax.tree_util.tree_leaves(updates):
+        assert np.all(np.asarray(u) == 0) and np.all(np.signbit(np.asarray(u)))
+    assert_bitwise_equal(optax.apply_updates(params, updates), params)
+    assert_bitwise_equal(state.inner_state, state0.inner_state)
+    stats = jdls.stats(state)
+    assert bool(stats.skipped) and not bool(stats.finite)
+    assert float(stats.loss_scale) == 512.0
+    assert int(stats.skipped_steps) == 1 and int(stats.consecutive_skips) == 1
+    assert np.isnan(float(stats.grad_norm)) == np.isnan(bad)
+    assert np.isinf(float(stats.grad_norm)) == np.isinf(bad)
 
 
-class BadInputTest(chex.TestCase):
-    def test_gradients_not_matching_params(self):
-        tx = jdls.wrap(optax.sgd(1.0))
-        params = {"a": jnp.zeros(2), "b": jnp.zeros(2)}
-        state = tx.init(params)
-        with pytest.raises(ValueError, match=r"only in params: \['b'\]"):
-            tx.update({"a": jnp.zeros(2)}, state, params)
-        with pytest.raises(ValueError, match=r"only in gradients: \['c'\]"):
-            tx.update({"a": jnp.zeros(2), "b": jnp.zeros(2), "c": jnp.zeros(1)}, state, params)
-        with pytest.raises(
-            ValueError, match=r"gradients: PyTreeDef\(\(\*, \*\)\); params: PyTreeDef\(\[\*, \*\]\)"
-        ):
-            tx.update((jnp.zeros(2), jnp.zeros(2)), state, [jnp.zeros(2), jnp.zeros(2)])
+@with_and_without_jit
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("skip_with", ["cond", "select"])
+def test_skips_are_exact(seed, skip_with, jit):
+    """Injected inf/NaN steps leave params and inner state as if those steps never were."""
+    rng = np.random.default_rng(seed)
+    params = small_params()
+    n_steps = 6
+    bad_steps = set(rng.choice(n_steps, size=2, replace=False).tolist())
+    grads_seq = [random_like(100 * seed + t, params) for t in range(n_steps)]
+    poisoned = [poison(g, rng) if t in bad_steps else g for t, g in enumerate(grads_seq)]
+    clean = [g for t, g in enumerate(grads_seq) if t not in bad_steps]
 
-    @chex.variants(with_jit=True, without_jit=True)
-    def test_integer_bool_and_none_leaves(self):
-        params = {"w": jnp.zeros(2), "n": jnp.array([1, 2]), "flag": jnp.array(True), "x": None}
-        tx = jdls.wrap(optax.identity(), track_nonfinite=True)
-        grads = {
-            "w": jnp.ones(2),
-            "n": jnp.array([7, 2**31 - 1]),
-            "flag": jnp.array(False),
-            "x": None,
-        }
-        updates, state = self.variant(tx.update)(grads, tx.init(params), params)
-        assert updates["x"] is None
-        assert_bitwise_equal(updates, grads)
-        assert not bool(jdls.stats(state).skipped)
-        assert float(jdls.stats(state).grad_norm) == float(np.sqrt(np.float32(2.0)))
-        bad = {**grads, "w": jnp.array([INF, 1.0])}
-        updates, state = self.variant(tx.update)(bad, state, params)
-        assert bool(jdls.stats(state).skipped)
-        assert updates["n"].dtype == jnp.int32 and updates["n"].tolist() == [0, 0]
-        assert updates["flag"].dtype == jnp.bool_ and not bool(updates["flag"])
-        assert jdls.nonfinite_paths(state) == ["['w']"]
+    tx = jdls.wrap(scheduled_adam(), jdls.DynamicScale(2.0**10), skip_with=skip_with)
 
-    @chex.variants(with_jit=True, without_jit=True)
-    def test_empty_tree(self):
-        tx = jdls.wrap(optax.adam(1e-3), max_norm=1.0, track_nonfinite=True)
-        updates, state = self.variant(tx.update)({}, tx.init({}), {})
-        assert updates == {}
-        assert bool(jdls.stats(state).finite) and float(jdls.stats(state).grad_norm) == 0.0
-
-    def test_dynamic_scale_must_be_a_loss_scale(self):
-        with pytest.raises(TypeError, match="optimizer is the first argument"):
-            jdls.wrap(optax.sgd(1.0), optax.adam(1e-3))
-        with pytest.raises(TypeError, match=r"pass jdls.DynamicScale\(...\), not the class"):
-            jdls.wrap(optax.sgd(1.0), jdls.DynamicScale)
-        with pytest.raises(TypeError, match=r"jdls.StaticScale\(128.0\)"):
-            jdls.wrap(optax.sgd(1.0), 128.0)
-        with pytest.raises(TypeError, match="must be a jdls loss scale"):
-            jdls.wrap(optax.sgd(1.0), "dynamic")
-
-    def test_inner_must_be_a_transformation(self):
-        with pytest.raises(TypeError, match="comes first"):
-            jdls.wrap(jdls.DynamicScale())
-        with pytest.raises(TypeError, match="call it to build"):
-            jdls.wrap(optax.adam)
-        with pytest.raises(TypeError, match="optax transformation"):
-            jdls.wrap(42)
-
-    def test_bad_options(self):
-        with pytest.raises(ValueError, match="skip_with"):
-            jdls.wrap(optax.sgd(1.0), skip_with="where")
-        for bad in (0.0, -1.0, INF, NAN):
-            with pytest.raises(ValueError, match="max_norm"):
-                jdls.wrap(optax.sgd(1.0), max_norm=bad)
-        with pytest.raises(TypeError, match="track_nonfinite"):
-            jdls.wrap(optax.sgd(1.0), track_nonfinite=1)
-        with pytest.raises(ValueError, match="sharded=True"):
-            jdls.wrap(optax.sgd(1.0), max_norm=1.0, axis_name="i")
-        with pytest.raises(ValueError, match="needs an axis_name"):
-            jdls.wrap(optax.sgd(1.0), sharded=True)
-
-    def test_foreign_state(self):
-        tx = jdls.wrap(optax.sgd(1.0))
-        with pytest.raises(TypeError, match="WrapState"):
-            tx.update({"w": jnp.ones(1)}, optax.sgd(1.0).init({"w": jnp.ones(1)}))
+    p_bad, s_bad = run_steps(tx, poisoned, params, jit=jit)
+    p_ref, s_ref = run_steps(tx, clean, params, jit=jit)
+    assert_bitwise_equal(p_bad, p_ref)
+    assert_bitwise_equal(s_bad.inner_state, s_ref.inner_state)
+    assert int(s_bad.inner_state[0].count) == n_steps - len(bad_steps)
+    stats = jdls.stats(s_bad)
+    assert int(stats.skipped_steps) == len(bad_steps)
+    assert float(stats.loss_scale) == 2.0**10 / 2 ** len(bad_steps)
+    assert bool(stats.finite) == ((n_steps - 1) not in bad_steps)
 
 
-@pytest.mark.parametrize("jit", [True, False], ids=["jit", "nojit"])
+def test_skips_match_the_plain_inner_optimizer():
+    """The reference may also be the inner optimizer alone, jitted, on the clean steps.
+
+    Updates and state are compared as returned: when ``apply_updates`` is compiled in the
+    same ``jit`` as a plain optimizer, XLA may fuse the two and contract ``p + u`` into a
+    fused multiply-add, which is not what happens behind the wrap's ``lax.cond``.
+    """
+    params = small_params()
+    grads_seq = [random_like(t, params) for t in range(4)]
+    bad = poison(grads_seq[1], np.random.default_rng(0))
+    inner = scheduled_adam()
+    tx = jdls.wrap(inner)
+    wrapped, plain = jax.jit(tx.update), jax.jit(inner.update)
+    apply = jax.jit(optax.apply_updates)
+
+    p, s = params, tx.init(params)
+    for g in [grads_seq[0], bad, *grads_seq[1:]]:
+        u, s = wrapped(g, s, p)
+        p = apply(p, u)
+    q, r = params, inner.init(params)
+    for g in grads_seq:
+        u, r = plain(g, r, q)
+        q = apply(q, u)
+    assert_bitwise_equal(p, q)
+    assert_bitwise_equal(s.inner_state, r)
+
+
+def test_consecutive_skips_and_growth():
+    params = {"w": jnp.zeros(2)}
+    tx = jdls.wrap(optax.sgd(1.0), jdls.DynamicScale(8.0, growth_interval=2))
+    step = jax.jit(tx.update)
+    state = tx.init(params)
+    ok, bad = {"w": jnp.ones(2)}, {"w": jnp.array([1.0, NAN])}
+    seen = []
+    for g in [bad, bad, ok, ok, ok, bad]:
+        _, state = step(g, state, params)
+        s = jdls.stats(state)
+        seen.append((float(s.loss_scale), int(s.consecutive_skips), int(s.skipped_steps)))
+    assert seen == [(4, 1, 1), (2, 2, 2), (2, 0, 2), (4, 0, 2), (4, 0, 2), (2, 1, 3)]
+
+
+@pytest.mark.parametrize("kind", ["static", "noop"])
+def test_static_and_noop_scales_still_skip(kind):
+    scale = jdls.StaticScale(128.0) if kind == "static" else jdls.NoOpScale()
+    params = {"w": jnp.zeros(2)}
+    tx = jdls.wrap(optax.sgd(1.0), scale)
+    state = tx.init(params)
+    updates, state = jax.jit(tx.update)({"w": jnp.array([INF, 1.0])}, state, params)
+    assert_bitwise_equal(optax.apply_updates(params, updates), params)
+    stats = jdls.stats(state)
+    assert bool(stats.skipped) and int(stats.skipped_steps) == 1
+    assert float(stats.loss_scale) == float(scale.loss_scale)
+    updates, state = jax.jit(tx.update)({"w": jnp.array([2.0, 1.0])}, state, params)
+    np.testing.assert_array_equal(updates["w"], [-2.0, -1.0])
+    assert type(jdls.get_dynamic_scale(state)) is type(scale)
+
+
+def test_extra_args_reach_the_inner_transformation():
+    def update(updates, state, params=None, *, factor):
+        return jax.tree_util.tree_map(lambda g: g * factor, updates), state
+
+    inner = optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(), update)
+    tx = jdls.wrap(inner)
+    params = {"w": jnp.zeros(2)}
+    updates, _ = jax.jit(tx.update)({"w": jnp.ones(2)}, tx.init(params), params, factor=3.0)
+    np.testing.assert_array_equal(updates["w"], [3.0, 3.0])
+
+    # Non-array extra arguments (a function, a Python number, an unhashable list) too.
+    def update2(updates, state, params=None, *, fn, offset, more):
+        return jax.tree_util.tree_map(lambda g: fn(g) + offset + sum(more), updates), state
+
+    inner = optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(), update2)
+    tx = jdls.wrap(inner)
+    for offset in (1.0, 2.0):
+        updates, _ = tx.update(
+            {"w": jnp.ones(2)}, tx.init(params), params, fn=jnp.exp, offset=offset, more=[1.0]
+        )
+        np.testing.assert_allclose(updates["w"], np.exp(1.0) + offset + 1.0, rtol=1e-6)
+    # An inner transformation without extra-args support ignores them.
+    tx = jdls.wrap(optax.sgd(1.0))
+    updates, _ = tx.update({"w": jnp.ones(2)}, tx.init(params), params, factor=3.0)
+    np.testing.assert_array_equal(updates["w"], [-1.0, -1.0])
+
+
+def test_cerebras_preset_brings_its_clipping():
+    scale = jdls.presets.cerebras(max_gradient_norm=1.0)
+    params = {"w": jnp.zeros(2)}
+    tx = jdls.wrap(optax.sgd(1.0), scale)
+    updates, state = tx.update({"w": jnp.array([3.0, 4.0])}, tx.init(params), params)
+    np.testing.assert_allclose(updates["w"], [-0.6, -0.8], rtol=1e-7)
+    assert float(jdls.stats(state).grad_norm) == 5.0
+    # An explicit max_norm wins.
+    tx = jdls.wrap(optax.sgd(1.0), scale, max_norm=10.0)
+    updates, _ = tx.update({"w": jnp.array([3.0, 4.0])}, tx.init(params), params)
+    np.testing.assert_array_equal(updates["w"], [-3.0, -4.0])
+
+
+def test_finite_gradients_whose_squares_overflow_are_not_skipped():
+    params = {"a": jnp.zeros(2), "b": jnp.zeros(2)}
+    tx = jdls.wrap(optax.sgd(1.0))
+    step = jax.jit(tx.update)
+    # Squares overflow float32 (1e40), the norm (2e20) does not.
+    grads = {"a": jnp.array([1e20, -1e20]), "b": jnp.array([1e20, 1e20])}
+    updates, state = step(grads, tx.init(params), params)
+    assert not bool(jdls.stats(state).skipped)
+    np.testing.assert_allclose(float(jdls.stats(state).grad_norm), 2e20, rtol=1e-6)
+    np.testing.assert_array_equal(updates["a"], -grads["a"])
+    # Even the norm overflows (4 * 3e38 > float32 max): finite, norm inf.
+    grads = {"a": jnp.array([3e38, -3e38]), "b": jnp.array([3e38, 3e38])}
+    _, state = step(grads, state, params)
+    assert not bool(jdls.stats(state).skipped)
+    assert float(jdls.stats(state).grad_norm) == INF
+
+
+def test_float16_gradients_are_checked_in_float32():
+    params = {"w": jnp.zeros(2, jnp.float16)}
+    tx = jdls.wrap(optax.sgd(1.0))
+    grads = {"w": jnp.array([300.0, 400.0], jnp.float16)}  # squares overflow float16
+    updates, state = tx.update(grads, tx.init(params), params)
+    assert not bool(jdls.stats(state).skipped)
+    assert float(jdls.stats(state).grad_norm) == 500.0
+    assert updates["w"].dtype == jnp.float16
+
+
+def test_init_copies_the_scale_so_donation_is_safe():
+    tx = jdls.wrap(optax.sgd(1.0), jdls.DynamicScale(64.0))
+    params = {"w": jnp.zeros(2)}
+    step = jax.jit(tx.update, donate_argnums=(1,))
+    step({"w": jnp.ones(2)}, tx.init(params), params)
+    assert float(tx.init(params).scale.loss_scale) == 64.0  # still alive
+
+
+def test_stats_before_any_step():
+    tx = jdls.wrap(optax.sgd(1.0))
+    s = jdls.stats(tx.init({"w": jnp.zeros(2)}))
+    assert bool(s.finite) and int(s.skipped_steps) == 0
+    assert np.isnan(float(s.grad_norm)) and s.nonfinite is None
+
+
+def test_stats_inside_jit():
+    tx = jdls.wrap(optax.sgd(1.0))
+    params = {"w": jnp.zeros(2)}
+
+    @jax.jit
+    def step(state, grads):
+        _, state = tx.update(grads, state, params)
+        return state, jdls.stats(state).skipped
+
+    state, skipped = step(tx.init(params), {"w": jnp.array([NAN, 0.0])})
+    assert bool(skipped)
+    state, skipped = step(state, {"w": jnp.array([1.0, 0.0])})
+    assert not bool(skipped)
+
+
+@with_and_without_jit
+# --------------------------------------------------------------------------------------------
+# track_nonfinite: which leaves were non-finite.
+# --------------------------------------------------------------------------------------------
+
+
+def test_names_the_leaves(jit):
+    params = {
+        "params": {
+            "dense": {"kernel": jnp.zeros((2, 2)), "bias": jnp.zeros(2)},
+            "head": {"kernel": jnp.zeros(3)},
+        },
+        "count": jnp.array(0, jnp.int32),
+    }
+    grads = jax.tree_util.tree_map(jnp.ones_like, params)
+    grads["params"]["dense"]["kernel"] = jnp.array([[1.0, INF], [0.0, 0.0]])
+    grads["params"]["head"]["kernel"] = jnp.array([NAN, 0.0, 0.0])
+    tx = jdls.wrap(optax.identity(), track_nonfinite=True)
+    _, state = maybe_jit(tx.update, jit)(grads, tx.init(params), params)
+    assert jdls.nonfinite_paths(state) == [
+        "['params']['dense']['kernel']",
+        "['params']['head']['kernel']",
+    ]
+    flags = jdls.stats(state).nonfinite
+    assert jax.tree_util.tree_structure(flags) == jax.tree_util.tree_structure(params)
+    assert not bool(flags["count"]) and not bool(flags["params"]["dense"]["bias"])
+    # A finite step clears the flags.
+    _, state = maybe_jit(tx.update, jit)(jax.tree_util.tree_map(jnp.ones_like, params), state)
+    assert jdls.nonfinite_paths(state) == []
+
+
+def test_overflowing_squares_are_not_flagged():
+    params = {"a": jnp.zeros(2), "b": jnp.zeros(2)}
+    tx = jdls.wrap(optax.identity(), track_nonfinite=True)
+    grads = {"a": jnp.array([3e38, 3e38]), "b": jnp.array([1.0, -INF])}
+    _, state = jax.jit(tx.update)(grads, tx.init(params), params)
+    assert jdls.nonfinite_paths(state) == ["['b']"]
+
+
+def test_needs_tracking():
+    tx = jdls.wrap(optax.identity())
+    with pytest.raises(ValueError, match="track_nonfinite=True"):
+        jdls.nonfinite_paths(tx.init({"w": jnp.zeros(1)}))
+
+
+# --------------------------------------------------------------------------------------------
+# Bad input.
+# --------------------------------------------------------------------------------------------
+
+
+def test_gradients_not_matching_params():
+    tx = jdls.wrap(optax.sgd(1.0))
+    params = {"a": jnp.zeros(2), "b": jnp.zeros(2)}
+    state = tx.init(params)
+    with pytest.raises(ValueError, match=r"only in params: \['b'\]"):
+        tx.update({"a": jnp.zeros(2)}, state, params)
+    with pytest.raises(ValueError, match=r"only in gradients: \['c'\]"):
+        tx.update({"a": jnp.zeros(2), "b": jnp.zeros(2), "c": jnp.zeros(1)}, state, params)
+    with pytest.raises(
+        ValueError, match=r"gradients: PyTreeDef\(\(\*, \*\)\); params: PyTreeDef\(\[\*, \*\]\)"
+    ):
+        tx.update((jnp.zeros(2), jnp.zeros(2)), state, [jnp.zeros(2), jnp.zeros(2)])
+
+
+@with_and_without_jit
+def test_integer_bool_and_none_leaves(jit):
+    params = {"w": jnp.zeros(2), "n": jnp.array([1, 2]), "flag": jnp.array(True), "x": None}
+    tx = jdls.wrap(optax.identity(), track_nonfinite=True)
+    grads = {
+        "w": jnp.ones(2),
+        "n": jnp.array([7, 2**31 - 1]),
+        "flag": jnp.array(False),
+        "x": None,
+    }
+    updates, state = maybe_jit(tx.update, jit)(grads, tx.init(params), params)
+    assert updates["x"] is None
+    assert_bitwise_equal(updates, grads)
+    assert not bool(jdls.stats(state).skipped)
+    assert float(jdls.stats(state).grad_norm) == float(np.sqrt(np.float32(2.0)))
+    bad = {**grads, "w": jnp.array([INF, 1.0])}
+    updates, state = maybe_jit(tx.update, jit)(bad, state, params)
+    assert bool(jdls.stats(state).skipped)
+    assert updates["n"].dtype == jnp.int32 and updates["n"].tolist() == [0, 0]
+    assert updates["flag"].dtype == jnp.bool_ and not bool(updates["flag"])
+    assert jdls.nonfinite_paths(state) == ["['w']"]
+
+
+@with_and_without_jit
+def test_empty_tree(jit):
+    tx = jdls.wrap(optax.adam(1e-3), max_norm=1.0, track_nonfinite=True)
+    updates, state = maybe_jit(tx.update, jit)({}, tx.init({}), {})
+    assert updates == {}
+    assert bool(jdls.stats(state).finite) and float(jdls.stats(state).grad_norm) == 0.0
+
+
+def test_dynamic_scale_must_be_a_loss_scale():
+    with pytest.raises(TypeError, match="optimizer is the first argument"):
+        jdls.wrap(optax.sgd(1.0), optax.adam(1e-3))
+    with pytest.raises(TypeError, match=r"pass jdls.DynamicScale\(...\), not the class"):
+        jdls.wrap(optax.sgd(1.0), jdls.DynamicScale)
+    with pytest.raises(TypeError, match=r"jdls.StaticScale\(128.0\)"):
+        jdls.wrap(optax.sgd(1.0), 128.0)
+    with pytest.raises(TypeError, match="must be a jdls loss scale"):
+        jdls.wrap(optax.sgd(1.0), "dynamic")
+
+
+def test_inner_must_be_a_transformation():
+    with pytest.raises(TypeError, match="comes first"):
+        jdls.wrap(jdls.DynamicScale())
+    with pytest.raises(TypeError, match="call it to build"):
+        jdls.wrap(optax.adam)
+    with pytest.raises(TypeError, match="optax transformation"):
+        jdls.wrap(42)
+
+
+def test_bad_options():
+    with pytest.raises(ValueError, match="skip_with"):
+        jdls.wrap(optax.sgd(1.0), skip_with="where")
+    for bad in (0.0, -1.0, INF, NAN):
+        with pytest.raises(ValueError, match="max_norm"):
+            jdls.wrap(optax.sgd(1.0), max_norm=bad)
+    with pytest.raises(TypeError, match="track_nonfinite"):
+        jdls.wrap(optax.sgd(1.0), track_nonfinite=1)
+    with pytest.raises(ValueError, match="sharded=True"):
+        jdls.wrap(optax.sgd(1.0), max_norm=1.0, axis_name="i")
+    with pytest.raises(ValueError, match="needs an axis_name"):
+        jdls.wrap(optax.sgd(1.0), sharded=True)
+
+
+def test_foreign_state():
+    tx = jdls.wrap(optax.sgd(1.0))
+    with pytest.raises(TypeError, match="WrapState"):
+        tx.update({"w": jnp.ones(1)}, optax.sgd(1.0).init({"w": jnp.ones(1)}))
+
+
+@with_and_without_jit
 def test_cerebras_preset_decides_finiteness_from_the_float32_norm(jit):
     """Cerebras calls a step non-finite when its float32 global norm is inf, even if every
     gradient element is finite; the other rules look at the elements only."""
@@ -393,12 +407,11 @@ def test_cerebras_preset_decides_finiteness_from_the_float32_norm(jit):
     big = {"w": jnp.full(4, 1e20)}  # finite, but the float32 sum of squares overflows
     for scale, skipped in [(jdls.presets.cerebras(), True), (jdls.DynamicScale(), False)]:
         tx = jdls.wrap(optax.sgd(1.0), scale)
-        update = jax.jit(tx.update) if jit else tx.update
-        updates, state = update(big, tx.init(params), params)
+        updates, state = maybe_jit(tx.update, jit)(big, tx.init(params), params)
         stats = jdls.stats(state)
         assert bool(stats.skipped) is skipped
         assert float(stats.grad_norm) == pytest.approx(2e20, rel=1e-6)  # known either way
         expected = -0.0 if skipped else -1e20
         np.testing.assert_array_equal(updates["w"], np.full(4, expected, np.float32))
-        backed_off = float(jdls.get_dynamic_scale(state).loss_scale) < float(scale.loss_scale)
+        backed_off = loss_scale_of(state) < float(scale.loss_scale)
         assert backed_off is skipped

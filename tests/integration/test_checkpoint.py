@@ -27,6 +27,7 @@ import jax
 import numpy as np
 import pytest
 import reference_rules as ref
+from _helpers import ROOT, host_bytes, torch_gradscaler
 from flax import serialization
 
 import jdls
@@ -79,7 +80,7 @@ def resumed(tmp_path_factory):
         capture_output=True,
         text=True,
         timeout=WORKER_TIMEOUT_S,
-        cwd=Path(worker.__file__).parent.parent,
+        cwd=ROOT,
         env=dict(os.environ),
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -104,9 +105,9 @@ def test_resume_in_fresh_process_is_bit_identical(resumed, fmt, name):
     assert int(scale.counter) > 0 or int(stats.consecutive_skips) > 0
     # What the fresh process restored is what was saved, rule included ...
     assert str(out["rule"]) == repr(scale.rule)
-    assert _leaves_bytes(out, "restored_") == _mlp.host_bytes(mid)
+    assert _leaves_bytes(out, "restored_") == host_bytes(mid)
     # ... and where it ended is where the uninterrupted run ended.
-    assert _leaves_bytes(out, "final_") == _mlp.host_bytes(full)
+    assert _leaves_bytes(out, "final_") == host_bytes(full)
 
 
 def test_checkpoint_caught_interesting_states(resumed):
@@ -169,7 +170,7 @@ def test_flax_from_bytes_rejects_another_kind_of_scale():
     for state in (dynamic, static, noop):
         back = serialization.from_bytes(state, serialization.to_bytes(state))
         assert type(back.scale) is type(state.scale)
-        assert _mlp.host_bytes(back) == _mlp.host_bytes(state)
+        assert host_bytes(back) == host_bytes(state)
 
 
 # --------------------------------------------------------------------------------------------
@@ -188,19 +189,8 @@ def _continue_one_step_at_a_time(state, specs):
 
 
 def test_pytorch_gradscaler_state_dict_resumes():
-    torch = pytest.importorskip("torch")
     kwargs = dict(init_scale=2.0**10, growth_factor=2.0, backoff_factor=0.5, growth_interval=4)
-    scaler = torch.amp.GradScaler("cpu", **kwargs)
-    p = torch.nn.Parameter(torch.ones(3))
-    opt = torch.optim.SGD([p], lr=0.1)
-
-    def torch_step(finite):
-        opt.zero_grad()
-        loss = (p * (1.0 if finite else float("inf"))).sum()
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-
+    scaler, torch_step = torch_gradscaler(**kwargs)
     for f in [*_finite_flags(30, seed=1), False, True, True]:  # the PyTorch part of the run
         torch_step(bool(f))
     sd = scaler.state_dict()

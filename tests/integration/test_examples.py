@@ -11,12 +11,11 @@ import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
+from _helpers import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 NAMES = ["quickstart", "demo", "nnx_transformer", "data_parallel", "cbfloat16"]
 

@@ -1,6 +1,6 @@
 """Two JAX processes on localhost: only one process's data overflows, both skip the same steps.
 
-The test starts two ``python tests/_two_process_worker.py`` processes that join with
+The test starts two ``python tests/integration/_two_process_worker.py`` processes that join with
 ``jax.distributed.initialize`` (CPU, gloo collectives, loopback only; 2 CPU devices each, 4 in
 all) and train in two setups (see the worker's docstring): ``jax.jit`` with a global ``Mesh``
 (parameters replicated, batch sharded over the processes) and ``shard_map`` with one tower of
@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _helpers import host_bytes
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -278,8 +279,8 @@ def test_eight_devices_jit_soak():
     np.testing.assert_array_equal(np.asarray(finite), specs[:, 1] == 0)
     assert bool(jnp.all(ref_finite))
     assert int(jdls.stats(state).skipped_steps) == len(specs) - len(clean) > 50
-    assert _mlp.host_bytes(params) == _mlp.host_bytes(ref_params)
-    assert _mlp.host_bytes(state.inner_state) == _mlp.host_bytes(ref_state.inner_state)
+    assert host_bytes(params) == host_bytes(ref_params)
+    assert host_bytes(state.inner_state) == host_bytes(ref_state.inner_state)
     assert jdls.get_dynamic_scale(state).loss_scale.sharding.is_fully_replicated
 
 

@@ -1,8 +1,8 @@
-"""One of two JAX processes on localhost, for ``tests/test_distributed.py``.
+"""One of two JAX processes on localhost, for ``tests/integration/test_distributed.py``.
 
 Not collected by pytest (no ``test_`` prefix). Run as::
 
-    python tests/_two_process_worker.py --process-id I --port P --out DIR [--local-devices 2]
+    python tests/integration/_two_process_worker.py --process-id I --port P --out DIR [--local-devices 2]
 
 The two processes join with ``jax.distributed.initialize`` (CPU, gloo collectives over
 loopback) and train twice, with faults in **process 1's data only** on the steps
@@ -32,8 +32,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent)]
+HERE = Path(__file__).resolve().parent  # tests/integration
+sys.path[:0] = [str(HERE), str(HERE.parent), str(HERE.parent.parent)]  # + tests/, the repo
 
 import _mlp  # noqa: E402
 import jax  # noqa: E402

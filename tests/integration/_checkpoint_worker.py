@@ -1,10 +1,10 @@
 """Restore a checkpointed Flax ``TrainState`` in a fresh process and continue training.
 
-Used by ``tests/test_checkpoint.py`` (not collected by pytest: no ``test_`` prefix). The test
+Used by ``tests/integration/test_checkpoint.py`` (not collected by pytest: no ``test_`` prefix). The test
 imports this module for the pieces both processes share (the scales, the state, the scanned
 train step) and runs it as a script::
 
-    python tests/_checkpoint_worker.py cases.json
+    python tests/integration/_checkpoint_worker.py cases.json
 
 ``cases.json`` holds a list of cases, each ``{"format": "orbax" | "flax", "path": ...,
 "scale": <name in SCALES>, "n_steps": N, "seed": S, "start": K, "out": <.npz path>}``. For each
@@ -23,8 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent)]
+HERE = Path(__file__).resolve().parent  # tests/integration
+sys.path[:0] = [str(HERE), str(HERE.parent), str(HERE.parent.parent)]  # + tests/, the repo
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import _mlp  # noqa: E402

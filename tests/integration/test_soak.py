@@ -21,8 +21,8 @@ reference run's different scale history cannot change a bit of the gradients.
 CI mode runs a few thousand steps per configuration. The long soak (100k steps per
 configuration) runs with ``JDLS_SOAK=1`` or ``--soak-steps N``::
 
-    JDLS_SOAK=1 pytest tests/test_soak.py -m slow -s
-    pytest tests/test_soak.py --soak-steps 200000 -s
+    JDLS_SOAK=1 pytest tests/integration/test_soak.py -m slow -s
+    pytest tests/integration/test_soak.py --soak-steps 200000 -s
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ import numpy as np
 import optax
 import pytest
 import reference_rules as ref
+from _helpers import host_bytes, same_bits
 
 import jdls
 
@@ -150,7 +151,7 @@ def _runner(name: str, total_steps: int):
         clean = spec[1] == 0
         reached = ~(jdls.all_finite(new_params) & jdls.all_finite(new_state.inner_state))
         missed = stats.finite != clean
-        unchanged = _mlp.same_bits(new_params, params) & _mlp.same_bits(
+        unchanged = same_bits(new_params, params) & same_bits(
             new_state.inner_state, state.inner_state
         )
         not_exact = ~clean & ~unchanged
@@ -201,8 +202,8 @@ def soak(name: str, n_steps: int, seed: int) -> dict[str, Any]:
         assert (int(skipped[t]), int(consecutive[t])) == counter.step(bool(f)), t
 
     # The end: bit-identical to the run that never saw the faulty batches.
-    assert _mlp.host_bytes(params) == _mlp.host_bytes(ref_params)
-    assert _mlp.host_bytes(state.inner_state) == _mlp.host_bytes(ref_state.inner_state)
+    assert host_bytes(params) == host_bytes(ref_params)
+    assert host_bytes(state.inner_state) == host_bytes(ref_state.inner_state)
     counts = optax.tree_utils.tree_get_all_with_path(state.inner_state, "count")
     assert len(counts) >= 2  # adam's and the schedule's
     assert all(int(c) == len(clean) for _, c in counts), counts

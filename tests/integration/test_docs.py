@@ -33,10 +33,10 @@ import types
 from pathlib import Path
 
 import pytest
+from _helpers import ROOT
 
 import jdls
 
-ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 
 #: Optional libraries (the ``peers`` extra): a block importing one is skipped without it.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import reference_rules as ref
+from _helpers import torch_gradscaler
 
 import jdls
 
@@ -12,29 +13,12 @@ FLAGS_BEFORE = [True, True, False, True, True, True, False, True, True]
 FLAGS_AFTER = [True, True, True, False, True, True, True, True, False, True]
 
 
-def torch_scaler_after(flags, **kwargs):
-    """A real torch.amp.GradScaler on the CPU, stepped with real gradients."""
-    torch = pytest.importorskip("torch")
-    scaler = torch.amp.GradScaler("cpu", **kwargs)
-    p = torch.nn.Parameter(torch.ones(3))
-    opt = torch.optim.SGD([p], lr=0.1)
-    return scaler, p, opt
-
-
-def torch_step(torch, scaler, p, opt, finite):
-    opt.zero_grad()
-    loss = (p * (1.0 if finite else float("inf"))).sum()
-    scaler.scale(loss).backward()
-    scaler.step(opt)
-    scaler.update()
-
-
 def test_pytorch_state_dict_round_trip_with_real_gradscaler():
     torch = pytest.importorskip("torch")
     kwargs = dict(init_scale=1024.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=3)
-    scaler, p, opt = torch_scaler_after(FLAGS_BEFORE, **kwargs)
+    scaler, torch_step = torch_gradscaler(**kwargs)  # a real GradScaler, real gradients
     for f in FLAGS_BEFORE:
-        torch_step(torch, scaler, p, opt, f)
+        torch_step(f)
     state = scaler.state_dict()
     ours = jdls.presets.from_pytorch_state_dict(state)
     assert (
@@ -43,7 +27,7 @@ def test_pytorch_state_dict_round_trip_with_real_gradscaler():
     assert jdls.presets.to_pytorch_state_dict(ours) == state
     # Both continue with the same steps: same scale and tracker after each.
     for f in FLAGS_AFTER:
-        torch_step(torch, scaler, p, opt, f)
+        torch_step(f)
         ours = ours.adjust(f)
         assert float(ours.loss_scale) == scaler.get_scale()
         assert int(ours.counter) == scaler.state_dict()["_growth_tracker"]

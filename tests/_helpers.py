@@ -1,0 +1,158 @@
+"""Helpers shared by the tests: constants, jit-or-not, exact comparisons, small builders.
+
+Not a test module (no ``test_`` prefix). How the tests import it: ``tests/conftest.py`` puts
+the ``tests/`` folder first on ``sys.path`` (it is loaded before any test module, also for
+``tests/integration/``), so every test module, wherever it lies under ``tests/``, writes::
+
+    from _helpers import assert_bitwise_equal, maybe_jit, with_and_without_jit
+
+and the same for the other shared modules of ``tests/`` (``_mlp``, ``reference_rules``). The
+subprocess workers of ``tests/integration/`` are run as scripts, not by pytest: they put
+``tests/`` and the repository root on ``sys.path`` themselves. This works with
+``python -m pytest`` and with ``pytest`` alike, from the repository root (``testpaths`` is
+``tests``) or on single files.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import lax
+
+import jdls
+
+#: The repository root (``tests/..``) and the tests folder.
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+
+INF, NAN = float("inf"), float("nan")
+F32_MAX = float(np.finfo(np.float32).max)
+
+# --------------------------------------------------------------------------------------------
+# With and without jax.jit.
+# --------------------------------------------------------------------------------------------
+
+#: Runs a test twice, ``jit=False`` (ids ``eager``) and ``jit=True`` (``jit``); the test
+#: passes the function under test through :func:`maybe_jit`.
+with_and_without_jit = pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+
+
+def maybe_jit(fn: Callable, jit: bool) -> Callable:
+    """``jax.jit(fn)`` if ``jit``, else ``fn`` itself."""
+    return jax.jit(fn) if jit else fn
+
+
+# --------------------------------------------------------------------------------------------
+# Exact comparisons.
+# --------------------------------------------------------------------------------------------
+
+
+def assert_bitwise_equal(a: Any, b: Any) -> None:
+    """Same tree structure, and every leaf the same dtype, shape and bytes."""
+    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
+    for (path, x), y in zip(
+        jax.tree_util.tree_flatten_with_path(a)[0], jax.tree_util.tree_leaves(b), strict=True
+    ):
+        x, y = np.asarray(x), np.asarray(y)
+        assert x.dtype == y.dtype and x.shape == y.shape, jax.tree_util.keystr(path)
+        assert x.tobytes() == y.tobytes(), f"{jax.tree_util.keystr(path)}: {x} != {y}"
+
+
+def host_bytes(tree: Any) -> list[bytes]:
+    """Every leaf of a pytree as raw bytes, for comparisons on the host."""
+    return [np.asarray(x).tobytes() for x in jax.tree_util.tree_leaves(jax.device_get(tree))]
+
+
+def f32_bits(x: Any) -> np.ndarray:
+    """The bit pattern of float32 values (``uint32``), on the host."""
+    return np.asarray(x, dtype=np.float32).view(np.uint32)
+
+
+def bits(x: jax.Array) -> jax.Array:
+    """The bit pattern of a float array (for exact comparisons inside jit)."""
+    x = jnp.asarray(x)
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        width = {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[x.dtype.itemsize]
+        return lax.bitcast_convert_type(x, width)
+    return x
+
+
+def same_bits(a: Any, b: Any) -> jax.Array:
+    """Whether two pytrees of arrays are bit for bit equal (a bool scalar, traceable)."""
+    flags = [
+        jnp.all(bits(x) == bits(y))
+        for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True)
+    ]
+    return jnp.all(jnp.stack(flags)) if flags else jnp.array(True)
+
+
+# --------------------------------------------------------------------------------------------
+# Small builders.
+# --------------------------------------------------------------------------------------------
+
+
+def random_like(seed: int, tree: Any) -> Any:
+    """Standard-normal float32 arrays shaped like the leaves of ``tree`` (numpy's generator)."""
+    rng = np.random.default_rng(seed)
+    return jax.tree_util.tree_map(
+        lambda p: jnp.asarray(rng.standard_normal(np.shape(p)).astype(np.float32)), tree
+    )
+
+
+def apply_step(tx: optax.GradientTransformation) -> Callable:
+    """``step(params, state, grads) -> (params, state)``: ``tx.update`` then ``apply_updates``."""
+
+    def step(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    return step
+
+
+@functools.cache
+def _jitted_apply_step(tx: optax.GradientTransformation) -> Callable:
+    return jax.jit(apply_step(tx))
+
+
+def run_steps(
+    tx: optax.GradientTransformation, grads_seq: Sequence[Any], params: Any, *, jit: bool = True
+) -> tuple[Any, Any]:
+    """Apply ``tx`` from its initial state to a sequence of gradients; return params, state.
+
+    Under jit, one compiled step per ``tx`` serves every call."""
+    step = _jitted_apply_step(tx) if jit else apply_step(tx)
+    state = tx.init(params)
+    for g in grads_seq:
+        params, state = step(params, state, g)
+    return params, state
+
+
+def loss_scale_of(state: Any) -> float:
+    """The loss scale held by the ``jdls.wrap`` state inside ``state``, as a Python float."""
+    return float(jdls.get_dynamic_scale(state).loss_scale)
+
+
+def torch_gradscaler(**kwargs: Any) -> tuple[Any, Callable[[bool], None]]:
+    """A real ``torch.amp.GradScaler`` on the CPU and ``step(finite)``, one SGD step with it
+    whose loss is finite or inf. Skips the test when torch is not installed."""
+    torch = pytest.importorskip("torch")
+    scaler = torch.amp.GradScaler("cpu", **kwargs)
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([p], lr=0.1)
+
+    def step(finite: bool) -> None:
+        opt.zero_grad()
+        loss = (p * (1.0 if finite else float("inf"))).sum()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+
+    return scaler, step
