@@ -137,7 +137,7 @@ def run_steps(
 
 def loss_scale_of(state: Any) -> float:
     """The loss scale held by the ``jdls.wrap`` state inside ``state``, as a Python float."""
-    return float(jdls.get_dynamic_scale(state).loss_scale)
+    return float(jdls.get_scale(state).loss_scale)
 
 
 def torch_gradscaler(**kwargs: Any) -> tuple[Any, Callable[[bool], None]]:

@@ -97,7 +97,7 @@ def train_step(
     """One step: scale the loss, differentiate, unscale, inject, update (jdls.wrap skips)."""
     batch, kind, leaf, pos = spec[0], spec[1], spec[2], spec[3]
     x, y = make_batch(batch)
-    scale = jdls.get_dynamic_scale(opt_state)
+    scale = jdls.get_scale(opt_state)
     mult = loss_multiplier(kind)
     loss, grads = scale.value_and_grad(lambda p: loss_fn(p, x, y) * mult)(params)
     grads = inject(grads, kind, leaf, pos)

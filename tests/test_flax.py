@@ -51,7 +51,7 @@ def test_linen_trainstate_finite_step_is_the_inner_update(jit):
     assert isinstance(wrap_state, jdls.WrapState)
     assert_bitwise_equal(wrap_state.inner_state, inner_state)
     assert int(new.step) == 1
-    assert float(jdls.get_dynamic_scale(new).loss_scale) == 2048.0  # grown (interval 1)
+    assert float(jdls.get_scale(new).loss_scale) == 2048.0  # grown (interval 1)
     assert int(jdls.stats(new).skipped_steps) == 0
 
 
@@ -65,7 +65,7 @@ def test_linen_trainstate_nonfinite_step_is_skipped_exactly(bad):
 
     assert_bitwise_equal(new.params, state.params)
     assert_bitwise_equal(new.opt_state.inner_state, state.opt_state.inner_state)
-    assert float(jdls.get_dynamic_scale(new).loss_scale) == 1024.0  # 2048 halved
+    assert float(jdls.get_scale(new).loss_scale) == 1024.0  # 2048 halved
     stats = jdls.stats(new)
     assert int(stats.skipped_steps) == 1
     assert not bool(stats.finite)
@@ -75,14 +75,14 @@ def test_linen_trainstate_nonfinite_step_is_skipped_exactly(bad):
 def test_jdls_trainstate_properties_match_the_functions():
     state, _ = make_linen(jdls.TrainState)
     assert isinstance(state, train_state.TrainState)
-    assert isinstance(state.dynamic_scale, jdls.DynamicScale)
+    assert isinstance(state.scale, jdls.DynamicScale)
     assert float(state.loss_scale) == 1024.0
     assert state.loss_scale.dtype == jnp.float32
     assert int(state.stats.skipped_steps) == 0
     grads = jax.grad(linen_loss(state))(state.params)
     state = state.apply_gradients(grads=grads)
     assert isinstance(state, jdls.TrainState)  # replace keeps the class
-    assert float(state.loss_scale) == float(jdls.get_dynamic_scale(state.opt_state).loss_scale)
+    assert float(state.loss_scale) == float(jdls.get_scale(state.opt_state).loss_scale)
     assert float(state.loss_scale) == 2048.0
     assert state.stats == jdls.stats(state.opt_state)
 
@@ -142,7 +142,7 @@ def test_jdls_trainstate_serialization_round_trip():
     restored = serialization.from_bytes(template, serialization.to_bytes(state))
     assert isinstance(restored, jdls.TrainState)
     assert float(restored.loss_scale) == 128.0
-    assert restored.dynamic_scale.rule == state.dynamic_scale.rule
+    assert restored.scale.rule == state.scale.rule
     assert_bitwise_equal(restored.params, state.params)
     assert int(restored.step) == 1
 
@@ -190,11 +190,11 @@ def params_of(model):
 def test_nnx_scale_is_discoverable():
     _, optimizer = make_nnx()
     for where in (optimizer, optimizer.opt_state, nnx.as_pure(optimizer.opt_state)):
-        scale = jdls.get_dynamic_scale(where)
+        scale = jdls.get_scale(where)
         assert isinstance(scale, jdls.DynamicScale)
         assert float(scale.loss_scale) == 1024.0
         assert int(jdls.stats(where).skipped_steps) == 0
-    pure = jdls.get_dynamic_scale(nnx.as_pure(optimizer.opt_state))
+    pure = jdls.get_scale(nnx.as_pure(optimizer.opt_state))
     assert isinstance(pure.loss_scale, jax.Array)
 
 
@@ -205,7 +205,7 @@ def test_nnx_optimizer_finite_step_is_the_inner_update(jit):
     ref_loss, ref_grads = nnx.value_and_grad(nnx_loss)(nnx.clone(model))
 
     def step(model, optimizer):
-        scale = jdls.get_dynamic_scale(optimizer)
+        scale = jdls.get_scale(optimizer)
         loss, grads = jdls.nnx_value_and_grad(nnx_loss, scale)(model)
         optimizer.update(model, grads)
         return loss, grads
@@ -225,7 +225,7 @@ def test_nnx_optimizer_finite_step_is_the_inner_update(jit):
 
 def test_nnx_value_and_grad_is_exact_in_float32():
     model, optimizer = make_nnx()
-    scale = jdls.get_dynamic_scale(optimizer)
+    scale = jdls.get_scale(optimizer)
     loss, grads = jdls.nnx_value_and_grad(nnx_loss, scale)(model)
     ref_loss, ref_grads = nnx.value_and_grad(nnx_loss)(model)
     assert float(loss) == float(ref_loss)
@@ -234,14 +234,14 @@ def test_nnx_value_and_grad_is_exact_in_float32():
 
 def test_nnx_optimizer_nonfinite_step_is_skipped_exactly():
     model, optimizer = make_nnx(inner=optax.adam(0.1))
-    scale = jdls.get_dynamic_scale(optimizer)
+    scale = jdls.get_scale(optimizer)
     _, grads = jdls.nnx_value_and_grad(nnx_loss, scale)(model)
     optimizer.update(model, grads)  # one real step first
     params = params_of(model)
     opt_state = nnx.as_pure(optimizer.opt_state)
 
     bad_x = X.at[0, 0].set(jnp.inf)
-    scale = jdls.get_dynamic_scale(optimizer)
+    scale = jdls.get_scale(optimizer)
     _, grads = jdls.nnx_value_and_grad(lambda m: nnx_loss(m, bad_x), scale)(model)
     assert not bool(jdls.all_finite(nnx.as_pure(grads)))
     optimizer.update(model, grads)
@@ -259,7 +259,7 @@ def test_nnx_stats_and_scale_are_snapshots():
     model, optimizer = make_nnx()
     before = jdls.stats(optimizer)
     pure = jdls.stats(nnx.as_pure(optimizer.opt_state))
-    scale = jdls.get_dynamic_scale(optimizer)
+    scale = jdls.get_scale(optimizer)
     assert not isinstance(scale.loss_scale, nnx.Variable)
     _, grads = jdls.nnx_value_and_grad(nnx_loss, scale)(model)
     optimizer.update(model, grads)
@@ -271,7 +271,7 @@ def test_nnx_stats_and_scale_are_snapshots():
 
 def test_nnx_value_and_grad_with_rngs_and_batch_stats():
     model, optimizer = make_nnx(dropout=True)
-    scale = jdls.get_dynamic_scale(optimizer)
+    scale = jdls.get_scale(optimizer)
     with pytest.raises(TypeError, match="grad requires real"):  # why the helper exists
         scale.value_and_grad(nnx_loss)(model)
     mean_before = np.asarray(model.norm.mean[...])
@@ -288,7 +288,7 @@ def test_nnx_value_and_grad_has_aux_argnums_and_float16():
     optimizer = nnx.Optimizer(
         model, jdls.wrap(optax.sgd(0.1), jdls.DynamicScale(2.0**15)), wrt=nnx.Param
     )
-    scale = jdls.get_dynamic_scale(optimizer)
+    scale = jdls.get_scale(optimizer)
 
     def loss_fn(model, x):
         pred = model(x)  # float16
@@ -316,32 +316,32 @@ def test_nnx_value_and_grad_rejects_a_non_scale():
         jdls.nnx_value_and_grad(nnx_loss, 1024.0)
 
 
-def test_set_nnx_dynamic_scale_replaces_value_and_rule_then_trains():
+def test_set_nnx_scale_replaces_value_and_rule_then_trains():
     model, optimizer = make_nnx()
-    jdls.set_nnx_dynamic_scale(optimizer, jdls.presets.pytorch(init_scale=8.0, growth_interval=1))
-    scale = jdls.get_dynamic_scale(nnx.as_pure(optimizer.opt_state))
+    jdls.set_nnx_scale(optimizer, jdls.presets.pytorch(init_scale=8.0, growth_interval=1))
+    scale = jdls.get_scale(nnx.as_pure(optimizer.opt_state))
     assert float(scale.loss_scale) == 8.0
     assert scale.rule.name == "pytorch"
 
     @nnx.jit
     def step(model, optimizer):
-        scale = jdls.get_dynamic_scale(optimizer)
+        scale = jdls.get_scale(optimizer)
         _, grads = jdls.nnx_value_and_grad(nnx_loss, scale)(model)
         optimizer.update(model, grads)
 
     step(model, optimizer)
-    scale = jdls.get_dynamic_scale(nnx.as_pure(optimizer.opt_state))
+    scale = jdls.get_scale(nnx.as_pure(optimizer.opt_state))
     assert float(scale.loss_scale) == 16.0  # the new rule's growth
     assert scale.rule.name == "pytorch"
 
 
-def test_set_nnx_dynamic_scale_errors():
+def test_set_nnx_scale_errors():
     _, optimizer = make_nnx()
     with pytest.raises(TypeError, match="jdls loss scale"):
-        jdls.set_nnx_dynamic_scale(optimizer, 8.0)
+        jdls.set_nnx_scale(optimizer, 8.0)
     with pytest.raises(TypeError, match="nnx.Optimizer"):
-        jdls.set_nnx_dynamic_scale({"w": 1}, jdls.DynamicScale())
+        jdls.set_nnx_scale({"w": 1}, jdls.DynamicScale())
     model = Net(nnx.Rngs(0))
     plain = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
     with pytest.raises(ValueError, match=r"jdls\.wrap"):
-        jdls.set_nnx_dynamic_scale(plain, jdls.DynamicScale())
+        jdls.set_nnx_scale(plain, jdls.DynamicScale())

@@ -455,7 +455,7 @@ def test_dead_scale_skips_every_step_and_never_corrupts(scale):
 
     @jax.jit
     def step(params, state):
-        s = jdls.get_dynamic_scale(state)
+        s = jdls.get_scale(state)
         _, grads = s.value_and_grad(lambda p: jnp.sum(p["w"] ** 2))(params)
         updates, state = tx.update(grads, state, params)
         return optax.apply_updates(params, updates), state
@@ -465,7 +465,7 @@ def test_dead_scale_skips_every_step_and_never_corrupts(scale):
         p, s = step(p, s)
     assert np.asarray(p["w"]).tobytes() == np.asarray(params["w"]).tobytes()
     assert int(jdls.stats(s).skipped_steps) == 20 and int(jdls.stats(s).consecutive_skips) == 20
-    assert float(jdls.get_dynamic_scale(s).loss_scale) == float(scale.loss_scale)
+    assert float(jdls.get_scale(s).loss_scale) == float(scale.loss_scale)
     assert int(s.inner_state[0].count) == 0
 
 

@@ -164,7 +164,7 @@ def test_static_and_noop_scales_still_skip(kind):
     assert float(stats.loss_scale) == float(scale.loss_scale)
     updates, state = jax.jit(tx.update)({"w": jnp.array([2.0, 1.0])}, state, params)
     np.testing.assert_array_equal(updates["w"], [-2.0, -1.0])
-    assert type(jdls.get_dynamic_scale(state)) is type(scale)
+    assert type(jdls.get_scale(state)) is type(scale)
 
 
 def test_extra_args_reach_the_inner_transformation():

@@ -53,7 +53,7 @@ def make_state(scale_name: str, n_steps: int, seed: int) -> train_state.TrainSta
 def _step(state: train_state.TrainState, spec: jax.Array) -> tuple[Any, None]:
     batch, kind, leaf, pos = spec[0], spec[1], spec[2], spec[3]
     x, y = _mlp.make_batch(batch)
-    scale = jdls.get_dynamic_scale(state)
+    scale = jdls.get_scale(state)
     mult = _mlp.loss_multiplier(kind)
     _, grads = scale.value_and_grad(lambda p: _mlp.loss_fn(p, x, y) * mult)(state.params)
     grads = _mlp.inject(grads, kind, leaf, pos)
@@ -104,10 +104,10 @@ def main(cases_file: str) -> None:
     for case in cases:
         template = make_state(case["scale"], case["n_steps"], case["seed"])
         restored = restore(case, template)
-        scale = jdls.get_dynamic_scale(restored)
+        scale = jdls.get_scale(restored)
         if not isinstance(scale, jdls.DynamicScale):
             raise SystemExit(f"{case}: restored a {type(scale).__name__}, not a DynamicScale")
-        if scale.rule != jdls.get_dynamic_scale(template).rule:
+        if scale.rule != jdls.get_scale(template).rule:
             raise SystemExit(f"{case}: the restored scale lost its rule: {scale.rule}")
         specs = specs_for(case["n_steps"], case["seed"])
         final = run(restored, specs, case["start"], case["n_steps"])

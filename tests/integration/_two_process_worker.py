@@ -97,7 +97,7 @@ def run_jit(
 
     @partial(jax.jit, out_shardings=(repl, repl))
     def step(params, state, x, y):
-        scale = jdls.get_dynamic_scale(state)
+        scale = jdls.get_scale(state)
         _, grads = scale.value_and_grad(lambda p: _mlp.loss_fn(p, x, y))(params)
         updates, state = tx.update(grads, state, params)
         return optax.apply_updates(params, updates), state
@@ -157,7 +157,7 @@ def train_towers(mesh: Mesh, steps: np.ndarray, blow_up: np.ndarray) -> Any:
             params, state = carry
             x, y = _mlp.make_batch(steps[k] * n + device)
             x = x * blow_up[0, k]
-            scale = jdls.get_dynamic_scale(state)
+            scale = jdls.get_scale(state)
             _, grads = scale.value_and_grad(lambda p: _mlp.loss_fn(p, x, y))(params)
             updates, state = tx.update(grads, state, params)
             return (optax.apply_updates(params, updates), state), jdls.stats(state).finite

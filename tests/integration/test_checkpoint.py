@@ -9,7 +9,7 @@ continues. Its restored and final states must equal, byte for byte, the state at
 the state of the uninterrupted run.
 
 Runs migrated from other libraries resume too: a real ``torch.amp.GradScaler`` state dict and
-a Cerebras state dict, put into the optimizer state with ``jdls.set_dynamic_scale``, continue
+a Cerebras state dict, put into the optimizer state with ``jdls.set_scale``, continue
 with the same scale and counters as the library itself, step by step.
 """
 
@@ -100,7 +100,7 @@ def test_resume_in_fresh_process_is_bit_identical(resumed, fmt, name):
     mid, full = expected[name]
     out = results[(fmt, name)]
     # The checkpoint was taken mid-run, with skipped steps and counters part-way.
-    stats, scale = jdls.stats(mid), jdls.get_dynamic_scale(mid)
+    stats, scale = jdls.stats(mid), jdls.get_scale(mid)
     assert int(stats.skipped_steps) > 0 and int(scale.skipped) > 0
     assert int(scale.counter) > 0 or int(stats.consecutive_skips) > 0
     # What the fresh process restored is what was saved, rule included ...
@@ -113,8 +113,8 @@ def test_resume_in_fresh_process_is_bit_identical(resumed, fmt, name):
 def test_checkpoint_caught_interesting_states(resumed):
     """The save point is not trivial for the scales with extra counters."""
     _, expected = resumed
-    deepspeed = jdls.get_dynamic_scale(expected["deepspeed"][0])
-    cerebras = jdls.get_dynamic_scale(expected["cerebras"][0])
+    deepspeed = jdls.get_scale(expected["deepspeed"][0])
+    cerebras = jdls.get_scale(expected["cerebras"][0])
     assert int(deepspeed.hysteresis) == 1  # one overflow forgiven, not yet refilled
     assert int(cerebras.overflows) > 0  # overflows since the last change, below the tolerance
 
@@ -148,8 +148,8 @@ def test_restore_takes_the_rule_of_the_target(tmp_path):
     abstract = jax.eval_shape(lambda: other)
     with ocp.StandardCheckpointer() as checkpointer:
         restored = checkpointer.restore(tmp_path / "ckpt", abstract)
-    scale = jdls.get_dynamic_scale(restored)
-    assert scale.rule == jdls.get_dynamic_scale(other).rule
+    scale = jdls.get_scale(restored)
+    assert scale.rule == jdls.get_scale(other).rule
     assert float(scale.loss_scale) == 2.0**16  # the saved deepspeed value
     assert int(scale.hysteresis) == 2
 
@@ -198,14 +198,14 @@ def test_pytorch_gradscaler_state_dict_resumes():
 
     state = worker.make_state("default", 40, SEED)
     state = state.replace(
-        opt_state=jdls.set_dynamic_scale(state.opt_state, jdls.presets.from_pytorch_state_dict(sd))
+        opt_state=jdls.set_scale(state.opt_state, jdls.presets.from_pytorch_state_dict(sd))
     )
-    scale = jdls.get_dynamic_scale(state)
+    scale = jdls.get_scale(state)
     assert float(scale.loss_scale) == sd["scale"] and int(scale.counter) == sd["_growth_tracker"]
     specs = worker.specs_for(40, SEED)
     for t, resumed_state in enumerate(_continue_one_step_at_a_time(state, specs)):
         torch_step(bool(specs[t, 1] == 0))
-        scale = jdls.get_dynamic_scale(resumed_state)
+        scale = jdls.get_scale(resumed_state)
         assert float(scale.loss_scale) == scaler.get_scale(), t
         assert int(scale.counter) == scaler.state_dict()["_growth_tracker"], t
     assert jdls.presets.to_pytorch_state_dict(scale) == scaler.state_dict()
@@ -226,12 +226,12 @@ def test_cerebras_state_dict_resumes():
 
     state = worker.make_state("cerebras", 40, SEED)
     scale = jdls.presets.from_cerebras_state_dict(sd, **kwargs)
-    state = state.replace(opt_state=jdls.set_dynamic_scale(state.opt_state, scale))
-    assert jdls.presets.to_cerebras_state_dict(jdls.get_dynamic_scale(state)) == sd
+    state = state.replace(opt_state=jdls.set_scale(state.opt_state, scale))
+    assert jdls.presets.to_cerebras_state_dict(jdls.get_scale(state)) == sd
     specs = worker.specs_for(40, SEED)
     for t, resumed_state in enumerate(_continue_one_step_at_a_time(state, specs)):
         expected = reference.step(bool(specs[t, 1] == 0))
-        assert jdls.presets.to_cerebras_state_dict(jdls.get_dynamic_scale(resumed_state)) == {
+        assert jdls.presets.to_cerebras_state_dict(jdls.get_scale(resumed_state)) == {
             "loss_scale": float(expected),
             "steps_since_rescale": reference.steps_since_rescale,
             "overflows_since_rescale": reference.overflows_since_rescale,

@@ -163,7 +163,7 @@ def test_two_wraps_are_ambiguous():
     )
     state = tx.init(PARAMS)
     with pytest.raises(ValueError, match=r"found 2 jdls.wrap states \(at .*'frozen'.*'main'"):
-        jdls.get_dynamic_scale(state)
+        jdls.get_scale(state)
     with pytest.raises(ValueError, match="found 2"):
         jdls.stats(state)
 
@@ -177,7 +177,7 @@ def test_flax_train_state():
     state = train_state.TrainState.create(
         apply_fn=lambda p, x: p["w"] @ x, params=PARAMS, tx=jdls.wrap(optax.adam(0.1))
     )
-    assert jdls.get_dynamic_scale(state) is jdls.get_dynamic_scale(state.opt_state)
+    assert jdls.get_scale(state) is jdls.get_scale(state.opt_state)
 
     @jax.jit
     def train_step(state, g):
@@ -192,7 +192,7 @@ def test_flax_train_state():
     assert int(state.step) == 2  # Flax counts every call, taken or skipped
     assert int(state.opt_state.inner_state[0].count) == 1
 
-    new = jdls.set_dynamic_scale(state, jdls.DynamicScale(8.0))
+    new = jdls.set_scale(state, jdls.DynamicScale(8.0))
     assert isinstance(new, train_state.TrainState) and loss_scale_of(new) == 8.0
     assert_bitwise_equal(new.params, state.params)
     new, _ = train_step(new, grads(2))
@@ -200,18 +200,18 @@ def test_flax_train_state():
 
 
 # --------------------------------------------------------------------------------------------
-# Finding and replacing the wrap's scale: get_dynamic_scale, set_dynamic_scale.
+# Finding and replacing the wrap's scale: get_scale, set_scale.
 # --------------------------------------------------------------------------------------------
 
 
 def test_errors():
     with pytest.raises(ValueError, match="found no jdls.wrap state"):
-        jdls.get_dynamic_scale(optax.adam(0.1).init(PARAMS))
+        jdls.get_scale(optax.adam(0.1).init(PARAMS))
     with pytest.raises(ValueError, match="found no jdls.wrap state"):
-        jdls.set_dynamic_scale({}, jdls.DynamicScale())
+        jdls.set_scale({}, jdls.DynamicScale())
     state = jdls.wrap(optax.sgd(1.0)).init(PARAMS)
     with pytest.raises(TypeError, match="must be a jdls loss scale"):
-        jdls.set_dynamic_scale(state, 1024.0)
+        jdls.set_scale(state, 1024.0)
 
 
 def test_restore_a_pytorch_scaler():
@@ -223,10 +223,10 @@ def test_restore_a_pytorch_scaler():
         "_growth_tracker": 2,
     }
     tx = optax.chain(jdls.clip(1.0), jdls.wrap(optax.sgd(1.0)))
-    state = jdls.set_dynamic_scale(tx.init(PARAMS), jdls.presets.from_pytorch_state_dict(sd))
+    state = jdls.set_scale(tx.init(PARAMS), jdls.presets.from_pytorch_state_dict(sd))
     _, state = jax.jit(tx.update)(grads(0), state, PARAMS)
     assert loss_scale_of(state) == 2048.0  # the third finite step in a row: growth
-    assert jdls.presets.to_pytorch_state_dict(jdls.get_dynamic_scale(state)) == {
+    assert jdls.presets.to_pytorch_state_dict(jdls.get_scale(state)) == {
         **sd,
         "scale": 2048.0,
         "_growth_tracker": 0,
@@ -238,7 +238,7 @@ def test_set_under_jit():
 
     @jax.jit
     def halve(state):
-        scale = jdls.get_dynamic_scale(state)
-        return jdls.set_dynamic_scale(state, scale.replace(loss_scale=scale.loss_scale / 2))
+        scale = jdls.get_scale(state)
+        return jdls.set_scale(state, scale.replace(loss_scale=scale.loss_scale / 2))
 
     assert loss_scale_of(halve(tx.init(PARAMS))) == 2.0**14

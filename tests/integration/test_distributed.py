@@ -213,7 +213,7 @@ def _soak8_jit():
         blow = (spec[1] >= 1) & (spec[1] <= 3) & on_device
         x = jnp.where(blow[:, None], x * jnp.float32(1e30), x)
         mult = jnp.where(on_device, _mlp.loss_multiplier(spec[1]), jnp.float32(1.0))
-        scale = jdls.get_dynamic_scale(state)
+        scale = jdls.get_scale(state)
         _, grads = scale.value_and_grad(
             lambda p: jnp.mean(jnp.mean((_mlp.apply(p, x) - y) ** 2, axis=1) * mult)
         )(params)
@@ -255,7 +255,7 @@ def _soak8_shard_map():
             y = jax.lax.dynamic_slice_in_dim(y, device * n, n)
             here = device == spec[3] % N_DEV
             mult = jnp.where(here, _mlp.loss_multiplier(spec[1]), jnp.float32(1.0))
-            scale = jdls.get_dynamic_scale(state)
+            scale = jdls.get_scale(state)
             _, grads = scale.value_and_grad(lambda p: _mlp.loss_fn(p, x, y) * mult)(params)
             grads = jax.lax.pmean(grads, "d")
             grads = _mlp.inject(grads, jnp.where(here, spec[1], 0), spec[2], spec[3])
@@ -281,7 +281,7 @@ def test_eight_devices_jit_soak():
     assert int(jdls.stats(state).skipped_steps) == len(specs) - len(clean) > 50
     assert host_bytes(params) == host_bytes(ref_params)
     assert host_bytes(state.inner_state) == host_bytes(ref_state.inner_state)
-    assert jdls.get_dynamic_scale(state).loss_scale.sharding.is_fully_replicated
+    assert jdls.get_scale(state).loss_scale.sharding.is_fully_replicated
 
 
 def test_eight_devices_shard_map_soak():

@@ -249,5 +249,5 @@ def test_jit_over_a_mesh_needs_no_axis_name():
     p2, s2 = step(p1, s1, put(bad, m))
     assert_bitwise_equal(p2, p1)
     assert bool(jdls.stats(s2).skipped) and float(jdls.stats(s2).loss_scale) == 2.0**14
-    assert jdls.get_dynamic_scale(s2).loss_scale.sharding.is_fully_replicated
+    assert jdls.get_scale(s2).loss_scale.sharding.is_fully_replicated
     assert jdls.nonfinite_paths(s2) == ["['w']"]
