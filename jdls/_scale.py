@@ -1,13 +1,7 @@
 """Loss scales: the ``LossScale`` interface and its no-op, static and dynamic kinds.
 
 Every scale is an immutable pytree: its data (the float32 ``loss_scale`` and, for a dynamic
-scale, the rule's int32 counters) are children; its configuration (the rule) is static. One
-step reads top to bottom::
-
-    loss, grads = scale.value_and_grad(loss_fn)(params)  # scale, differentiate, unscale
-    finite = jdls.all_finite(grads)                       # check
-    ...                                                   # update only if finite
-    scale = scale.adjust(finite)                          # next scale
+scale, the rule's int32 counters) are children; its configuration (the rule) is static.
 """
 
 from __future__ import annotations
@@ -83,15 +77,8 @@ class _NotATransformation:
 
 
 class LossScale:
-    """The interface of :class:`DynamicScale`, :class:`StaticScale` and :class:`NoOpScale`.
-
-    * ``loss_scale``: the current scale, a float32 scalar array.
-    * ``scale(tree)``: every float leaf times the scale, rounded once to its own dtype.
-    * ``unscale(tree)``: every float leaf divided by the scale; leaves narrower than float32
-      come back as float32, so unscaling never underflows in half precision.
-    * ``adjust(grads_finite)``: the next scale after a step.
-    * ``value_and_grad(fun, argnums, has_aux)``: ``jax.value_and_grad`` of the scaled loss,
-      returning the unscaled loss and gradients.
+    """The interface of :class:`DynamicScale`, :class:`StaticScale` and :class:`NoOpScale`:
+    ``loss_scale`` (a float32 scalar), ``scale``, ``unscale``, ``adjust``, ``value_and_grad``.
     """
 
     loss_scale: jax.Array
@@ -100,7 +87,7 @@ class LossScale:
     update = _NotATransformation()
 
     def scale(self, tree: T) -> T:
-        """Multiply every floating-point leaf of ``tree`` by the loss scale.
+        """Multiply every float leaf of ``tree`` by the scale, rounding once to its dtype.
 
         Example:
           >>> import jax.numpy as jnp, jdls
@@ -118,7 +105,7 @@ class LossScale:
         return jax.tree_util.tree_map(scale_leaf, tree)
 
     def unscale(self, tree: T) -> T:
-        """Divide every floating-point leaf of ``tree`` by the loss scale.
+        """Divide every float leaf by the scale; leaves narrower than float32 become float32.
 
         Example:
           >>> import jax.numpy as jnp, jdls
@@ -401,18 +388,12 @@ class DynamicScale(LossScale):
         object.__setattr__(self, "rule", rule)
 
     def __getattr__(self, name: str) -> Any:
-        # Only reached when normal lookup fails: point to where moved attributes live now.
-        if name in ("counter", "hysteresis", "overflows", "min_scale_overflows"):
-            raise AttributeError(
-                f"DynamicScale has no attribute {name!r}: the rule's counters are in "
-                f"scale.state (scale.state.{name})"
-            )
-        if name == "skipped":
-            raise AttributeError(
-                "DynamicScale has no attribute 'skipped': the skip count is a statistic of "
-                "jdls.wrap, jdls.stats(opt_state).skipped_steps"
-            )
-        raise AttributeError(f"DynamicScale has no attribute {name!r}")
+        # Reached only when normal lookup fails: say where moved attributes live now.
+        moved = {"skipped": "jdls.stats(opt_state).skipped_steps, a statistic of jdls.wrap"}
+        where = moved.get(name, f"scale.state.{name}, the rule's counters")
+        fields = getattr(self.__dict__.get("state"), "_fields", ())  # no recursion when unset
+        hint = f": see {where}" if name in (*moved, *fields) else ""
+        raise AttributeError(f"DynamicScale has no attribute {name!r}{hint}")
 
     def replace(self, **changes: Any) -> DynamicScale:
         """A copy with some fields replaced, unvalidated (for advanced use and tests).
