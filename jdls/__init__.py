@@ -6,6 +6,7 @@ from jdls._finfo import FormatInfo
 from jdls._flax import TrainState, nnx_value_and_grad, set_nnx_scale
 from jdls._formats import FloatFormat, cbfloat16, compress, decompress, finfo
 from jdls._policy import Policy, get_policy
+from jdls._retry import SkipCause
 from jdls._scale import DynamicScale, LossScale, NoOpScale, StaticScale, all_finite
 from jdls._stats import (
     Stats,
@@ -29,6 +30,7 @@ __all__ = [
     "MinimumScaleError",
     "NoOpScale",
     "Policy",
+    "SkipCause",
     "StaticScale",
     "Stats",
     "TrainState",

@@ -43,6 +43,10 @@ class Stats(NamedTuple):
         without ``sharded``).
       nonfinite: with ``track_nonfinite=True``, one bool per gradient leaf (True where the
         leaf held an inf or NaN on the last step); None otherwise.
+      retries: int32, how many times the last step's gradients were recomputed at a lower
+        scale (``jdls.wrap(..., retries=N)``).
+      cause: int32, why the last step was skipped, a :class:`jdls.SkipCause` (0 if taken).
+      retried_steps: int32, steps that needed at least one retry since ``init``.
     """
 
     finite: jax.Array
@@ -50,6 +54,9 @@ class Stats(NamedTuple):
     consecutive_skips: jax.Array
     grad_norm: jax.Array
     nonfinite: Any
+    retries: jax.Array
+    cause: jax.Array
+    retried_steps: jax.Array
 
     @property
     def skipped(self) -> jax.Array:

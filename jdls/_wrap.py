@@ -35,6 +35,7 @@ from jdls._norm import (
     flatten_floats,
     tree_norm,
 )
+from jdls._retry import classify, first_attempt, mean_unsharded, retry, value_and_grad_of
 from jdls._scale import DynamicScale, LossScale, all_finite, check_scale
 from jdls._skip import keep_dtypes, select, skip_branch
 from jdls._stats import Stats, WrapState
@@ -55,6 +56,7 @@ def wrap(
     skip_with: str = "cond",
     track_nonfinite: bool = False,
     max_consecutive_skips: int | None = None,
+    retries: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
     """Dynamic loss scaling around an optax transformation: skip non-finite steps, adjust.
 
@@ -101,6 +103,11 @@ def wrap(
       max_consecutive_skips: fail loudly (a ``FloatingPointError`` raised from the step,
         surfacing as a ``JaxRuntimeError`` that quotes it) once this many steps in a row were
         skipped, naming the likely causes; None (default) never fails.
+      retries: with ``tx.update(..., value_fn=f)``, where ``f(params)`` is this batch's
+        unscaled loss (or ``(loss, aux)``): when the gradients overflow but the loss is
+        finite, recompute them at the rule's backed-off scale, up to this many times, inside
+        the step; a step whose loss is not finite is never retried. Needs a
+        :class:`jdls.DynamicScale`. See docs/guides/retries.md.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a :class:`jdls.WrapState`.
@@ -136,6 +143,12 @@ def wrap(
     check_sharded(axis_name, sharded, max_norm is not None, "jdls.wrap")
     if max_consecutive_skips is not None:
         max_consecutive_skips = check_int("max_consecutive_skips", max_consecutive_skips, 1)
+    retries = check_int("retries", retries, 0)
+    if retries and not isinstance(scale0, DynamicScale):
+        raise ValueError(
+            f"retries={retries} needs a scale that backs off (jdls.DynamicScale or a preset); "
+            f"a {type(scale0).__name__} would retry at the same scale"
+        )
     if skip_with not in _SKIP_WITH:
         raise ValueError(f"skip_with must be one of {_SKIP_WITH}, got {skip_with!r}")
     for name, flag in (
@@ -159,6 +172,9 @@ def wrap(
                 consecutive_skips=jnp.zeros((), jnp.int32),
                 grad_norm=jnp.full((), jnp.nan, jnp.float32),
                 nonfinite=nonfinite,
+                retries=jnp.zeros((), jnp.int32),
+                cause=jnp.zeros((), jnp.int32),
+                retried_steps=jnp.zeros((), jnp.int32),
             ),
         )
 
@@ -186,14 +202,38 @@ def wrap(
     ) -> tuple[Any, WrapState]:
         _check_state(state)
         _check_match(updates, params)
+        value_fn = extra_args.pop("value_fn", None)
         tree = flatten_floats(updates)
 
         # Decide: one sum of squares gives finiteness and the global norm; a non-finite loss
         # given as ``value`` (optax's extra argument) makes the step non-finite too.
-        n = tree_norm(tree, axis_name=axis_name, sharded=sharded, per_leaf=track_nonfinite)
-        finite = n.finite & ~n.robust if skip_norm_overflow else n.finite
+        def measure(tree: FloatLeaves) -> tuple[GlobalNorm, jax.Array]:
+            n = tree_norm(tree, axis_name=axis_name, sharded=sharded, per_leaf=track_nonfinite)
+            return n, (n.finite & ~n.robust if skip_norm_overflow else n.finite)
+
+        n, finite = measure(tree)
+        loss_finite = jnp.array(True)
         if "value" in extra_args:
-            finite = finite & _finite_value(extra_args["value"], axis_name)
+            loss_finite = _finite_value(extra_args["value"], axis_name)
+            finite = finite & loss_finite
+
+        # Retry an overflowing step at lower scales (a finite step never enters the loop).
+        step = first_attempt(state.scale, tree, n, finite, loss_finite)
+        if value_fn is not None and retries:
+            if params is None:
+                raise ValueError("value_fn needs the params: tx.update(grads, state, params, ...)")
+            value_and_grad = value_and_grad_of(value_fn, params)
+
+            def recompute(scale: LossScale) -> tuple[jax.Array, Any]:
+                loss, grads = value_and_grad(scale)
+                return loss, mean_unsharded(grads, axis_name, sharded)
+
+            def agree(ok: jax.Array) -> jax.Array:
+                return ok if axis_name is None else lax.pmin(ok.astype(jnp.int32), axis_name) > 0
+
+            step = retry(step, tree.treedef, tree.float_idx, recompute, measure, retries, agree)
+            tree = tree._replace(leaves=step.leaves)
+            n, finite = step.norm, step.finite
 
         # Apply the inner update, or skip it.
         dynamic = {k: v for k, v in extra_args.items() if _is_arrays(v)}
@@ -209,15 +249,23 @@ def wrap(
             new_updates, inner_state = select(finite, apply(operands), state.inner_state)
 
         # Record the step and adjust the scale.
-        stats = _record(state.stats, finite, n, tree)
+        cause = classify(step, retrying=value_fn is not None and retries > 0)
+        stats = _record(state.stats, finite, n, tree, step.tries, cause)
         if max_consecutive_skips is not None:
             _fail_if_stuck(stats.consecutive_skips, max_consecutive_skips)
-        return new_updates, WrapState(state.scale.adjust(finite), inner_state, stats)
+        return new_updates, WrapState(step.scale.adjust(finite), inner_state, stats)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _record(old: Stats, finite: jax.Array, n: GlobalNorm, tree: FloatLeaves) -> Stats:
+def _record(
+    old: Stats,
+    finite: jax.Array,
+    n: GlobalNorm,
+    tree: FloatLeaves,
+    retries: jax.Array,
+    cause: jax.Array,
+) -> Stats:
     """The statistics of this step."""
     nonfinite = None
     if n.leaf_nonfinite is not None:
@@ -231,6 +279,11 @@ def _record(old: Stats, finite: jax.Array, n: GlobalNorm, tree: FloatLeaves) -> 
         consecutive_skips=jnp.where(finite, 0, optax.safe_increment(old.consecutive_skips)),
         grad_norm=n.norm.astype(jnp.float32),
         nonfinite=nonfinite,
+        retries=retries,
+        cause=cause,
+        retried_steps=jnp.where(
+            retries > 0, optax.safe_increment(old.retried_steps), old.retried_steps
+        ),
     )
 
 

@@ -1,0 +1,140 @@
+"""Retrying an overflowing step at a lower scale, inside the compiled step.
+
+When the gradients of a step are not finite but its loss is (the scaled backward overflowed),
+``jdls.wrap(..., retries=N)`` recomputes the gradients of the same batch from ``value_fn`` at
+the scale the rule backs off to, up to ``N`` times, in a ``lax.while_loop`` that a finite step
+never enters. A retried step is exactly what feeding the same batch again would do: each
+failed attempt is one overflowing step for the rule (``scale.adjust(False)``), the attempt that
+succeeds is one finite step. A step whose loss is not finite is never retried.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jdls._norm import FloatLeaves, GlobalNorm, sharded_flags
+from jdls._scale import LossScale
+
+__all__ = [
+    "Attempt",
+    "SkipCause",
+    "classify",
+    "first_attempt",
+    "mean_unsharded",
+    "retry",
+    "value_and_grad_of",
+]
+
+
+class SkipCause(enum.IntEnum):
+    """Why a step was skipped, as recorded in ``jdls.Stats.cause``.
+
+    Example:
+      >>> import jdls
+      >>> jdls.SkipCause(2).name
+      'BACKWARD'
+    """
+
+    NONE = 0  #: the step was taken
+    FORWARD = 1  #: the loss itself was not finite (bad data, a forward overflow)
+    BACKWARD = 2  #: the loss was finite, the gradients were not, even after the retries
+    GRADIENTS = 3  #: the gradients were not finite, and no ``value_fn`` told the loss
+
+
+class Attempt(NamedTuple):
+    """The state of the retry loop: the scale to adjust next and the current gradients."""
+
+    scale: LossScale
+    leaves: list[Any]
+    norm: GlobalNorm
+    finite: jax.Array
+    loss_finite: jax.Array
+    tries: jax.Array
+
+
+def retry(
+    first: Attempt,
+    treedef: Any,
+    float_idx: tuple[int, ...],
+    recompute: Callable[[LossScale], tuple[jax.Array, Any]],
+    measure: Callable[[FloatLeaves], tuple[GlobalNorm, jax.Array]],
+    max_tries: int,
+    agree: Callable[[jax.Array], jax.Array],
+) -> Attempt:
+    """Recompute the gradients at lower scales while they overflow and the loss is finite.
+
+    Args:
+      first: the step as given (``tries`` 0).
+      treedef, float_idx: the structure of the given gradients.
+      recompute: ``scale -> (loss, grads)``, the unscaled loss and gradients of the batch.
+      measure: ``tree -> (norm, finite)``, as the wrap decides finiteness.
+      max_tries: the most attempts.
+      agree: makes a bool the same on every device (identity without ``axis_name``).
+    """
+    dtypes = [getattr(x, "dtype", None) for x in first.leaves]
+
+    def more(a: Attempt) -> jax.Array:  # ``tries`` counts attempts whose loss was finite
+        return ~a.finite & a.loss_finite & (a.tries < max_tries)
+
+    def attempt(a: Attempt) -> Attempt:
+        lower = a.scale.adjust(False)  # this attempt's overflow, as the rule counts it
+        loss, grads = recompute(lower)
+        leaves = jax.tree_util.tree_leaves(grads)
+        leaves = [
+            x if d is None else jnp.asarray(x, d) for x, d in zip(leaves, dtypes, strict=True)
+        ]
+        norm, finite = measure(FloatLeaves(leaves, treedef, float_idx))
+        loss_finite = agree(jnp.all(jnp.isfinite(loss)))
+        # A non-finite loss: keep the scale as before this attempt (the skip adjusts it once).
+        scale = jax.tree_util.tree_map(
+            lambda new, old: jnp.where(loss_finite, new, old), lower, a.scale
+        )
+        tries = a.tries + loss_finite.astype(jnp.int32)  # a non-finite loss is no retry
+        return Attempt(scale, leaves, norm, finite & loss_finite, loss_finite, tries)
+
+    return lax.while_loop(more, attempt, first)
+
+
+def classify(a: Attempt, retrying: bool) -> jax.Array:
+    """The :class:`SkipCause` of the step, an int32 scalar."""
+    unknown = SkipCause.BACKWARD if retrying else SkipCause.GRADIENTS
+    cause = jnp.where(a.loss_finite, jnp.int32(unknown), jnp.int32(SkipCause.FORWARD))
+    return jnp.where(a.finite, jnp.int32(SkipCause.NONE), cause)
+
+
+def mean_unsharded(grads: Any, axis_name: Any, sharded: Any) -> Any:
+    """``lax.pmean`` over ``axis_name`` of the gradient leaves that are not sharded across it
+    (data parallelism: every device holds the whole gradient of its part of the batch)."""
+    if axis_name is None:
+        return grads
+    flags = sharded_flags(sharded, grads) or [False] * len(jax.tree_util.tree_leaves(grads))
+    leaves, treedef = jax.tree_util.tree_flatten(grads)
+    leaves = [x if s else lax.pmean(x, axis_name) for x, s in zip(leaves, flags, strict=True)]
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def value_and_grad_of(value_fn: Callable[..., Any], params: Any) -> Callable[[LossScale], Any]:
+    """``scale -> (loss, grads)`` of ``value_fn(params)``, which returns a loss or
+    ``(loss, aux)``; the aux is dropped (the forward pass does not depend on the scale)."""
+
+    def loss_only(p: Any) -> Any:
+        out = value_fn(p)
+        return out[0] if isinstance(out, tuple) else out
+
+    def recompute(scale: LossScale) -> tuple[jax.Array, Any]:
+        return scale.value_and_grad(loss_only)(params)
+
+    return recompute
+
+
+def first_attempt(
+    scale: LossScale, tree: FloatLeaves, norm: GlobalNorm, finite: jax.Array, loss_finite: Any
+) -> Attempt:
+    """The step as given, before any retry."""
+    return Attempt(scale, tree.leaves, norm, finite, jnp.asarray(loss_finite), jnp.int32(0))
