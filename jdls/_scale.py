@@ -389,6 +389,8 @@ class DynamicScale(LossScale):
 
     def __getattr__(self, name: str) -> Any:
         # Reached only when normal lookup fails: say where moved attributes live now.
+        if name in ("init", "update"):  # the descriptor's own error says how to use a scale
+            return LossScale.__dict__[name].__get__(self, type(self))
         moved = {"skipped": "jdls.stats(opt_state).skipped_steps, a statistic of jdls.wrap"}
         where = moved.get(name, f"scale.state.{name}, the rule's counters")
         fields = getattr(self.__dict__.get("state"), "_fields", ())  # no recursion when unset
