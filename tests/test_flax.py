@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -147,6 +149,94 @@ def test_jdls_trainstate_serialization_round_trip():
     assert int(restored.step) == 1
 
 
+class BNDense(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.BatchNorm(use_running_average=False, momentum=0.5)(nn.Dense(2)(x))
+
+
+class BNTrainState(jdls.TrainState):
+    batch_stats: Any
+
+
+def make_bn(state_cls):
+    model = BNDense()
+    variables = model.init(jax.random.key(0), X)
+    return state_cls.create(
+        apply_fn=model.apply,
+        params=variables["params"],
+        batch_stats=variables["batch_stats"],
+        tx=jdls.wrap(optax.adam(0.1), jdls.DynamicScale(1024.0, growth_interval=1)),
+    )
+
+
+def bn_loss(state, x):
+    def loss_fn(params):
+        out, updates = state.apply_fn(
+            {"params": params, "batch_stats": state.batch_stats}, x, mutable=["batch_stats"]
+        )
+        return jnp.mean((out - Y) ** 2), updates["batch_stats"]
+
+    return loss_fn
+
+
+class PlainBNTrainState(train_state.TrainState):
+    batch_stats: Any
+
+
+def bn_step_apply_gradients(state, x):
+    """``jdls.TrainState.apply_gradients(grads=..., batch_stats=...)`` keeps them on a skip."""
+    (_, new_bs), grads = state.value_and_grad(bn_loss(state, x), has_aux=True)(state.params)
+    return state.apply_gradients(grads=grads, batch_stats=new_bs), new_bs
+
+
+def bn_step_keep_if_skipped(state, x):
+    """A plain Flax TrainState: ``jdls.keep_if_skipped`` selects the batch stats."""
+    scale = jdls.get_scale(state.opt_state)
+    (_, new_bs), grads = scale.value_and_grad(bn_loss(state, x), has_aux=True)(state.params)
+    new = state.apply_gradients(grads=grads)
+    kept = jdls.keep_if_skipped(new.opt_state, new_bs, state.batch_stats)
+    return new.replace(batch_stats=kept), new_bs
+
+
+@with_and_without_jit
+@pytest.mark.parametrize(
+    ("state_cls", "step"),
+    [(BNTrainState, bn_step_apply_gradients), (PlainBNTrainState, bn_step_keep_if_skipped)],
+    ids=["apply_gradients", "keep_if_skipped"],
+)
+def test_batch_stats_are_kept_on_a_skipped_step(state_cls, step, jit):
+    """A linen BatchNorm model: a skipped step leaves the running statistics bit for bit as
+    they were (an inf batch would poison them for good); a finite step takes the new ones."""
+    step = maybe_jit(step, jit)
+    state = make_bn(state_cls)
+
+    # A finite step: the batch statistics the forward pass computed.
+    new, computed = step(state, X)
+    assert bool(jdls.stats(new.opt_state).finite)
+    assert_bitwise_equal(new.batch_stats, computed)
+    assert not np.array_equal(
+        new.batch_stats["BatchNorm_0"]["mean"], state.batch_stats["BatchNorm_0"]["mean"]
+    )
+    state = new
+
+    # A batch holding an inf: the step is skipped, params and batch stats kept bit for bit.
+    new, computed = step(state, X.at[1, 2].set(jnp.inf))
+    assert bool(jdls.stats(new.opt_state).skipped)
+    assert not bool(jdls.all_finite(computed))  # what the forward pass would have stored
+    assert_bitwise_equal(new.batch_stats, state.batch_stats)
+    assert_bitwise_equal(new.params, state.params)
+    assert_bitwise_equal(new.opt_state.inner_state, state.opt_state.inner_state)
+    assert int(new.step) == int(state.step) + 1  # Flax counts every call
+    state = new
+
+    # The next finite step takes the new statistics again.
+    new, computed = step(state, X * 2)
+    assert bool(jdls.stats(new.opt_state).finite)
+    assert_bitwise_equal(new.batch_stats, computed)
+    assert bool(jdls.all_finite(new.batch_stats))
+
+
 def test_trainstate_without_wrap_says_what_to_do():
     state = jdls.TrainState.create(apply_fn=None, params={"w": jnp.ones(2)}, tx=optax.sgd(0.1))
     with pytest.raises(ValueError, match=r"jdls\.wrap"):
@@ -218,7 +308,7 @@ def test_nnx_optimizer_finite_step_is_the_inner_update(jit):
     updates, _ = inner.update(nnx.as_pure(ref_grads), inner.init(before), before)
     assert_bitwise_equal(params_of(model), optax.apply_updates(before, updates))
     stats = jdls.stats(nnx.as_pure(optimizer.opt_state))
-    assert float(stats.loss_scale) == 2048.0
+    assert float(jdls.get_scale(nnx.as_pure(optimizer.opt_state)).loss_scale) == 2048.0
     assert int(stats.skipped_steps) == 0
     assert int(optimizer.step[...]) == 1
 
@@ -250,7 +340,7 @@ def test_nnx_optimizer_nonfinite_step_is_skipped_exactly():
     new_state = nnx.as_pure(optimizer.opt_state)
     assert_bitwise_equal(new_state.inner_state, opt_state.inner_state)
     stats = jdls.stats(new_state)
-    assert float(stats.loss_scale) == 1024.0  # 2048 halved
+    assert float(jdls.get_scale(new_state).loss_scale) == 1024.0  # 2048 halved
     assert int(stats.skipped_steps) == 1
     assert not bool(stats.finite)
 
@@ -258,15 +348,18 @@ def test_nnx_optimizer_nonfinite_step_is_skipped_exactly():
 def test_nnx_stats_and_scale_are_snapshots():
     model, optimizer = make_nnx()
     before = jdls.stats(optimizer)
-    pure = jdls.stats(nnx.as_pure(optimizer.opt_state))
+    pure = jdls.get_scale(nnx.as_pure(optimizer.opt_state))
     scale = jdls.get_scale(optimizer)
     assert not isinstance(scale.loss_scale, nnx.Variable)
+    assert not isinstance(before.consecutive_skips, nnx.Variable)
     _, grads = jdls.nnx_value_and_grad(nnx_loss, scale)(model)
     optimizer.update(model, grads)
     # Values taken before the update do not follow the optimizer's Variables.
-    assert float(before.loss_scale) == float(pure.loss_scale) == 1024.0
+    assert float(pure.loss_scale) == 1024.0
     assert float(scale.loss_scale) == 1024.0
-    assert float(jdls.stats(optimizer).loss_scale) == 2048.0  # a new call sees the update
+    assert float(jdls.get_scale(optimizer).loss_scale) == 2048.0  # a new call sees the update
+    assert np.isnan(float(before.grad_norm))  # the stats from before the first step
+    assert not np.isnan(float(jdls.stats(optimizer).grad_norm))
 
 
 def test_nnx_value_and_grad_with_rngs_and_batch_stats():
@@ -321,7 +414,7 @@ def test_set_nnx_scale_replaces_value_and_rule_then_trains():
     jdls.set_nnx_scale(optimizer, jdls.presets.pytorch(init_scale=8.0, growth_interval=1))
     scale = jdls.get_scale(nnx.as_pure(optimizer.opt_state))
     assert float(scale.loss_scale) == 8.0
-    assert scale.rule.name == "pytorch"
+    assert scale.rule == jdls.presets.pytorch(growth_interval=1).rule
 
     @nnx.jit
     def step(model, optimizer):
@@ -332,7 +425,7 @@ def test_set_nnx_scale_replaces_value_and_rule_then_trains():
     step(model, optimizer)
     scale = jdls.get_scale(nnx.as_pure(optimizer.opt_state))
     assert float(scale.loss_scale) == 16.0  # the new rule's growth
-    assert scale.rule.name == "pytorch"
+    assert scale.rule == jdls.presets.pytorch(growth_interval=1).rule
 
 
 def test_set_nnx_scale_errors():

@@ -10,6 +10,7 @@ import pytest
 from _helpers import (
     INF,
     NAN,
+    apply_step,
     assert_bitwise_equal,
     loss_scale_of,
     maybe_jit,
@@ -57,9 +58,9 @@ def test_finite_step_is_the_inner_step(jit):
     stats = jdls.stats(state)
     assert bool(stats.finite) and not bool(stats.skipped)
     assert int(stats.skipped_steps) == 0 and int(stats.consecutive_skips) == 0
-    assert float(stats.loss_scale) == 2.0**15
+    assert loss_scale_of(state) == 2.0**15
     np.testing.assert_allclose(float(stats.grad_norm), float(optax.tree.norm(grads)), 1e-6)
-    assert int(state.scale.counter) == 1
+    assert int(state.scale.state.counter) == 1
 
 
 @with_and_without_jit
@@ -78,7 +79,7 @@ def test_nonfinite_step_is_skipped(bad, jit):
     assert_bitwise_equal(state.inner_state, state0.inner_state)
     stats = jdls.stats(state)
     assert bool(stats.skipped) and not bool(stats.finite)
-    assert float(stats.loss_scale) == 512.0
+    assert loss_scale_of(state) == 512.0
     assert int(stats.skipped_steps) == 1 and int(stats.consecutive_skips) == 1
     assert np.isnan(float(stats.grad_norm)) == np.isnan(bad)
     assert np.isinf(float(stats.grad_norm)) == np.isinf(bad)
@@ -106,7 +107,7 @@ def test_skips_are_exact(seed, skip_with, jit):
     assert int(s_bad.inner_state[0].count) == n_steps - len(bad_steps)
     stats = jdls.stats(s_bad)
     assert int(stats.skipped_steps) == len(bad_steps)
-    assert float(stats.loss_scale) == 2.0**10 / 2 ** len(bad_steps)
+    assert loss_scale_of(s_bad) == 2.0**10 / 2 ** len(bad_steps)
     assert bool(stats.finite) == ((n_steps - 1) not in bad_steps)
 
 
@@ -147,7 +148,7 @@ def test_consecutive_skips_and_growth():
     for g in [bad, bad, ok, ok, ok, bad]:
         _, state = step(g, state, params)
         s = jdls.stats(state)
-        seen.append((float(s.loss_scale), int(s.consecutive_skips), int(s.skipped_steps)))
+        seen.append((loss_scale_of(state), int(s.consecutive_skips), int(s.skipped_steps)))
     assert seen == [(4, 1, 1), (2, 2, 2), (2, 0, 2), (4, 0, 2), (4, 0, 2), (2, 1, 3)]
 
 
@@ -161,7 +162,7 @@ def test_static_and_noop_scales_still_skip(kind):
     assert_bitwise_equal(optax.apply_updates(params, updates), params)
     stats = jdls.stats(state)
     assert bool(stats.skipped) and int(stats.skipped_steps) == 1
-    assert float(stats.loss_scale) == float(scale.loss_scale)
+    assert loss_scale_of(state) == float(scale.loss_scale)
     updates, state = jax.jit(tx.update)({"w": jnp.array([2.0, 1.0])}, state, params)
     np.testing.assert_array_equal(updates["w"], [-2.0, -1.0])
     assert type(jdls.get_scale(state)) is type(scale)
@@ -194,17 +195,29 @@ def test_extra_args_reach_the_inner_transformation():
     np.testing.assert_array_equal(updates["w"], [-1.0, -1.0])
 
 
-def test_cerebras_preset_brings_its_clipping():
-    scale = jdls.presets.cerebras(max_gradient_norm=1.0)
+def test_cerebras_wrap_brings_its_clipping():
+    # Clipping is the wrap's now: presets.cerebras builds the scale only, and
+    # presets.cerebras_wrap(inner, max_gradient_norm=c) is Cerebras' optimizer step.
     params = {"w": jnp.zeros(2)}
-    tx = jdls.wrap(optax.sgd(1.0), scale)
+    tx = jdls.presets.cerebras_wrap(optax.sgd(1.0), max_gradient_norm=1.0)
     updates, state = tx.update({"w": jnp.array([3.0, 4.0])}, tx.init(params), params)
     np.testing.assert_allclose(updates["w"], [-0.6, -0.8], rtol=1e-7)
     assert float(jdls.stats(state).grad_norm) == 5.0
-    # An explicit max_norm wins.
+    # The same as wrapping with the preset's scale, clipping and the float32-norm test.
+    scale = jdls.presets.cerebras()
+    tx = jdls.wrap(optax.sgd(1.0), scale, max_norm=1.0, skip_norm_overflow=True)
+    expected, expected_state = tx.update({"w": jnp.array([3.0, 4.0])}, tx.init(params), params)
+    assert_bitwise_equal(updates, expected)
+    assert_bitwise_equal(state, expected_state)
+    # The scale alone brings no clipping; the wrap's max_norm decides.
+    tx = jdls.wrap(optax.sgd(1.0), scale)
+    updates, _ = tx.update({"w": jnp.array([3.0, 4.0])}, tx.init(params), params)
+    np.testing.assert_array_equal(updates["w"], [-3.0, -4.0])
     tx = jdls.wrap(optax.sgd(1.0), scale, max_norm=10.0)
     updates, _ = tx.update({"w": jnp.array([3.0, 4.0])}, tx.init(params), params)
     np.testing.assert_array_equal(updates["w"], [-3.0, -4.0])
+    with pytest.raises(TypeError, match="cerebras_wrap"):
+        jdls.presets.cerebras(max_gradient_norm=1.0)
 
 
 def test_finite_gradients_whose_squares_overflow_are_not_skipped():
@@ -400,18 +413,224 @@ def test_foreign_state():
 
 
 @with_and_without_jit
-def test_cerebras_preset_decides_finiteness_from_the_float32_norm(jit):
+def test_cerebras_wrap_decides_finiteness_from_the_float32_norm(jit):
     """Cerebras calls a step non-finite when its float32 global norm is inf, even if every
-    gradient element is finite; the other rules look at the elements only."""
+    gradient element is finite (``presets.cerebras_wrap`` sets ``skip_norm_overflow=True``);
+    the other rules, and a plain wrap of the Cerebras scale, look at the elements only."""
     params = {"w": jnp.zeros(4)}
     big = {"w": jnp.full(4, 1e20)}  # finite, but the float32 sum of squares overflows
-    for scale, skipped in [(jdls.presets.cerebras(), True), (jdls.DynamicScale(), False)]:
-        tx = jdls.wrap(optax.sgd(1.0), scale)
-        updates, state = maybe_jit(tx.update, jit)(big, tx.init(params), params)
+    for tx, skipped in [
+        (jdls.presets.cerebras_wrap(optax.sgd(1.0)), True),
+        (jdls.wrap(optax.sgd(1.0), jdls.presets.cerebras(), skip_norm_overflow=True), True),
+        (jdls.wrap(optax.sgd(1.0), jdls.presets.cerebras()), False),
+        (jdls.wrap(optax.sgd(1.0), jdls.DynamicScale()), False),
+    ]:
+        state0 = tx.init(params)
+        updates, state = maybe_jit(tx.update, jit)(big, state0, params)
         stats = jdls.stats(state)
         assert bool(stats.skipped) is skipped
         assert float(stats.grad_norm) == pytest.approx(2e20, rel=1e-6)  # known either way
         expected = -0.0 if skipped else -1e20
         np.testing.assert_array_equal(updates["w"], np.full(4, expected, np.float32))
-        backed_off = loss_scale_of(state) < float(scale.loss_scale)
+        backed_off = loss_scale_of(state) < loss_scale_of(state0)
         assert backed_off is skipped
+
+
+# --------------------------------------------------------------------------------------------
+# skip_norm_overflow, a non-finite value, max_consecutive_skips.
+# --------------------------------------------------------------------------------------------
+
+
+@with_and_without_jit
+@pytest.mark.parametrize("skip_norm_overflow", [True, False])
+def test_skip_norm_overflow(skip_norm_overflow, jit):
+    """Finite gradients whose float32 sum of squares overflows: skipped with
+    ``skip_norm_overflow=True`` (Cerebras' test), taken without it."""
+    params = {"w": jnp.zeros(4), "b": jnp.array([-0.0, 1.0])}
+    tx = jdls.wrap(
+        optax.adam(0.1), jdls.DynamicScale(1024.0), skip_norm_overflow=skip_norm_overflow
+    )
+    step = maybe_jit(tx.update, jit)
+    state0 = tx.init(params)
+    big = {"w": jnp.full(4, 1e20), "b": jnp.array([1.0, 2.0])}  # every element finite
+    assert bool(jdls.all_finite(big))
+    updates, state = step(big, state0, params)
+    stats = jdls.stats(state)
+    assert float(stats.grad_norm) == pytest.approx(2e20, rel=1e-6)  # known either way
+    if skip_norm_overflow:
+        assert bool(stats.skipped) and int(stats.skipped_steps) == 1
+        assert_bitwise_equal(optax.apply_updates(params, updates), params)
+        assert_bitwise_equal(state.inner_state, state0.inner_state)
+        assert loss_scale_of(state) == 512.0
+    else:
+        assert not bool(stats.skipped) and int(stats.skipped_steps) == 0
+        inner = optax.adam(0.1)
+        expected, expected_state = jax.jit(inner.update)(big, inner.init(params), params)
+        assert_bitwise_equal(updates, expected)
+        assert_bitwise_equal(state.inner_state, expected_state)
+        assert loss_scale_of(state) == 1024.0
+    # Gradients whose squares do not overflow are taken either way.
+    updates, state = step({"w": jnp.full(4, 1e10), "b": jnp.ones(2)}, state, params)
+    assert not bool(jdls.stats(state).skipped)
+    # And a real inf is skipped either way.
+    _, state = step({"w": jnp.array([1.0, INF, 0.0, 0.0]), "b": jnp.ones(2)}, state, params)
+    assert bool(jdls.stats(state).skipped)
+
+
+def value_recorder():
+    """An inner transformation taking ``value``: its state counts steps and sums the values."""
+
+    def init(params):
+        del params
+        return (jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32))
+
+    def update(updates, state, params=None, *, value):
+        del params
+        count, total = state
+        updates = jax.tree_util.tree_map(lambda g: -0.1 * g, updates)
+        return updates, (count + 1, total + value)
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+@with_and_without_jit
+@pytest.mark.parametrize("bad", [INF, -INF, NAN])
+def test_nonfinite_value_skips_the_step_exactly(bad, jit):
+    """A non-finite loss given as ``value`` makes the step non-finite, even when every
+    gradient is finite: params and inner state are left bit for bit as they were."""
+    params = small_params()
+    grads = random_like(3, params)
+    for inner in (value_recorder(), optax.polyak_sgd(max_learning_rate=0.1)):
+        tx = jdls.wrap(inner, jdls.DynamicScale(1024.0))
+        step = maybe_jit(tx.update, jit)
+        # A finite value: the inner step.
+        updates, state = step(grads, tx.init(params), params, value=jnp.float32(2.0))
+        assert not bool(jdls.stats(state).skipped)
+        expected, expected_state = inner.update(
+            grads, inner.init(params), params, value=jnp.float32(2.0)
+        )
+        np.testing.assert_allclose(optax.tree.norm(updates), optax.tree.norm(expected), rtol=1e-6)
+        assert jax.tree_util.tree_structure(state.inner_state) == jax.tree_util.tree_structure(
+            expected_state
+        )
+        p1 = optax.apply_updates(params, updates)
+        # A non-finite value, finite gradients: skipped exactly.
+        updates, new = step(grads, state, p1, value=jnp.float32(bad))
+        assert bool(jdls.all_finite(grads))
+        stats = jdls.stats(new)
+        assert bool(stats.skipped) and int(stats.skipped_steps) == 1
+        assert int(stats.consecutive_skips) == 1
+        assert_bitwise_equal(optax.apply_updates(p1, updates), p1)
+        assert_bitwise_equal(new.inner_state, state.inner_state)
+        assert loss_scale_of(new) == 512.0
+    # The recorder's state did advance on the finite step.
+    tx = jdls.wrap(value_recorder())
+    _, state = maybe_jit(tx.update, jit)(grads, tx.init(params), params, value=jnp.float32(2.0))
+    assert int(state.inner_state[0]) == 1 and float(state.inner_state[1]) == 2.0
+
+
+@with_and_without_jit
+def test_max_consecutive_skips(jit):
+    """The third skip in a row raises, naming the count; a finite step resets the count."""
+    params = {"w": jnp.zeros(2)}
+    tx = jdls.wrap(optax.sgd(1.0), max_consecutive_skips=3)
+    step = maybe_jit(tx.update, jit)
+    ok, bad = {"w": jnp.ones(2)}, {"w": jnp.array([NAN, 1.0])}
+    state = tx.init(params)
+    # Two skips, a finite step, two skips: never three in a row.
+    for g, count in [(bad, 1), (bad, 2), (ok, 0), (bad, 1), (bad, 2)]:
+        _, state = step(g, state, params)
+        jax.block_until_ready(state)
+        assert int(jdls.stats(state).consecutive_skips) == count
+    with pytest.raises(jax.errors.JaxRuntimeError, match="skipped 3 steps in a row"):
+        _, state = step(bad, state, params)
+        jax.block_until_ready(state)
+    # Without the limit, the same steps go on.
+    tx = jdls.wrap(optax.sgd(1.0))
+    step = maybe_jit(tx.update, jit)
+    state = tx.init(params)
+    for _ in range(4):
+        _, state = step(bad, state, params)
+    assert int(jdls.stats(state).consecutive_skips) == 4
+
+
+# --------------------------------------------------------------------------------------------
+# Half-precision and complex parameters.
+# --------------------------------------------------------------------------------------------
+
+
+@with_and_without_jit
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bfloat16", "float16"])
+@pytest.mark.parametrize(
+    "make_inner",
+    [
+        lambda: optax.adam(1e-2),
+        lambda: optax.sgd(1e-2, momentum=0.9),
+        lambda: optax.adamw(1e-2, weight_decay=0.1),
+    ],
+    ids=["adam", "sgd-momentum", "adamw"],
+)
+def test_half_precision_params(make_inner, dtype, jit):
+    """16-bit params, float32 gradients (as ``value_and_grad`` unscales them): two finite
+    steps, then a non-finite one that leaves params and inner state bit for bit."""
+    params = jax.tree_util.tree_map(lambda p: p.astype(dtype), small_params())
+    tx = jdls.wrap(make_inner(), jdls.DynamicScale(1024.0))
+    step = maybe_jit(apply_step(tx), jit)
+    state = tx.init(params)
+
+    def float_dtypes(tree):
+        return {
+            x.dtype
+            for x in jax.tree_util.tree_leaves(tree)
+            if jnp.issubdtype(x.dtype, jnp.floating)
+        }
+
+    assert float_dtypes(state.inner_state) == {jnp.dtype(dtype)}
+    for t in range(2):
+        before = params
+        params, state = step(params, state, random_like(10 + t, params))
+        assert not bool(jdls.stats(state).skipped)
+        assert float_dtypes(params) == {jnp.dtype(dtype)}
+        assert float_dtypes(state.inner_state) == {jnp.dtype(dtype)}
+        assert not all(
+            np.array_equal(np.asarray(a), np.asarray(b))
+            for a, b in zip(
+                jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(before), strict=True
+            )
+        )
+    bad = random_like(12, params)
+    bad["dense"]["kernel"] = bad["dense"]["kernel"].at[0, 1].set(INF)
+    new_params, new_state = step(params, state, bad)
+    assert bool(jdls.stats(new_state).skipped)
+    assert_bitwise_equal(new_params, params)
+    assert_bitwise_equal(new_state.inner_state, state.inner_state)
+    assert loss_scale_of(new_state) == 512.0
+
+
+@with_and_without_jit
+@pytest.mark.parametrize("make_inner", [lambda: optax.sgd(0.1), lambda: optax.adam(0.1)])
+def test_complex_params_skipped_exactly(make_inner, jit):
+    """complex64 params: a skipped step keeps them bit for bit, a -0.0 imaginary (and real)
+    part included."""
+    params = {
+        "z": jnp.array(
+            [complex(1.0, -0.0), complex(-0.0, -0.0), complex(-0.0, 2.0)], jnp.complex64
+        ),
+        "w": jnp.array([-0.0, 1.0]),
+    }
+    assert np.signbit(np.asarray(params["z"]).imag).tolist() == [True, True, False]
+    tx = jdls.wrap(make_inner(), jdls.DynamicScale(1024.0))
+    step = maybe_jit(apply_step(tx), jit)
+    state = tx.init(params)
+    grads = {"z": jnp.array([1 + 1j, 2 - 1j, -1j], jnp.complex64), "w": jnp.ones(2)}
+    for bad in (complex(INF, 0.0), complex(0.0, NAN)):
+        poisoned = {**grads, "z": grads["z"].at[1].set(bad)}
+        new_params, new_state = step(params, state, poisoned)
+        assert bool(jdls.stats(new_state).skipped)
+        assert_bitwise_equal(new_params, params)
+        assert_bitwise_equal(new_state.inner_state, state.inner_state)
+    # A finite step moves them.
+    new_params, new_state = step(params, state, grads)
+    assert not bool(jdls.stats(new_state).skipped)
+    assert new_params["z"].dtype == jnp.complex64
+    assert not np.array_equal(np.asarray(new_params["z"]), np.asarray(params["z"]))
