@@ -226,6 +226,24 @@ CASES = [
         r"loss_scale must be a finite number > 0",
     ),
     Case(
+        "static-subnormal",
+        lambda: jdls.StaticScale(1e-40),
+        ValueError,
+        r"loss_scale must be a normal float32 number \(>= 1.17549e-38\), got 1e-40: XLA flushes",
+    ),
+    Case(
+        "min-subnormal",
+        lambda: jdls.DynamicScale(min_loss_scale=1e-40),
+        ValueError,
+        r"min_loss_scale must be a normal float32 number \(>= 1.17549e-38\), got 1e-40",
+    ),
+    Case(
+        "wrap-max-norm-over-float32",
+        lambda: jdls.wrap(optax.sgd(0.1), max_norm=1e39),
+        ValueError,
+        r"max_norm must fit in float32 \(<= 3.40282e\+38\), got 1e\+39: it would be inf",
+    ),
+    Case(
         "rule-counter-after-growth",
         lambda: jdls.rules.GrowBackoff(counter_after_growth=2),
         ValueError,
@@ -798,20 +816,7 @@ CASES = [
 ]
 
 
-#: Cases whose message a jdls bug breaks (see the reason).
-_XFAIL = {
-    "chain-with-scale": pytest.mark.xfail(
-        strict=True,
-        reason="jdls bug: DynamicScale.__getattr__ (hints for moved attributes) catches the "
-        "AttributeError of LossScale's init/update descriptor, so an instance's .init says "
-        "\"DynamicScale has no attribute 'init'\" instead of pointing to jdls.wrap",
-    ),
-}
-
-
-@pytest.mark.parametrize(
-    "case", [pytest.param(c, id=c.id, marks=_XFAIL.get(c.id, ())) for c in CASES]
-)
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in CASES])
 def test_rejected(case: Case) -> None:
     with pytest.raises(case.error) as info:
         case.call()
