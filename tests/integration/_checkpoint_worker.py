@@ -7,7 +7,7 @@ train step) and runs it as a script::
     python tests/integration/_checkpoint_worker.py cases.json
 
 ``cases.json`` holds a list of cases, each ``{"format": "orbax" | "flax", "path": ...,
-"scale": <name in SCALES>, "n_steps": N, "seed": S, "start": K, "out": <.npz path>}``. For each
+"scale": <name in WRAPS>, "n_steps": N, "seed": S, "start": K, "out": <.npz path>}``. For each
 case the worker builds the template state from scratch (as a new training script would),
 restores the checkpoint into it, checks that the scale kept its rule, continues from step K to
 step N on the same fault schedule, and writes the leaves of the restored and of the final state
@@ -30,23 +30,29 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import _mlp  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+import optax  # noqa: E402
 from flax.training import train_state  # noqa: E402
 
 import jdls  # noqa: E402
 
-#: The scales checkpointed: each exercises different counters.
-SCALES: dict[str, Callable[[], jdls.LossScale]] = {
+#: The optimizers checkpointed, each ``jdls.wrap`` of the inner optimizer with a scale that
+#: exercises different counters.
+WRAPS: dict[str, Callable[[optax.GradientTransformation], optax.GradientTransformation]] = {
     # hysteresis, counter_after_growth=1, min_scale_overflows
-    "deepspeed": lambda: jdls.presets.deepspeed(init_scale=2.0**16, scale_window=8, min_scale=4.0),
-    # overflows since the last change, skipped steps, clamps
-    "cerebras": lambda: jdls.presets.cerebras(steps_per_increase=10, overflow_tolerance=0.25),
+    "deepspeed": lambda inner: jdls.wrap(
+        inner, jdls.presets.deepspeed(init_scale=2.0**16, scale_window=8, min_scale=4.0)
+    ),
+    # overflows since the last change, clamps, finiteness from the float32 norm
+    "cerebras": lambda inner: jdls.presets.cerebras_wrap(
+        inner, steps_per_increase=10, overflow_tolerance=0.25
+    ),
     # the default rule
-    "default": lambda: jdls.DynamicScale(growth_interval=10),
+    "default": lambda inner: jdls.wrap(inner, jdls.DynamicScale(growth_interval=10)),
 }
 
 
 def make_state(scale_name: str, n_steps: int, seed: int) -> train_state.TrainState:
-    tx = jdls.wrap(_mlp.adamw_cosine(n_steps), SCALES[scale_name]())
+    tx = WRAPS[scale_name](_mlp.adamw_cosine(n_steps))
     return train_state.TrainState.create(apply_fn=_mlp.apply, params=_mlp.init_params(seed), tx=tx)
 
 

@@ -119,7 +119,7 @@ def run_jit(
     )
     out.update(
         finite=np.array(finite),
-        loss_scale=stats.loss_scale,
+        loss_scale=local_copy(jdls.get_scale(state).loss_scale),
         skipped_steps=stats.skipped_steps,
         consecutive_skips=stats.consecutive_skips,
     )
@@ -164,7 +164,12 @@ def train_towers(mesh: Mesh, steps: np.ndarray, blow_up: np.ndarray) -> Any:
 
         (params, state), finite = jax.lax.scan(body, (params, state), jnp.arange(steps.shape[0]))
         stats = jdls.stats(state)
-        per_device = (stats.loss_scale, stats.skipped_steps, stats.consecutive_skips, finite)
+        per_device = (
+            jdls.get_scale(state).loss_scale,
+            stats.skipped_steps,
+            stats.consecutive_skips,
+            finite,
+        )
         return (
             jax.tree.map(lambda a: a[None], params),
             jax.tree.map(lambda a: a[None], per_device),

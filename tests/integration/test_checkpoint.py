@@ -54,7 +54,7 @@ def resumed(tmp_path_factory):
     root = tmp_path_factory.mktemp("checkpoints")
     specs = worker.specs_for(N_STEPS, SEED)
     cases, expected = [], {}
-    for name in worker.SCALES:
+    for name in worker.WRAPS:
         state0 = worker.make_state(name, N_STEPS, SEED)
         mid = worker.run(state0, specs, 0, START)
         full = worker.run(state0, specs, 0, N_STEPS)
@@ -93,7 +93,7 @@ def _leaves_bytes(npz, prefix):
     return [npz[k].tobytes() for k in keys]
 
 
-@pytest.mark.parametrize("name", list(worker.SCALES))
+@pytest.mark.parametrize("name", list(worker.WRAPS))
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_resume_in_fresh_process_is_bit_identical(resumed, fmt, name):
     results, expected = resumed
@@ -101,8 +101,8 @@ def test_resume_in_fresh_process_is_bit_identical(resumed, fmt, name):
     out = results[(fmt, name)]
     # The checkpoint was taken mid-run, with skipped steps and counters part-way.
     stats, scale = jdls.stats(mid), jdls.get_scale(mid)
-    assert int(stats.skipped_steps) > 0 and int(scale.skipped) > 0
-    assert int(scale.counter) > 0 or int(stats.consecutive_skips) > 0
+    assert int(stats.skipped_steps) > 0
+    assert int(scale.state.counter) > 0 or int(stats.consecutive_skips) > 0
     # What the fresh process restored is what was saved, rule included ...
     assert str(out["rule"]) == repr(scale.rule)
     assert _leaves_bytes(out, "restored_") == host_bytes(mid)
@@ -115,8 +115,8 @@ def test_checkpoint_caught_interesting_states(resumed):
     _, expected = resumed
     deepspeed = jdls.get_scale(expected["deepspeed"][0])
     cerebras = jdls.get_scale(expected["cerebras"][0])
-    assert int(deepspeed.hysteresis) == 1  # one overflow forgiven, not yet refilled
-    assert int(cerebras.overflows) > 0  # overflows since the last change, below the tolerance
+    assert int(deepspeed.state.hysteresis) == 1  # one overflow forgiven, not yet refilled
+    assert int(cerebras.state.overflows) > 0  # overflows since the last change, below the tolerance
 
 
 # --------------------------------------------------------------------------------------------
@@ -130,9 +130,15 @@ def test_orbax_restore_without_target_gives_plain_arrays(tmp_path):
     with ocp.StandardCheckpointer() as checkpointer:
         raw = checkpointer.restore(tmp_path / "ckpt")
     assert isinstance(raw, dict)
-    assert sorted(raw["opt_state"]["scale"]) == sorted(
-        ["loss_scale", "counter", "hysteresis", "overflows", "skipped", "min_scale_overflows"]
-    )
+    # The scale's data: its value and its rule's counters (the skip count is a statistic of
+    # the wrap, saved with its stats).
+    assert sorted(raw["opt_state"]["scale"]) == ["loss_scale", "state"]
+    assert sorted(raw["opt_state"]["scale"]["state"]) == [
+        "counter",
+        "hysteresis",
+        "min_scale_overflows",
+    ]
+    assert "skipped_steps" in raw["opt_state"]["stats"]
     assert not any(
         isinstance(x, jdls.LossScale)
         for x in jax.tree.leaves(raw, is_leaf=lambda x: isinstance(x, jdls.LossScale))
@@ -151,7 +157,7 @@ def test_restore_takes_the_rule_of_the_target(tmp_path):
     scale = jdls.get_scale(restored)
     assert scale.rule == jdls.get_scale(other).rule
     assert float(scale.loss_scale) == 2.0**16  # the saved deepspeed value
-    assert int(scale.hysteresis) == 2
+    assert int(scale.state.hysteresis) == 2
 
 
 def test_flax_from_bytes_rejects_another_kind_of_scale():
@@ -201,13 +207,15 @@ def test_pytorch_gradscaler_state_dict_resumes():
         opt_state=jdls.set_scale(state.opt_state, jdls.presets.from_pytorch_state_dict(sd))
     )
     scale = jdls.get_scale(state)
-    assert float(scale.loss_scale) == sd["scale"] and int(scale.counter) == sd["_growth_tracker"]
+    assert (
+        float(scale.loss_scale) == sd["scale"] and int(scale.state.counter) == sd["_growth_tracker"]
+    )
     specs = worker.specs_for(40, SEED)
     for t, resumed_state in enumerate(_continue_one_step_at_a_time(state, specs)):
         torch_step(bool(specs[t, 1] == 0))
         scale = jdls.get_scale(resumed_state)
         assert float(scale.loss_scale) == scaler.get_scale(), t
-        assert int(scale.counter) == scaler.state_dict()["_growth_tracker"], t
+        assert int(scale.state.counter) == scaler.state_dict()["_growth_tracker"], t
     assert jdls.presets.to_pytorch_state_dict(scale) == scaler.state_dict()
 
 
@@ -227,11 +235,18 @@ def test_cerebras_state_dict_resumes():
     state = worker.make_state("cerebras", 40, SEED)
     scale = jdls.presets.from_cerebras_state_dict(sd, **kwargs)
     state = state.replace(opt_state=jdls.set_scale(state.opt_state, scale))
-    assert jdls.presets.to_cerebras_state_dict(jdls.get_scale(state)) == sd
+
+    # The skip count is a statistic of the wrap (counted from this run's start), not part of
+    # the scale: the state dict's num_skipped_steps is the migrated count plus this run's.
+    def state_dict(opt_state):
+        skipped = sd["num_skipped_steps"] + int(jdls.stats(opt_state).skipped_steps)
+        return jdls.presets.to_cerebras_state_dict(jdls.get_scale(opt_state), skipped)
+
+    assert state_dict(state.opt_state) == sd
     specs = worker.specs_for(40, SEED)
     for t, resumed_state in enumerate(_continue_one_step_at_a_time(state, specs)):
         expected = reference.step(bool(specs[t, 1] == 0))
-        assert jdls.presets.to_cerebras_state_dict(jdls.get_scale(resumed_state)) == {
+        assert state_dict(resumed_state.opt_state) == {
             "loss_scale": float(expected),
             "steps_since_rescale": reference.steps_since_rescale,
             "overflows_since_rescale": reference.overflows_since_rescale,

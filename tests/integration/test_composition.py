@@ -73,7 +73,7 @@ def test_wrap_inside_multisteps_keeps_the_scale_over_a_window():
     seq = [grads(0), grads(1), grads(2), grads(3), bad_grads(4), grads(5)]
     for g in seq:
         updates, state = step(g, state, PARAMS)
-        seen.append((loss_scale_of(state), int(state.inner_opt_state.scale.counter)))
+        seen.append((loss_scale_of(state), int(state.inner_opt_state.scale.state.counter)))
     # The wrap sees one (averaged) gradient per window: the scale changes only at its end.
     assert seen == [(64, 0), (64, 0), (64, 1), (64, 1), (64, 1), (32, 0)]
     for u in jax.tree_util.tree_leaves(updates):  # the window with an inf was skipped
@@ -181,7 +181,7 @@ def test_flax_train_state():
 
     @jax.jit
     def train_step(state, g):
-        return state.apply_gradients(grads=g), jdls.stats(state).loss_scale
+        return state.apply_gradients(grads=g), jdls.get_scale(state).loss_scale
 
     state, _ = train_step(state, grads(0))
     after_one = state.params

@@ -264,7 +264,7 @@ def _soak8_shard_map():
 
         params = _mlp.init_params(0)
         (params, state), finite = jax.lax.scan(body, (params, tx.init(params)), specs)
-        everything = (params, state.inner_state, jdls.stats(state).loss_scale, finite)
+        everything = (params, state.inner_state, jdls.get_scale(state).loss_scale, finite)
         return jax.tree.map(lambda a: a[None], everything)  # one copy per device
 
     return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P(), out_specs=P("d"), check_vma=False))

@@ -93,25 +93,36 @@ class SkipCounter:
 
 
 # --------------------------------------------------------------------------------------------
-# Configurations: (make scale, wrap keywords, make reference).
+# Configurations: (make the wrapped optimizer from the inner one, make reference).
 # --------------------------------------------------------------------------------------------
 
 
 @functools.cache
-def _configs() -> dict[str, tuple[Callable[[], Any], dict[str, Any], Callable[[], Any]]]:
+def _configs() -> dict[
+    str, tuple[Callable[[optax.GradientTransformation], Any], Callable[[], Any]]
+]:
     return {
         # The default rule (bounds [1, 2**24]) with a short growth interval, skipped with
         # lax.cond.
         "default-cond": (
-            lambda: jdls.DynamicScale(growth_interval=10),
-            dict(skip_with="cond"),
+            lambda inner: jdls.wrap(
+                inner,
+                jdls.DynamicScale(growth_interval=10),
+                skip_with="cond",
+                track_nonfinite=True,
+            ),
             lambda: JdlsDefault(2.0**15, 10),
         ),
         # Cerebras: overflow tolerance, clamps [2**-14, 2**15] every step, and its
         # max_gradient_norm (global-norm clipping fused into the wrap); skipped with select.
         "cerebras-select-clip": (
-            lambda: jdls.presets.cerebras(steps_per_increase=30, max_gradient_norm=1.0),
-            dict(skip_with="select"),
+            lambda inner: jdls.presets.cerebras_wrap(
+                inner,
+                steps_per_increase=30,
+                max_gradient_norm=1.0,
+                skip_with="select",
+                track_nonfinite=True,
+            ),
             lambda: ref.Cerebras(steps_per_increase=30),
         ),
     }
@@ -121,8 +132,8 @@ CONFIGS = ["default-cond", "cerebras-select-clip"]
 
 
 def make_tx(name: str, total_steps: int) -> optax.GradientTransformation:
-    make_scale, kwargs, _ = _configs()[name]
-    return jdls.wrap(_mlp.adamw_cosine(total_steps), make_scale(), track_nonfinite=True, **kwargs)
+    make, _ = _configs()[name]
+    return make(_mlp.adamw_cosine(total_steps))
 
 
 # --------------------------------------------------------------------------------------------
@@ -160,7 +171,7 @@ def _runner(name: str, total_steps: int):
         violations = violations + jnp.stack([reached, missed, not_exact, bad_flags]).astype(
             jnp.int32
         )
-        out = (stats.loss_scale, stats.skipped_steps, stats.consecutive_skips)
+        out = (jdls.get_scale(new_state).loss_scale, stats.skipped_steps, stats.consecutive_skips)
         return (new_params, new_state, violations), out
 
     @jax.jit
@@ -195,7 +206,7 @@ def soak(name: str, n_steps: int, seed: int) -> dict[str, Any]:
     # Scale and counters, step by step, against the references.
     finite = specs[:, 1] == 0
     scales, skipped, consecutive = (np.asarray(x) for x in trace)
-    reference, counter = _configs()[name][2](), SkipCounter()
+    reference, counter = _configs()[name][1](), SkipCounter()
     for t, f in enumerate(finite):
         expected = F32(reference.step(bool(f)))
         assert scales[t].view(np.uint32) == expected.view(np.uint32), (t, scales[t], expected)

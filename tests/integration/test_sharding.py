@@ -1,0 +1,226 @@
+"""jdls.wrap with the sharding APIs of current JAX: explicit meshes and ``shard_map``.
+
+* Under ``jax.set_mesh`` with an ``AxisType.Explicit`` mesh (the sharding is part of every
+  array's type), parameters and gradients sharded with ``NamedSharding``: a run with a step
+  whose gradients hold an inf or a NaN ends bit-identical to the run without that step, with
+  ``skip_with="cond"`` and ``"select"``, and everything keeps its sharding.
+* Inside ``shard_map`` with the default ``check_vma=True``, gradients that differ per device
+  and ``axis_name`` without ``sharded`` (no clipping): the step traces (both branches of the
+  skip agree on what varies across devices), and every device takes the same decision, which
+  the type system proves (the decision and the scale leave ``shard_map`` as replicated
+  outputs) and the values confirm.
+
+``tests/conftest.py`` provides 8 virtual CPU devices.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from _helpers import INF, NAN, assert_bitwise_equal, host_bytes
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jdls
+
+N = 8
+
+pytestmark = pytest.mark.skipif(jax.device_count() < N, reason="needs 8 devices (conftest.py)")
+
+
+# --------------------------------------------------------------------------------------------
+# jit under an explicit mesh.
+# --------------------------------------------------------------------------------------------
+
+SPECS = {"w": P("data", "model"), "b": P("data"), "s": P()}
+SHAPES = {"w": (8, 4), "b": (8,), "s": ()}
+N_STEPS, FAULTY_STEP = 6, 3
+
+
+def explicit_mesh():
+    return jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+
+
+def put(tree, mesh):
+    return jax.tree_util.tree_map(
+        lambda x, spec: jax.device_put(jnp.asarray(x, jnp.float32), NamedSharding(mesh, spec)),
+        tree,
+        SPECS,
+    )
+
+
+def initial_params(mesh):
+    rng = np.random.default_rng(0)
+    params = {k: rng.standard_normal(shape).astype(np.float32) for k, shape in SHAPES.items()}
+    return put(params, mesh)
+
+
+def batch(t, mesh):
+    """The inputs of step ``t`` (sharded like ``w``) and a fault to add to the gradients."""
+    rng = np.random.default_rng(100 + t)
+    return jax.device_put(
+        rng.standard_normal(SHAPES["w"]).astype(np.float32), NamedSharding(mesh, SPECS["w"])
+    )
+
+
+def poison(mesh, value):
+    """Added to every gradient: zeros, with ``value`` at one element of ``w`` and of ``b``."""
+    w, b = np.zeros(SHAPES["w"], np.float32), np.zeros(SHAPES["b"], np.float32)
+    w[6, 3] = b[2] = value
+    return put({"w": w, "b": b, "s": np.float32(0.0)}, mesh)
+
+
+def loss_fn(params, x):
+    y = jnp.tanh(params["w"] * x) + params["b"][:, None] * params["s"]
+    return jnp.mean(y**2)
+
+
+def make_step(tx):
+    @jax.jit
+    def step(params, state, x, fault):
+        scale = jdls.get_scale(state)
+        _, grads = scale.value_and_grad(loss_fn)(params, x)
+        grads = jax.tree_util.tree_map(jnp.add, grads, fault)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    return step
+
+
+def run(tx, mesh, steps, bad_value):
+    """Train on the batches of ``steps``; ``FAULTY_STEP``'s gradients get ``bad_value``."""
+    step = make_step(tx)
+    params = initial_params(mesh)
+    state = tx.init(params)
+    clean, bad = poison(mesh, 0.0), poison(mesh, bad_value)
+    for t in steps:
+        before = params
+        params, state = step(params, state, batch(t, mesh), bad if t == FAULTY_STEP else clean)
+        if t == FAULTY_STEP:  # the skipped step left every parameter bit for bit as it was
+            assert bool(jdls.stats(state).skipped)
+            assert_bitwise_equal(params, before)
+    return params, state
+
+
+@pytest.mark.parametrize("bad_value", [INF, NAN], ids=["inf", "nan"])
+@pytest.mark.parametrize("skip_with", ["cond", "select"])
+def test_explicit_mesh_skipped_step_is_bit_identical_to_leaving_it_out(skip_with, bad_value):
+    mesh = explicit_mesh()
+    tx = jdls.wrap(optax.adam(0.1), skip_with=skip_with)
+    with jax.set_mesh(mesh):
+        params, state = run(tx, mesh, range(N_STEPS), bad_value)
+        ref_params, ref_state = run(
+            tx, mesh, [t for t in range(N_STEPS) if t != FAULTY_STEP], bad_value
+        )
+
+    # Bit-identical to the run that never saw the faulty step.
+    assert host_bytes(params) == host_bytes(ref_params)
+    assert host_bytes(state.inner_state) == host_bytes(ref_state.inner_state)
+    assert int(state.inner_state[0].count) == N_STEPS - 1
+    assert int(jdls.stats(state).skipped_steps) == 1
+    assert int(jdls.stats(ref_state).skipped_steps) == 0
+    # The scale backed off once (and is the same on every device).
+    scale = jdls.get_scale(state).loss_scale
+    assert float(scale) == 2.0**14 and float(jdls.get_scale(ref_state).loss_scale) == 2.0**15
+    assert scale.sharding.is_fully_replicated
+    # Parameters and Adam's moments kept their shardings.
+    for k, spec in SPECS.items():
+        assert params[k].sharding == NamedSharding(mesh, spec), k
+        assert state.inner_state[0].mu[k].sharding == NamedSharding(mesh, spec), k
+        assert state.inner_state[0].nu[k].sharding == NamedSharding(mesh, spec), k
+
+
+# --------------------------------------------------------------------------------------------
+# shard_map, check_vma=True, gradients that differ per device, axis_name without sharded.
+# --------------------------------------------------------------------------------------------
+
+AXIS = "d"
+PARAM_SHAPES = {"w": (4,), "b": (2,)}
+
+
+def device_grads(seed, bad_device=None, value=INF):
+    """Each device's own gradients, concatenated along the first axis (sharded over ``d``)."""
+    rng = np.random.default_rng(seed)
+    g = {k: rng.standard_normal((N, *s)).astype(np.float32) for k, s in PARAM_SHAPES.items()}
+    if bad_device is not None:
+        g["w"][bad_device, 1] = value
+    return {k: jnp.asarray(v.reshape(-1)) for k, v in g.items()}
+
+
+def per_device(x):
+    """A concatenated output split back into one row per device."""
+    return np.asarray(x).reshape(N, -1)
+
+
+def shard_mapped_update(tx, params):
+    mesh = jax.make_mesh((N,), (AXIS,))
+    state = tx.init(params)
+    # The optimizer state comes in replicated. What comes out: Adam's moments vary across
+    # devices (each saw its own gradients); the scale, the statistics and Adam's step count
+    # must not, and out_specs P() makes check_vma prove it.
+    moments = {k: P(AXIS) for k in PARAM_SHAPES}
+    out_state_specs = jax.tree_util.tree_map(lambda _: P(), state)
+    adam = out_state_specs.inner_state[0]
+    out_state_specs = out_state_specs._replace(
+        inner_state=(adam._replace(mu=moments, nu=moments), *out_state_specs.inner_state[1:])
+    )
+
+    def local(g, state, params):
+        updates, state = tx.update(g, state, params)
+        # The decision as each device sees it, one row per device.
+        return updates, state, jdls.stats(state).finite[None]
+
+    f = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=({k: P(AXIS) for k in PARAM_SHAPES}, P(), P()),
+        out_specs=({k: P(AXIS) for k in PARAM_SHAPES}, out_state_specs, P(AXIS)),
+    )
+    f = jax.jit(f)
+    grad_sharding = NamedSharding(mesh, P(AXIS))
+
+    def step(g, state, params):
+        return f(jax.device_put(g, grad_sharding), state, params)
+
+    return step, state
+
+
+@pytest.mark.parametrize("skip_with", ["cond", "select"])
+def test_shard_map_differing_gradients_agree_on_the_skip(skip_with):
+    params = {"w": jnp.array([1.0, -2.0, 0.5, 0.0]), "b": jnp.array([0.25, -0.0])}
+    tx = jdls.wrap(optax.adam(0.1), axis_name=AXIS, skip_with=skip_with)
+    step, state0 = shard_mapped_update(tx, params)
+
+    # A clean step: taken everywhere, each device with its own gradients, as one device would.
+    g = device_grads(0)
+    updates, state, finite = step(g, state0, params)
+    assert per_device(finite).ravel().tolist() == [True] * N
+    assert not bool(jdls.stats(state).skipped) and int(state.inner_state[0].count) == 1
+    one = jdls.wrap(optax.adam(0.1))
+    for k in PARAM_SHAPES:
+        rows = per_device(updates[k])
+        assert len({r.tobytes() for r in rows}) == N  # the devices differ ...
+        for d in range(N):  # ... and each took the step one device would take
+            ref, _ = jax.jit(one.update)(
+                {j: per_device(g[j])[d] for j in PARAM_SHAPES}, one.init(params), params
+            )
+            np.testing.assert_array_equal(rows[d], ref[k])
+
+    # An inf (or NaN) on one device only: every device skips.
+    for value in (INF, -INF, NAN):
+        updates, state, finite = step(device_grads(1, bad_device=5, value=value), state0, params)
+        assert per_device(finite).ravel().tolist() == [False] * N
+        stats = jdls.stats(state)
+        assert bool(stats.skipped) and int(stats.skipped_steps) == 1
+        assert int(stats.consecutive_skips) == 1
+        assert float(jdls.get_scale(state).loss_scale) == 2.0**14
+        assert np.all(np.isnan(stats.grad_norm))  # not known without `sharded`
+        for u in jax.tree_util.tree_leaves(updates):  # -0.0 on every device
+            assert np.all(np.asarray(u) == 0) and np.all(np.signbit(np.asarray(u)))
+        adam = state.inner_state[0]
+        assert int(adam.count) == 0
+        for k in PARAM_SHAPES:  # the moments as they were, on every device
+            assert np.all(per_device(adam.mu[k]) == 0) and np.all(per_device(adam.nu[k]) == 0)
