@@ -192,8 +192,11 @@ def _branches(
         xs, total = operands
         one = jnp.ones((), total.dtype)
         flags = jnp.zeros((len(xs),), jnp.bool_)
-        # in shard_map, ``careful``'s scaled norm varies across devices like ``total``
-        return jnp.array(True), jnp.sqrt(total), jnp.array(False), one, vary_like(one, total), flags
+        yes, no = jnp.array(True), jnp.array(False)
+        if axis_name is None:  # in shard_map, ``careful``'s local flags vary like ``total``
+            yes, no, flags = (vary_like(x, total) for x in (yes, no, flags))
+        # ``careful``'s scaled norm varies across devices like ``total``
+        return yes, jnp.sqrt(total), no, one, vary_like(one, total), flags
 
     def careful(operands: tuple[list[jax.Array], jax.Array]) -> tuple[jax.Array, ...]:
         xs, total = operands

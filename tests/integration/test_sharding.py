@@ -224,3 +224,25 @@ def test_shard_map_differing_gradients_agree_on_the_skip(skip_with):
         assert int(adam.count) == 0
         for k in PARAM_SHAPES:  # the moments as they were, on every device
             assert np.all(per_device(adam.mu[k]) == 0) and np.all(per_device(adam.nu[k]) == 0)
+
+
+def test_shard_map_without_axis_name_decides_per_device():
+    """No axis_name: each device decides for itself, under the default check_vma."""
+    mesh = jax.make_mesh((8,), ("d",))
+    tx = jdls.wrap(optax.sgd(1.0))
+
+    def local(g, p):
+        u, state = tx.update(g, tx.init(p), p)
+        return u, jdls.stats(state).finite[None]
+
+    f = jax.jit(
+        jax.shard_map(local, mesh=mesh, in_specs=(P("d"), P("d")), out_specs=(P("d"), P("d")))
+    )
+    g = np.arange(16.0, dtype=np.float32)
+    g[11] = np.nan  # device 5 holds elements 10 and 11
+    put = lambda x: jax.device_put(x, NamedSharding(mesh, P("d")))  # noqa: E731
+    updates, finite = f(put(jnp.asarray(g)), put(jnp.zeros(16)))
+    assert np.asarray(finite).tolist() == [True] * 5 + [False] + [True] * 2
+    u = np.asarray(updates)
+    np.testing.assert_array_equal(np.delete(u, [10, 11]), -np.delete(g, [10, 11]))
+    assert np.all(np.signbit(u[10:12])) and np.all(u[10:12] == 0)
