@@ -189,11 +189,11 @@ def _first(micro_batches: Any) -> Any:
 
 def _count(micro_batches: Any) -> int:
     leaves = jax.tree_util.tree_leaves(micro_batches)
-    sizes = {jnp.shape(x)[0] if jnp.ndim(x) else None for x in leaves}
-    if not leaves or None in sizes or len(sizes) != 1:
+    sizes = {jnp.shape(x)[0] if jnp.ndim(x) else -1 for x in leaves}
+    if not leaves or -1 in sizes or len(sizes) != 1 or 0 in sizes:
         shapes = [jnp.shape(x) for x in leaves]
         raise ValueError(
             "micro_batches must be a pytree of arrays that all have the number of micro-batches "
             f"as their leading axis, e.g. xs.reshape(k, -1, *xs.shape[1:]); got shapes {shapes}"
         )
-    return int(sizes.pop())
+    return sizes.pop()

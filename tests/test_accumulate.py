@@ -182,7 +182,7 @@ def test_has_aux_returns_the_stacked_auxes():
         loss = loss_f32(params, batch)
         return loss, {"sq": loss * 2}
 
-    (loss, aux), grads, info = jax.jit(
+    (loss, aux), grads, _ = jax.jit(
         lambda b: jdls.accumulate(loss_aux, jdls.DynamicScale(), PARAMS, b, has_aux=True)
     )((xs, ys))
     assert aux["sq"].shape == (3,)
