@@ -265,3 +265,28 @@ def test_errors_say_what_to_pass():
         jdls.accumulate(loss_f32, jdls.DynamicScale(), PARAMS, (xs, ys), max_dropped=-1)
     with pytest.raises(TypeError, match="scale must be a jdls loss scale"):
         jdls.accumulate(loss_f32, 128.0, PARAMS, (xs, ys))
+
+
+def test_multisteps_with_retries_recomputes_the_micro_step():
+    """``jdls.wrap(optax.MultiSteps(...), retries=2)``: a scale-caused overflow of one
+    micro-step is retried before it reaches the accumulator."""
+    tx = jdls.wrap(
+        optax.MultiSteps(optax.sgd(1.0), every_k_schedule=2),
+        jdls.DynamicScale(2.0**15, growth_interval=100),
+        retries=2,
+    )
+    params = {"w": jnp.ones(3)}
+    state = tx.init(params)
+
+    @jax.jit
+    def micro_step(params, state, c):
+        _, grads = jdls.get_scale(state).value_and_grad(loss_f16)(params, c)
+        updates, state = tx.update(grads, state, params, value_fn=lambda p: loss_f16(p, c))
+        return optax.apply_updates(params, updates), state
+
+    params, state = micro_step(params, state, jnp.array([3.0, 1.0, 0.5]))  # retried once
+    assert int(jdls.stats(state).retries) == 1 and bool(jdls.stats(state).finite)
+    params, state = micro_step(params, state, jnp.array([1.0, 1.0, 0.5]))
+    assert int(jdls.stats(state).skipped_steps) == 0
+    # sgd(1.0) of the mean of the two micro-steps' gradients (exact in float16: c).
+    assert params["w"].tolist() == [1.0 - 2.0, 0.0, 0.5]
