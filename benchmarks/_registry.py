@@ -64,6 +64,12 @@ SUITES: dict[str, Suite] = {
             "full train step of a small decoder-only transformer",
         ),
         Suite(
+            "retries",
+            "benchmarks.bench_retry",
+            "suite",
+            "retries=2 + value_fn: a finite step, a step that retries once, compiled memory",
+        ),
+        Suite(
             "compile",
             "benchmarks.bench_compile",
             "suite",

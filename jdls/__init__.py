@@ -1,10 +1,12 @@
 """jdls: dynamic loss scaling for mixed-precision training in JAX and optax."""
 
 from jdls import presets, rules
+from jdls._accumulate import AccumulateInfo, accumulate
 from jdls._clip import clip
 from jdls._finfo import FormatInfo
 from jdls._flax import TrainState, nnx_value_and_grad, set_nnx_scale
 from jdls._formats import FloatFormat, cbfloat16, compress, decompress, finfo
+from jdls._groups import GroupState, group_stats, wrap_groups
 from jdls._policy import Policy, get_policy
 from jdls._retry import SkipCause
 from jdls._scale import DynamicScale, LossScale, NoOpScale, StaticScale, all_finite
@@ -23,9 +25,11 @@ from jdls.rules import MinimumScaleError
 __version__ = "0.1.0"
 
 __all__ = [
+    "AccumulateInfo",
     "DynamicScale",
     "FloatFormat",
     "FormatInfo",
+    "GroupState",
     "LossScale",
     "MinimumScaleError",
     "NoOpScale",
@@ -35,6 +39,7 @@ __all__ = [
     "Stats",
     "TrainState",
     "WrapState",
+    "accumulate",
     "all_finite",
     "cbfloat16",
     "clip",
@@ -43,6 +48,7 @@ __all__ = [
     "finfo",
     "get_policy",
     "get_scale",
+    "group_stats",
     "keep_if_skipped",
     "nnx_value_and_grad",
     "nonfinite_paths",
@@ -52,4 +58,5 @@ __all__ = [
     "set_scale",
     "stats",
     "wrap",
+    "wrap_groups",
 ]

@@ -274,3 +274,8 @@ def nonfinite_paths(opt_state: Any) -> list[str]:
     flags = jax.device_get(flags)
     found, _ = jax.tree_util.tree_flatten_with_path(flags)
     return [jax.tree_util.keystr(path) for path, flag in found if bool(np.any(flag))]
+
+
+def the_wrap_state(opt_state: Any, what: str) -> WrapState:
+    """The one :class:`WrapState` in ``opt_state`` (``what`` names the caller in errors)."""
+    return _the_wrap_state(opt_state, what)

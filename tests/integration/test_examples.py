@@ -17,7 +17,7 @@ import pytest
 from _helpers import ROOT
 
 EXAMPLES = ROOT / "examples"
-NAMES = ["quickstart", "demo", "nnx_transformer", "data_parallel", "cbfloat16"]
+NAMES = ["quickstart", "demo", "nnx_transformer", "data_parallel", "cbfloat16", "zero_skip"]
 
 
 def load(name: str):
@@ -133,6 +133,20 @@ def test_cbfloat16():
     assert results["cbfloat16"]["zero_fraction"] < 0.5
     for r in results.values():
         assert r["skipped_steps"] == 0
+
+
+def test_zero_skip(tmp_path):
+    """Injected scale-caused overflows: retries drop no batch and the schedule follows the
+    data; skipping drops batches and the schedule falls behind by as many."""
+    out = tmp_path / "zero_skip.png"
+    results = load("zero_skip").main(["--steps", "80", "--quiet", "--out", str(out)])
+    retry, skip = results["retry"], results["skip"]
+    assert retry["dropped"] == 0 and retry["applied"].all()
+    assert retry["retried_steps"] >= 1
+    assert list(retry["schedule_step"]) == list(range(1, 81))
+    assert skip["dropped"] >= 1
+    assert skip["schedule_step"][-1] == 80 - skip["dropped"]
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_data_parallel_runs_as_a_script():

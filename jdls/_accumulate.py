@@ -1,0 +1,199 @@
+"""Gradient accumulation over micro-batches inside one step, each micro-batch checked on its own.
+
+``jdls.accumulate`` runs a ``lax.scan`` over the micro-batches of one step. Each micro-batch's
+loss and gradients are computed at the current scale and checked; with ``retries``, a
+micro-batch whose gradients overflow while its loss is finite is recomputed at lower scales,
+as ``jdls.wrap(..., retries=N)`` does for a whole step (``jdls/_retry.py``). A micro-batch that
+is still not finite is **dropped**: it never enters the sum, and the divisor is the number of
+micro-batches kept. Every failed attempt is one overflow for the scale's rule, so the scale
+backs off within the step, exactly as feeding the micro-batches one by one to
+``jdls.wrap(optax.MultiSteps(...))`` would. When more than ``max_dropped`` micro-batches were
+dropped, the returned gradients are NaN, so that ``jdls.wrap`` skips the step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jdls._checks import check_int
+from jdls._norm import FloatLeaves, GlobalNorm, flatten_floats, tree_norm
+from jdls._retry import first_attempt, retry, value_and_grad_of
+from jdls._scale import DynamicScale, LossScale, check_scale
+
+__all__ = ["AccumulateInfo", "accumulate"]
+
+
+class AccumulateInfo(NamedTuple):
+    """What :func:`jdls.accumulate` did in one step: on-device arrays, no host sync.
+
+    Attributes:
+      kept: int32, micro-batches whose gradients entered the mean.
+      dropped: int32, micro-batches left out (non-finite after their retries).
+      retries: int32, recomputations at a lower scale, over all micro-batches.
+      skip: bool, whether more than ``max_dropped`` micro-batches were dropped (the
+        gradients returned are then NaN, so that ``jdls.wrap`` skips the step).
+      kept_mask: bool[micro-batches], which micro-batches were kept.
+      scale: the loss scale after the micro-batches: backed off once per failed attempt.
+        Put it back with ``jdls.set_scale(opt_state, info.scale)`` before ``tx.update``.
+    """
+
+    kept: jax.Array
+    dropped: jax.Array
+    retries: jax.Array
+    skip: jax.Array
+    kept_mask: jax.Array
+    scale: LossScale
+
+
+def accumulate(
+    loss_fn: Callable[..., Any],
+    scale: LossScale,
+    params: Any,
+    micro_batches: Any,
+    *,
+    has_aux: bool = False,
+    retries: int = 0,
+    max_dropped: int = 0,
+) -> tuple[Any, Any, AccumulateInfo]:
+    """The mean loss and gradients over micro-batches, each checked (and retried) on its own.
+
+    A ``lax.scan`` over the leading axis of ``micro_batches``: for each micro-batch ``b``,
+    ``scale.value_and_grad(loss_fn)(params, b)``, then
+
+    * finite gradients (and loss) are added to the sum;
+    * gradients that overflow while the loss is finite are recomputed at the rule's backed-off
+      scale, up to ``retries`` times (each failed attempt is one overflow for the rule, and
+      the lower scale carries on to the next micro-batches);
+    * a micro-batch still not finite (or whose loss is not finite: bad data is never retried)
+      is dropped: it never poisons the sum, and it backs the scale off once.
+
+    The result is the sum over the kept micro-batches divided by their number. When more than
+    ``max_dropped`` were dropped, the gradients are NaN so that ``jdls.wrap`` skips the whole
+    step (``info.skip`` says so). The loss is the mean over the kept micro-batches.
+
+    Args:
+      loss_fn: ``loss_fn(params, micro_batch)``, the unscaled loss of one micro-batch, or
+        ``(loss, aux)`` with ``has_aux``.
+      scale: the loss scale of this step, ``jdls.get_scale(opt_state)``.
+      params: the parameters to differentiate.
+      micro_batches: a pytree whose leaves all have the number of micro-batches as their
+        leading axis.
+      has_aux: whether ``loss_fn`` returns ``(loss, aux)``; the auxes come back stacked.
+      retries: the most recomputations per micro-batch (needs a :class:`jdls.DynamicScale`).
+      max_dropped: the most micro-batches that may be dropped before the step is skipped;
+        0 (default) skips the step on any dropped micro-batch, as PyTorch does.
+
+    Returns:
+      ``(loss, grads, info)`` (``((loss, aux), grads, info)`` with ``has_aux``): the mean
+      loss over the kept micro-batches, the mean unscaled gradients (float32 for 16-bit
+      parameters), and an :class:`AccumulateInfo`.
+
+    Raises:
+      TypeError: ``scale`` is not a loss scale.
+      ValueError: bad ``retries`` or ``max_dropped``, micro-batch leaves without a common
+        leading axis, or ``retries`` with a scale that does not back off.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, jdls
+      >>> tx = jdls.wrap(optax.sgd(0.1))
+      >>> params = {"w": jnp.ones(2)}
+      >>> opt_state = tx.init(params)
+      >>> loss_fn = lambda p, x: jnp.sum(p["w"] * x)
+      >>> xs = jnp.array([[1.0, 1.0], [jnp.inf, 0.0], [3.0, 3.0]])   # 3 micro-batches
+      >>> @jax.jit
+      ... def step(params, opt_state, xs):
+      ...     scale = jdls.get_scale(opt_state)
+      ...     loss, grads, info = jdls.accumulate(loss_fn, scale, params, xs, max_dropped=1)
+      ...     opt_state = jdls.set_scale(opt_state, info.scale)
+      ...     updates, opt_state = tx.update(grads, opt_state, params)
+      ...     return optax.apply_updates(params, updates), opt_state, info
+      >>> params, opt_state, info = step(params, opt_state, xs)
+      >>> int(info.kept), int(info.dropped), params["w"].tolist()   # mean of the two kept
+      (2, 1, [0.800000011920929, 0.800000011920929])
+    """
+    scale = check_scale(scale)
+    retries = check_int("retries", retries, minimum=0)
+    max_dropped = check_int("max_dropped", max_dropped, minimum=0)
+    if retries and not isinstance(scale, DynamicScale):
+        raise ValueError(
+            f"retries={retries} needs a scale that backs off, a jdls.DynamicScale; "
+            f"a {type(scale).__name__} would retry at the same scale"
+        )
+    count = _count(micro_batches)
+
+    def loss_only(p: Any, batch: Any) -> Any:
+        return loss_fn(p, batch)[0] if has_aux else loss_fn(p, batch)
+
+    zeros = jax.tree_util.tree_map(
+        lambda g: jnp.zeros(g.shape, g.dtype),
+        jax.eval_shape(
+            lambda s: s.value_and_grad(loss_only)(params, _first(micro_batches))[1], scale
+        ),
+    )
+
+    def body(carry: tuple[Any, ...], batch: Any) -> tuple[tuple[Any, ...], Any]:
+        total, loss_sum, s, tries = carry
+        if has_aux:
+            (loss, aux), grads = s.value_and_grad(loss_fn, has_aux=True)(params, batch)
+        else:
+            (loss, grads), aux = s.value_and_grad(loss_only)(params, batch), None
+        tree = flatten_floats(grads)
+        n, finite = _measure(tree)
+        loss_finite = jnp.all(jnp.isfinite(loss))
+        a = first_attempt(s, tree, n, finite & loss_finite, loss_finite)
+        if retries:
+            recompute = value_and_grad_of(lambda p: loss_only(p, batch), params)
+            a = retry(a, tree.treedef, tree.float_idx, recompute, _measure, retries, _same)
+        ok = a.finite
+        grads = jax.tree_util.tree_unflatten(tree.treedef, a.leaves)
+        # A dropped micro-batch never enters the sum: ``where``, not a multiplication (0 * inf).
+        total = jax.tree_util.tree_map(
+            lambda t, g: jnp.where(ok, t + g, t).astype(t.dtype), total, grads
+        )
+        loss_sum = jnp.where(ok, loss_sum + loss.astype(jnp.float32), loss_sum)
+        new_scale = a.scale.adjust(False)  # the dropped micro-batch's own overflow
+        s = jax.tree_util.tree_map(lambda old, new: jnp.where(ok, old, new), a.scale, new_scale)
+        return (total, loss_sum, s, tries + a.tries), (ok, aux)
+
+    init = (zeros, jnp.zeros((), jnp.float32), scale, jnp.zeros((), jnp.int32))
+    (total, loss_sum, scale, tries), (mask, auxes) = lax.scan(body, init, micro_batches)
+    kept = jnp.sum(mask.astype(jnp.int32))
+    dropped = jnp.int32(count) - kept
+    skip = dropped > max_dropped
+    divisor = kept.astype(jnp.float32)
+    grads = jax.tree_util.tree_map(
+        lambda t: jnp.where(skip, jnp.nan, t / divisor.astype(t.dtype)).astype(t.dtype), total
+    )
+    loss = loss_sum / divisor
+    info = AccumulateInfo(kept, dropped, tries, skip, mask, scale)
+    return ((loss, auxes) if has_aux else loss), grads, info
+
+
+def _measure(tree: FloatLeaves) -> tuple[GlobalNorm, jax.Array]:
+    n = tree_norm(tree)
+    return n, n.finite
+
+
+def _same(ok: jax.Array) -> jax.Array:
+    return ok
+
+
+def _first(micro_batches: Any) -> Any:
+    return jax.tree_util.tree_map(lambda x: x[0], micro_batches)
+
+
+def _count(micro_batches: Any) -> int:
+    leaves = jax.tree_util.tree_leaves(micro_batches)
+    sizes = {jnp.shape(x)[0] if jnp.ndim(x) else -1 for x in leaves}
+    if not leaves or -1 in sizes or len(sizes) != 1 or 0 in sizes:
+        shapes = [jnp.shape(x) for x in leaves]
+        raise ValueError(
+            "micro_batches must be a pytree of arrays that all have the number of micro-batches "
+            f"as their leading axis, e.g. xs.reshape(k, -1, *xs.shape[1:]); got shapes {shapes}"
+        )
+    return sizes.pop()

@@ -1,0 +1,292 @@
+"""``jdls.accumulate``: micro-batches checked (and retried) on their own inside one step; a bad
+micro-batch drops only itself; the step is skipped past ``max_dropped``; and accumulation
+across steps with ``jdls.wrap(optax.MultiSteps(...))``."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from _helpers import assert_bitwise_equal, maybe_jit, with_and_without_jit
+
+import jdls
+
+
+def loss_f32(params, batch):
+    """A float32 loss: scaling by a power of two and unscaling is exact."""
+    x, y = batch
+    pred = jnp.tanh(x @ params["w"]) + params["b"]
+    return jnp.mean((pred - y) ** 2)
+
+
+def loss_f16(params, c):
+    """``sum(w * c)`` in float16: overflows at ``2**15`` when ``c >= 2``, at ``2**14`` when
+    ``c >= 4`` (as in tests/test_retry.py)."""
+    w = params["w"].astype(jnp.float16)
+    return jnp.sum((w * c.astype(jnp.float16)).astype(jnp.float32))
+
+
+def micro_batches(k=5, seed=0):
+    rng = np.random.default_rng(seed)
+    xs = jnp.asarray(rng.standard_normal((k, 4, 3)).astype(np.float32))
+    ys = jnp.asarray(rng.standard_normal((k, 4, 2)).astype(np.float32))
+    return xs, ys
+
+
+PARAMS = {"w": jnp.full((3, 2), 0.5), "b": jnp.zeros(2)}
+
+
+def direct_mean(keep, xs, ys):
+    """The mean gradient over the kept micro-batches, computed directly: the plain
+    ``lax.scan`` of docs/guides/gradient-accumulation.md over those micro-batches only."""
+    keep = jnp.asarray(list(keep))
+    grad_fn = jdls.DynamicScale(2.0**15).value_and_grad(loss_f32)
+
+    @jax.jit
+    def mean(xs, ys, n):
+        def add(total, batch):
+            return jax.tree.map(jnp.add, total, grad_fn(PARAMS, batch)[1]), None
+
+        zeros = jax.tree.map(jnp.zeros_like, PARAMS)
+        total, _ = jax.lax.scan(add, zeros, (xs, ys))
+        return jax.tree.map(lambda t: t / n, total)  # a runtime divisor: no reciprocal
+
+    return mean(xs[keep], ys[keep], jnp.float32(len(keep)))
+
+
+def loss_linear(params, x):
+    """Gradients exactly ``x`` and ``2 x``: no rounding before the accumulation itself."""
+    return jnp.sum(params["w"] * x) + jnp.sum(params["v"] * (2 * x))
+
+
+@with_and_without_jit
+def test_bad_micro_batch_drops_only_itself(jit):
+    rng = np.random.default_rng(3)
+    xs = rng.standard_normal((5, 3)).astype(np.float32)
+    bad = xs.copy()
+    bad[2, 1] = np.inf  # an inf in the data of micro-batch 2
+    params = {"w": jnp.ones(3), "v": jnp.ones(3)}
+    run = maybe_jit(
+        lambda b: jdls.accumulate(loss_linear, jdls.DynamicScale(), params, b, max_dropped=1), jit
+    )
+    loss, grads, info = run(jnp.asarray(bad))
+    assert int(info.kept) == 4 and int(info.dropped) == 1 and int(info.retries) == 0
+    assert not bool(info.skip)
+    assert np.asarray(info.kept_mask).tolist() == [True, True, False, True, True]
+    # The mean over the kept micro-batches, computed directly: summed in order, divided by 4.
+    total = np.zeros(3, np.float32)
+    for i in (0, 1, 3, 4):
+        total = total + xs[i]
+    expected = total / np.float32(4)
+    assert_bitwise_equal(grads, {"v": jnp.asarray(2 * expected), "w": jnp.asarray(expected)})
+    losses = [float(loss_linear(params, xs[i])) for i in (0, 1, 3, 4)]
+    np.testing.assert_allclose(float(loss), np.mean(losses), rtol=1e-6)
+    # The dropped micro-batch is one overflow for the rule (the scale backs off once).
+    assert float(info.scale.loss_scale) == 2.0**14
+
+
+@with_and_without_jit
+def test_dropping_equals_never_having_had_the_micro_batch(jit):
+    """A model's loss: with a bad micro-batch dropped, ``accumulate`` gives bit for bit what it
+    gives on the kept micro-batches alone, and the plain mean to float tolerance."""
+    xs, ys = micro_batches()
+    bad = xs.at[2, 1, 0].set(jnp.inf)
+    run = maybe_jit(lambda s, b: jdls.accumulate(loss_f32, s, PARAMS, b, max_dropped=1)[1], jit)
+    grads = run(jdls.DynamicScale(2.0**15), (bad, ys))
+    keep = jnp.array([0, 1, 3, 4])
+    assert_bitwise_equal(grads, run(jdls.DynamicScale(2.0**15), (xs[keep], ys[keep])))
+    direct = direct_mean([0, 1, 3, 4], xs, ys)
+    for k in PARAMS:
+        np.testing.assert_allclose(np.asarray(grads[k]), np.asarray(direct[k]), rtol=1e-6)
+    assert_bitwise_equal(
+        jdls.accumulate(loss_f32, jdls.DynamicScale(), PARAMS, (xs, ys))[2].scale,
+        jdls.DynamicScale(),
+    )  # all finite: the scale is untouched
+
+
+@with_and_without_jit
+def test_tolerance_exceeded_skips_the_step(jit):
+    xs, ys = micro_batches()
+    bad = xs.at[1].set(jnp.nan).at[3].set(jnp.inf)  # two bad micro-batches
+    tx = jdls.wrap(optax.sgd(0.1))
+
+    def step(params, opt_state, batches, max_dropped):
+        scale = jdls.get_scale(opt_state)
+        _, grads, info = jdls.accumulate(loss_f32, scale, params, batches, max_dropped=max_dropped)
+        opt_state = jdls.set_scale(opt_state, info.scale)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, info
+
+    step = maybe_jit(step, jit) if not jit else jax.jit(step, static_argnums=3)
+    state = tx.init(PARAMS)
+    new_params, new_state, info = step(PARAMS, state, (bad, ys), 1)
+    assert int(info.dropped) == 2 and bool(info.skip)
+    assert bool(jdls.stats(new_state).skipped)
+    assert_bitwise_equal(new_params, PARAMS)
+    # Two dropped micro-batches, then the skipped step: three backoffs.
+    assert float(jdls.get_scale(new_state).loss_scale) == 2.0**12
+
+    new_params, new_state, info = step(PARAMS, state, (bad, ys), 2)  # within the tolerance
+    assert not bool(info.skip) and not bool(jdls.stats(new_state).skipped)
+    expected = jax.tree.map(lambda p, g: p - 0.1 * g, PARAMS, direct_mean([0, 2, 4], xs, ys))
+    for k in PARAMS:
+        np.testing.assert_allclose(np.asarray(new_params[k]), np.asarray(expected[k]), rtol=1e-6)
+
+
+@with_and_without_jit
+def test_scale_caused_overflow_is_retried_not_dropped(jit):
+    params = {"w": jnp.ones(3)}
+    # Micro-batch 1 overflows at 2**15; four kept micro-batches: dividing by 4 is exact.
+    cs = jnp.array([[0.5, 1.0, 0.5], [3.0, 1.0, 0.5], [0.25, 0.5, 0.75], [0.125, 0.5, 0.25]])
+    scale = jdls.DynamicScale(2.0**15, growth_interval=100)
+    run = maybe_jit(lambda s, b: jdls.accumulate(loss_f16, s, params, b, retries=2), jit)
+    _, grads, info = run(scale, cs)
+    assert int(info.kept) == 4 and int(info.dropped) == 0 and int(info.retries) == 1
+    assert not bool(info.skip)
+    # The retry settled at 2**14, which the next micro-batch uses too.
+    assert float(info.scale.loss_scale) == 2.0**14 and int(info.scale.state.counter) == 0
+    settled = jdls.DynamicScale(2.0**14, growth_interval=100)
+    g = [
+        jdls.DynamicScale(2.0**15).value_and_grad(loss_f16)(params, cs[0])[1],
+        settled.value_and_grad(loss_f16)(params, cs[1])[1],
+        settled.value_and_grad(loss_f16)(params, cs[2])[1],
+        settled.value_and_grad(loss_f16)(params, cs[3])[1],
+    ]
+    g = [np.asarray(x["w"]) for x in g]  # summed in order and divided, in numpy float32
+    expected = {"w": jnp.asarray((((g[0] + g[1]) + g[2]) + g[3]) / np.float32(4))}
+    assert_bitwise_equal(grads, expected)
+
+    # Without retries the same micro-batch is dropped.
+    _, _, info = maybe_jit(lambda s, b: jdls.accumulate(loss_f16, s, params, b), jit)(scale, cs)
+    assert int(info.dropped) == 1 and bool(info.skip)
+
+
+def test_forward_nan_micro_batch_is_never_retried():
+    params = {"w": jnp.ones(3)}
+    cs = jnp.array([[0.5, 1.0, 0.5], [jnp.nan, 1.0, 0.5]])
+    _, _, info = jax.jit(
+        lambda b: jdls.accumulate(
+            loss_f16, jdls.DynamicScale(2.0**15), params, b, retries=3, max_dropped=1
+        )
+    )(cs)
+    assert int(info.retries) == 0 and int(info.dropped) == 1
+    assert float(info.scale.loss_scale) == 2.0**14  # one backoff, as a skipped step
+
+
+def test_has_aux_returns_the_stacked_auxes():
+    xs, ys = micro_batches(k=3)
+
+    def loss_aux(params, batch):
+        loss = loss_f32(params, batch)
+        return loss, {"sq": loss * 2}
+
+    (loss, aux), grads, _ = jax.jit(
+        lambda b: jdls.accumulate(loss_aux, jdls.DynamicScale(), PARAMS, b, has_aux=True)
+    )((xs, ys))
+    assert aux["sq"].shape == (3,)
+    np.testing.assert_allclose(float(loss) * 2, float(jnp.mean(aux["sq"])), rtol=1e-6)
+    direct = direct_mean(range(3), xs, ys)
+    for k in PARAMS:
+        np.testing.assert_allclose(np.asarray(grads[k]), np.asarray(direct[k]), rtol=1e-6)
+
+
+def test_inside_a_scan_over_steps_with_wrap():
+    """A training loop as one ``lax.scan`` whose step accumulates: the same as a Python loop."""
+    rng = np.random.default_rng(1)
+    steps, k = 6, 3
+    cs = rng.uniform(0.1, 0.9, (steps, k, 3)).astype(np.float32)
+    cs[1, 2, 0] = 3.0  # scale-caused: retried
+    cs[4, 0, 1] = np.inf  # bad data: dropped (tolerated)
+    cs = jnp.asarray(cs)
+    tx = jdls.wrap(optax.adam(0.05), jdls.DynamicScale(2.0**15, growth_interval=100))
+    params = {"w": jnp.ones(3)}
+
+    def step(carry, batches):
+        p, s = carry
+        _, grads, info = jdls.accumulate(
+            loss_f16, jdls.get_scale(s), p, batches, retries=1, max_dropped=1
+        )
+        s = jdls.set_scale(s, info.scale)
+        updates, s = tx.update(grads, s, p)
+        return (optax.apply_updates(p, updates), s), (info.kept, info.retries)
+
+    (p_scan, s_scan), (kept, tries) = jax.lax.scan(step, (params, tx.init(params)), cs)
+    assert np.asarray(kept).tolist() == [3, 3, 3, 3, 2, 3]
+    assert np.asarray(tries).tolist() == [0, 1, 0, 0, 0, 0]
+    assert int(jdls.stats(s_scan).skipped_steps) == 0
+    assert int(s_scan.inner_state[0].count) == steps  # no data step lost
+
+    carry = (params, tx.init(params))
+    jitted = jax.jit(step)
+    for i in range(steps):
+        carry, _ = jitted(carry, cs[i])
+    np.testing.assert_allclose(np.asarray(carry[0]["w"]), np.asarray(p_scan["w"]), rtol=1e-6)
+    assert float(jdls.get_scale(carry[1]).loss_scale) == float(jdls.get_scale(s_scan).loss_scale)
+
+
+def test_multisteps_across_steps_skips_only_the_bad_micro_step():
+    """``jdls.wrap(optax.MultiSteps(...))``: a bad micro-step is skipped and never enters the
+    accumulator; the update is the mean of the finite micro-steps of the window."""
+    xs, ys = micro_batches(k=4)
+    tx = jdls.wrap(optax.MultiSteps(optax.sgd(0.1), every_k_schedule=3))
+    state = tx.init(PARAMS)
+
+    @jax.jit
+    def micro_step(params, state, batch):
+        _, grads = jdls.get_scale(state).value_and_grad(loss_f32)(params, batch)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    params = PARAMS
+    bad = (xs[1].at[0, 0].set(jnp.inf), ys[1])
+    for batch in [(xs[0], ys[0]), bad, (xs[2], ys[2]), (xs[3], ys[3])]:
+        params, state = micro_step(params, state, batch)
+        assert all(bool(jnp.all(jnp.isfinite(a))) for a in jax.tree.leaves(state.inner_state))
+    assert int(jdls.stats(state).skipped_steps) == 1
+    # optax.MultiSteps keeps a running mean: acc + (g - acc) / n; mean of 0, 2, 3.
+    g = [jax.grad(loss_f32)(PARAMS, (xs[i], ys[i])) for i in (0, 2, 3)]
+    acc = jax.tree.map(jnp.zeros_like, PARAMS)
+    for n, gi in enumerate(g, start=1):
+        acc = jax.tree.map(lambda a, b, n=n: a + (b - a) / n, acc, gi)
+    expected = jax.tree.map(lambda p, a: p - 0.1 * a, PARAMS, acc)
+    for k in expected:
+        np.testing.assert_allclose(np.asarray(params[k]), np.asarray(expected[k]), rtol=1e-6)
+
+
+def test_errors_say_what_to_pass():
+    xs, ys = micro_batches(k=3)
+    with pytest.raises(ValueError, match="leading axis"):
+        jdls.accumulate(loss_f32, jdls.DynamicScale(), PARAMS, (xs, ys[:2]))
+    with pytest.raises(ValueError, match="retries=1 needs a scale that backs off"):
+        jdls.accumulate(loss_f32, jdls.StaticScale(8.0), PARAMS, (xs, ys), retries=1)
+    with pytest.raises(ValueError, match="max_dropped must be >= 0"):
+        jdls.accumulate(loss_f32, jdls.DynamicScale(), PARAMS, (xs, ys), max_dropped=-1)
+    with pytest.raises(TypeError, match="scale must be a jdls loss scale"):
+        jdls.accumulate(loss_f32, 128.0, PARAMS, (xs, ys))
+
+
+def test_multisteps_with_retries_recomputes_the_micro_step():
+    """``jdls.wrap(optax.MultiSteps(...), retries=2)``: a scale-caused overflow of one
+    micro-step is retried before it reaches the accumulator."""
+    tx = jdls.wrap(
+        optax.MultiSteps(optax.sgd(1.0), every_k_schedule=2),
+        jdls.DynamicScale(2.0**15, growth_interval=100),
+        retries=2,
+    )
+    params = {"w": jnp.ones(3)}
+    state = tx.init(params)
+
+    @jax.jit
+    def micro_step(params, state, c):
+        _, grads = jdls.get_scale(state).value_and_grad(loss_f16)(params, c)
+        updates, state = tx.update(grads, state, params, value_fn=lambda p: loss_f16(p, c))
+        return optax.apply_updates(params, updates), state
+
+    params, state = micro_step(params, state, jnp.array([3.0, 1.0, 0.5]))  # retried once
+    assert int(jdls.stats(state).retries) == 1 and bool(jdls.stats(state).finite)
+    params, state = micro_step(params, state, jnp.array([1.0, 1.0, 0.5]))
+    assert int(jdls.stats(state).skipped_steps) == 0
+    # sgd(1.0) of the mean of the two micro-steps' gradients (exact in float16: c).
+    assert params["w"].tolist() == [1.0 - 2.0, 0.0, 0.5]
