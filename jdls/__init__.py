@@ -4,7 +4,7 @@ from jdls import presets, rules
 from jdls._accumulate import AccumulateInfo, accumulate
 from jdls._clip import clip
 from jdls._finfo import FormatInfo
-from jdls._flax import TrainState, nnx_value_and_grad, set_nnx_scale
+from jdls._flax import TrainState, from_flax_train_state, nnx_value_and_grad, set_nnx_scale
 from jdls._formats import FloatFormat, cbfloat16, compress, decompress, finfo
 from jdls._groups import GroupState, group_stats, wrap_groups
 from jdls._policy import Policy, get_policy
@@ -46,6 +46,7 @@ __all__ = [
     "compress",
     "decompress",
     "finfo",
+    "from_flax_train_state",
     "get_policy",
     "get_scale",
     "group_stats",

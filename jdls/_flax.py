@@ -15,10 +15,13 @@ It is also the one module that imports flax: it registers the loss scales with
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from flax import serialization
 from flax.training import train_state
 
@@ -28,11 +31,20 @@ from jdls._scale import (
     NoOpScale,
     StaticScale,
     check_scale,
+    reject_axis_name,
     scaled_value_and_grad,
 )
-from jdls._stats import Stats, get_scale, keep_if_skipped, replace_scale, snapshot, stats
+from jdls._stats import (
+    Stats,
+    WrapState,
+    get_scale,
+    keep_if_skipped,
+    replace_scale,
+    snapshot,
+    stats,
+)
 
-__all__ = ["TrainState", "nnx_value_and_grad", "set_nnx_scale"]
+__all__ = ["TrainState", "from_flax_train_state", "nnx_value_and_grad", "set_nnx_scale"]
 
 
 class TrainState(train_state.TrainState):
@@ -64,6 +76,19 @@ class TrainState(train_state.TrainState):
       (1024.0, 0)
     """
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # A field named like one of the properties would hide it, silently: refuse it.
+        own = set(inspect.get_annotations(cls))
+        clash = sorted(own & {"scale", "loss_scale", "stats"})
+        if clash:
+            raise TypeError(
+                f"{cls.__name__} declares the field(s) {clash}, which would hide the property "
+                f"of jdls.TrainState of that name (the loss scale, read from opt_state). Rename "
+                "the field; a Flax-style dynamic_scale field is fine but not needed: the scale "
+                "lives in opt_state (see docs/migration/flax.md)"
+            )
+        super().__init_subclass__(**kwargs)
+
     def apply_gradients(self, *, grads: Any, **kwargs: Any) -> TrainState:
         """Flax's ``apply_gradients``; other fields given (e.g. ``batch_stats``) keep their old
         values on a skipped step, as the parameters and the optimizer state do.
@@ -94,6 +119,8 @@ class TrainState(train_state.TrainState):
         fun: Callable[..., Any],
         argnums: int | Sequence[int] = 0,
         has_aux: bool = False,
+        *,
+        axis_name: Any = None,
     ) -> Callable[..., Any]:
         """``jax.value_and_grad`` of ``fun`` with this state's loss scale applied.
 
@@ -105,6 +132,8 @@ class TrainState(train_state.TrainState):
           fun: the loss function; returns a scalar loss, or ``(loss, aux)`` with ``has_aux``.
           argnums: which positional arguments to differentiate, as in ``jax.value_and_grad``.
           has_aux: whether ``fun`` returns ``(loss, aux)``.
+          axis_name: not accepted, as in :meth:`jdls.LossScale.value_and_grad` (a TypeError
+            says where the axis goes).
 
         Returns:
           A function with the signature of ``fun`` returning ``(loss, grads)``, or
@@ -118,7 +147,110 @@ class TrainState(train_state.TrainState):
           >>> float(loss), grads["w"].tolist()
           (2.0, [2.0, 2.0])
         """
+        reject_axis_name(axis_name)
         return self.scale.value_and_grad(fun, argnums=argnums, has_aux=has_aux)
+
+
+def from_flax_train_state(
+    old: Any,
+    tx: Any,
+    *,
+    apply_fn: Any = None,
+    flax_scale_options: dict[str, Any] | None = None,
+) -> TrainState:
+    """A :class:`TrainState` from a Flax-example ``TrainState`` with a ``dynamic_scale`` field.
+
+    Flax's ImageNet example keeps a ``flax.training.dynamic_scale.DynamicScale`` beside a
+    plain optax ``opt_state``. Its checkpoints do not fit a jdls state, whose ``opt_state`` is
+    a :class:`jdls.WrapState` holding the scale (``flax.serialization`` refuses the mismatch,
+    naming the keys). This converts one: the optimizer state becomes the wrap's inner state,
+    the Flax scale (``scale``, ``fin_steps``) becomes :func:`jdls.presets.flax` with the same
+    configuration, and ``step`` and ``params`` are kept.
+
+    Args:
+      old: the Flax ``TrainState`` object, or its state dict
+        (``flax.serialization.to_state_dict(state)``, or ``msgpack_restore`` of its bytes).
+      tx: ``jdls.wrap(inner)``, with ``inner`` the optimizer of the old state (its ``init``
+        must give the old ``opt_state``'s structure); the wrap must be the whole optimizer.
+      apply_fn: the model's apply function (default: the old object's; None for a dict).
+      flax_scale_options: for a state dict, the configuration of the saved scale that the
+        dict does not hold (``growth_factor``, ``backoff_factor``, ``growth_interval``,
+        ``minimum_scale``; default Flax's defaults). Read from the object otherwise.
+
+    Returns:
+      A :class:`jdls.TrainState` with the old step, parameters, optimizer state and scale.
+
+    Raises:
+      ValueError: ``tx`` is not a wrap at the root, or the old optimizer state does not match
+        ``inner``'s structure (the message names the keys).
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jdls
+      >>> from typing import Any
+      >>> from flax.training import train_state, dynamic_scale
+      >>> class FlaxState(train_state.TrainState):
+      ...     dynamic_scale: Any = None
+      >>> tx = optax.sgd(0.1, momentum=0.9)
+      >>> old = FlaxState.create(apply_fn=None, params={"w": jnp.ones(2)}, tx=tx,
+      ...                        dynamic_scale=dynamic_scale.DynamicScale(scale=1024.0))
+      >>> new = jdls.from_flax_train_state(old, jdls.wrap(tx))
+      >>> float(new.loss_scale), new.scale.rule == jdls.presets.flax().rule
+      (1024.0, True)
+    """
+    from jdls.presets import flax as flax_preset
+
+    state_dict = old if isinstance(old, dict) else serialization.to_state_dict(old)
+    expected = {"step", "params", "opt_state"}
+    if not expected <= set(state_dict):
+        raise ValueError(
+            f"from_flax_train_state expects a Flax TrainState or its state dict, with keys "
+            f"{sorted(expected)} (and dynamic_scale); got {sorted(state_dict)}"
+        )
+    params = state_dict["params"] if isinstance(old, dict) else old.params
+    if apply_fn is None and not isinstance(old, dict):
+        apply_fn = old.apply_fn
+    new = TrainState.create(apply_fn=apply_fn, params=params, tx=tx)
+    wrap_state = new.opt_state
+    if not isinstance(wrap_state, WrapState):
+        raise ValueError(
+            "from_flax_train_state needs tx = jdls.wrap(inner) with inner the old optimizer, "
+            f"got a transformation whose state is a {type(wrap_state).__name__}; wrap the whole "
+            "old optimizer once"
+        )
+    try:
+        inner_state = serialization.from_state_dict(
+            wrap_state.inner_state, state_dict["opt_state"], "opt_state"
+        )
+    except ValueError as e:
+        raise ValueError(
+            f"the old optimizer state does not match jdls.wrap(inner)'s inner state: {e}. Pass "
+            "jdls.wrap(old_optimizer) with the optimizer the checkpoint was trained with"
+        ) from None
+    scale = wrap_state.scale
+    saved_scale = state_dict.get("dynamic_scale")
+    if saved_scale is not None:
+        if isinstance(old, dict):
+            options = dict(flax_scale_options or {})
+        else:
+            flax_scale = old.dynamic_scale
+            options = {
+                k: getattr(flax_scale, k)
+                for k in ("growth_factor", "backoff_factor", "growth_interval", "minimum_scale")
+            }
+            options.update(flax_scale_options or {})
+        scale = flax_preset(
+            scale=float(np.asarray(saved_scale["scale"])),
+            fin_steps=int(np.asarray(saved_scale["fin_steps"])),
+            **options,
+        )
+    step = (
+        jnp.asarray(state_dict["step"])
+        if not isinstance(state_dict["step"], int)
+        else state_dict["step"]
+    )
+    return new.replace(
+        step=step, opt_state=wrap_state._replace(scale=scale, inner_state=inner_state)
+    )
 
 
 # --------------------------------------------------------------------------------------------

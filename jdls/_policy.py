@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -75,17 +76,30 @@ def _half_dtype() -> np.dtype:
     return np.dtype(jnp.bfloat16 if on_tpu else jnp.float16)
 
 
+_FORMAT_NAME = re.compile(r"^float(\d+)_e(\d+)m(\d+)(?:_b(-?\d+))?$")
+
+
 def _parse_dtype(value: str, policy_name: str | None = None) -> PolicyDType:
     value = value.strip()
     if value == "half":
         return _half_dtype()
-    try:
+    if value in _NAME_TO_DTYPE:
         return _NAME_TO_DTYPE[value]
-    except KeyError:
-        where = f" in policy {policy_name!r}" if policy_name is not None else ""
-        raise ValueError(
-            f"Unknown dtype {value!r}{where}; accepted names are: {_accepted()}"
-        ) from None
+    native = getattr(jnp, value, None)  # any other floating dtype of jax.numpy (float4_e2m1fn)
+    if isinstance(native, type) and value.startswith("float"):
+        try:
+            dtype = np.dtype(native)
+        except TypeError:
+            dtype = None
+        if dtype is not None and jnp.issubdtype(dtype, jnp.floating):
+            return dtype
+    match = _FORMAT_NAME.match(value)
+    if match:  # an emulated format by its default name, as str(policy) writes it
+        bits, e, m, bias = match.groups()
+        if int(bits) == 1 + int(e) + int(m):
+            return FloatFormat(int(e), int(m), None if bias is None else int(bias))
+    where = f" in policy {policy_name!r}" if policy_name is not None else ""
+    raise ValueError(f"Unknown dtype {value!r}{where}; accepted names are: {_accepted()}") from None
 
 
 def _normalize(field: str, dtype: Any) -> PolicyDType:
@@ -105,8 +119,15 @@ def _normalize(field: str, dtype: Any) -> PolicyDType:
 
 
 def _dtype_name(dtype: PolicyDType) -> str:
+    """The name ``str(policy)`` writes: one that :func:`get_policy` parses back to ``dtype``."""
     if isinstance(dtype, FloatFormat):
-        return dtype.name
+        if _EMULATED_NAMES.get(dtype.name) == dtype:
+            return dtype.name
+        # A custom label cannot be parsed back; the default name says the bits and the bias.
+        name = FloatFormat(dtype.exponent_bits, dtype.mantissa_bits, dtype.bias).name
+        if name in _NAME_TO_DTYPE or hasattr(jnp, name):  # float8_e4m3 is also a native type
+            name += f"_b{dtype.bias}"  # the explicit bias marks the emulated format
+        return name
     for dtype_name, names in _NATIVE_NAMES.items():
         if dtype == np.dtype(getattr(jnp, dtype_name)):
             return names[0]

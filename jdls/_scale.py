@@ -24,6 +24,7 @@ __all__ = [
     "StaticScale",
     "all_finite",
     "check_scale",
+    "reject_axis_name",
     "scaled_value_and_grad",
 ]
 
@@ -132,6 +133,8 @@ class LossScale:
         fun: Callable[..., Any],
         argnums: int | Sequence[int] = 0,
         has_aux: bool = False,
+        *,
+        axis_name: Any = None,
     ) -> Callable[..., Any]:
         """``jax.value_and_grad`` of ``fun`` with the loss scaled and the results unscaled.
 
@@ -142,10 +145,14 @@ class LossScale:
           fun: the loss function; returns a scalar, or ``(scalar, aux)`` with ``has_aux``.
           argnums: positional argument(s) to differentiate, as in ``jax.value_and_grad``.
           has_aux: whether ``fun`` returns ``(loss, aux)``.
+          axis_name: not accepted (Flax's ``DynamicScale.value_and_grad`` takes it): a
+            TypeError says what to do instead (``lax.pmean`` the gradients yourself, and pass
+            the axis to ``jdls.wrap``).
 
         Returns:
           A function with ``fun``'s arguments returning ``(loss, grads)``, or
-          ``((loss, aux), grads)`` with ``has_aux``.
+          ``((loss, aux), grads)`` with ``has_aux`` (two values: Flax's four-value unpacking
+          ``dyn_scale, is_fin, loss, grads = ...`` does not apply, see docs/migration/flax.md).
 
         Example:
           >>> import jax.numpy as jnp, jdls
@@ -153,11 +160,24 @@ class LossScale:
           >>> float(loss), grads.tolist()
           (2.0, [2.0, 2.0])
         """
+        reject_axis_name(axis_name)
         return scaled_value_and_grad(
             self,
             fun,
             has_aux,
             lambda scaled: jax.value_and_grad(scaled, argnums=argnums, has_aux=True),
+        )
+
+
+def reject_axis_name(axis_name: Any) -> None:
+    """Flax's ``value_and_grad(..., axis_name=...)`` habit: say where the axis goes in jdls."""
+    if axis_name is not None:
+        raise TypeError(
+            f"jdls's value_and_grad takes no axis_name (got {axis_name!r}), unlike Flax's "
+            "DynamicScale: average the gradients yourself (jax.lax.pmean(grads, axis_name)) "
+            f"and give the axis to the optimizer, jdls.wrap(inner, axis_name={axis_name!r}), "
+            "so that every device takes the same skip decision. See the table of "
+            "docs/migration/flax.md."
         )
 
 

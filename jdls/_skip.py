@@ -49,10 +49,16 @@ def skip_branch(
 def select(finite: jax.Array, computed: tuple[Any, Any], old_state: Any) -> tuple[Any, Any]:
     """``skip_with="select"``: keep the computed step where ``finite``, else skip it."""
     updates, state = computed
-    updates = jax.tree_util.tree_map(lambda u: jnp.where(finite, u, skip_value(u)), updates)
-    state = jax.tree_util.tree_map(
-        lambda new, old: jnp.where(finite, new, old).astype(new.dtype), state, old_state
+    # jnp.asarray: outside jit the inner state may hold Python scalars (a count, a flag).
+    updates = jax.tree_util.tree_map(
+        lambda u: jnp.where(finite, u, skip_value(jnp.asarray(u))), updates
     )
+
+    def keep(new: Any, old: Any) -> jax.Array:
+        new = jnp.asarray(new)
+        return jnp.where(finite, new, old).astype(new.dtype)
+
+    state = jax.tree_util.tree_map(keep, state, old_state)
     return updates, state
 
 

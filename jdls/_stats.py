@@ -39,8 +39,8 @@ class Stats(NamedTuple):
       consecutive_skips: int32, skipped steps in a row up to the last one.
       grad_norm: float32, the global L2 norm of the last step's unclipped, unscaled
         gradients: inf when a gradient is inf or the norm exceeds float32, NaN when a
-        gradient is NaN, before the first step, and when it is not known (``axis_name``
-        without ``sharded``).
+        gradient is NaN, and when it is not known (``axis_name`` without ``sharded``); 0
+        before the first step (a NaN there would trip ``jax_debug_nans``).
       nonfinite: with ``track_nonfinite=True``, one bool per gradient leaf (True where the
         leaf held an inf or NaN on the last step); None otherwise.
       retries: int32, how many times the last step's gradients were recomputed at a lower

@@ -170,7 +170,8 @@ def wrap(
                 finite=jnp.array(True),
                 skipped_steps=jnp.zeros((), jnp.int32),
                 consecutive_skips=jnp.zeros((), jnp.int32),
-                grad_norm=jnp.full((), jnp.nan, jnp.float32),
+                # 0, not NaN, before the first step: a NaN constant trips jax_debug_nans.
+                grad_norm=jnp.zeros((), jnp.float32),
                 nonfinite=nonfinite,
                 retries=jnp.zeros((), jnp.int32),
                 cause=jnp.zeros((), jnp.int32),
@@ -384,6 +385,8 @@ def _describe_mismatch(updates: Any, params: Any) -> str:
 def _check_match(updates: Any, params: Any) -> None:
     if params is None:
         return
+    if isinstance(params, optax.LookaheadParams):
+        params = params.fast  # optax.lookahead: the gradients are those of the fast params
     ours: Any = jax.tree_util.tree_structure(updates)
     if ours != jax.tree_util.tree_structure(params):
         raise ValueError(

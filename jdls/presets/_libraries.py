@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import inspect
+import math
 from typing import Any
 
+import numpy as np
 import optax
 
-from jdls._checks import F32_MAX, F32_TINY, check_int, check_limit, check_positive_finite
+from jdls._checks import (
+    F32_MAX,
+    F32_TINY,
+    check_int,
+    check_limit,
+    check_number,
+    check_positive_finite,
+)
 from jdls._scale import DynamicScale, NoOpScale, StaticScale
 from jdls._wrap import wrap
 from jdls.rules import GrowBackoff, OverflowTolerance
@@ -17,7 +26,9 @@ __all__ = [
     "cerebras",
     "cerebras_wrap",
     "deepspeed",
+    "deepspeed_fp16",
     "flax",
+    "from_jmp",
     "jmp",
     "keras",
     "megatron",
@@ -119,46 +130,116 @@ def flax(
     return DynamicScale(scale, rule, state=rule.initial_state(counter=fin_steps))
 
 
+def _integral(name: str, value: Any, minimum: int) -> int:
+    """An int given as a Python or numpy int, an integral float, or a 0-d array of either.
+
+    jmp's own defaults are arrays (``counter=jnp.zeros([], jnp.int32)``) and its ``period`` may
+    be a float (``2000.0``); what jmp accepts, the preset accepts.
+    """
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if not isinstance(value, int | np.integer):
+        try:
+            array = np.asarray(value)
+        except Exception:
+            raise TypeError(f"{name} must be an int, got {value!r}") from None
+        if array.shape != () or not (
+            np.issubdtype(array.dtype, np.integer) or np.issubdtype(array.dtype, np.floating)
+        ):
+            raise TypeError(f"{name} must be an int (or a 0-d integer array), got {value!r}")
+        number = array.item()
+        if isinstance(number, float) and not (math.isfinite(number) and number.is_integer()):
+            raise ValueError(f"{name} must be a whole number, got {number!r}")
+        value = int(number)
+    return check_int(name, value, minimum)
+
+
 def jmp(
-    loss_scale: float,
-    counter: int = 0,
-    period: int = 2000,
+    loss_scale: float | Any,
+    counter: int | Any = 0,
+    period: int | float = 2000,
     factor: float = 2,
-    min_loss_scale: float = 1.0,
+    min_loss_scale: float | Any = 1.0,
 ) -> DynamicScale:
     """``jmp.DynamicLossScale``.
 
     Grows by ``factor`` on the ``period``-th finite step in a row (a growth to inf is dropped),
     divides by ``factor`` on a non-finite step, never below ``min_loss_scale``. Unlike jmp, the
-    minimum survives a pytree round trip.
+    minimum survives a pytree round trip. Takes what jmp takes: arrays for ``loss_scale``,
+    ``counter`` and ``min_loss_scale`` (jmp's defaults are arrays), a whole float ``period``,
+    and ``min_loss_scale=0`` for no floor. :func:`from_jmp` converts an existing jmp scale.
 
     Args:
       loss_scale: initial scale (required, as in jmp; its documentation uses ``2**15``).
       counter: initial count of finite steps, in ``[0, period)``.
       period: finite steps in a row before a growth, >= 1.
       factor: growth factor and backoff divisor, > 1.
-      min_loss_scale: lower bound on backoff.
+      min_loss_scale: lower bound on backoff; 0 (or None) for none.
 
     Returns:
       The scale.
 
     Example:
-      >>> import jdls
-      >>> s = jdls.presets.jmp(loss_scale=2.0**15, period=1)
+      >>> import jax.numpy as jnp, jdls
+      >>> s = jdls.presets.jmp(loss_scale=2.0**15, counter=jnp.zeros([], jnp.int32), period=1)
       >>> float(s.adjust(True).loss_scale)
       65536.0
+      >>> print(jdls.presets.jmp(loss_scale=1.0, min_loss_scale=0.0).rule.min_loss_scale)
+      None
     """
-    if check_int("counter", counter, 0) >= check_int("period", period, 1):
+    period = _integral("period", period, 1)
+    counter = _integral("counter", counter, 0)
+    if counter >= period:
         raise ValueError(f"counter must be in [0, period) = [0, {period}), got {counter}")
+    minimum: float | None = None
+    if min_loss_scale is not None:
+        value = check_number("min_loss_scale", min_loss_scale)
+        if value < 0:
+            raise ValueError(f"min_loss_scale must be >= 0 (0: no floor), got {value!r}")
+        minimum = None if value == 0 else value  # jmp's max(0, s / factor): no floor
     rule = GrowBackoff(
-        growth_factor=factor,
+        growth_factor=check_number("factor", factor),
         backoff_factor=None,
         growth_interval=period,
-        min_loss_scale=min_loss_scale,
+        min_loss_scale=minimum,
         max_loss_scale=None,
         keep_scale_if_growth_overflows=True,
     )
-    return DynamicScale(loss_scale, rule, state=rule.initial_state(counter=counter))
+    return DynamicScale(
+        check_number("loss_scale", loss_scale), rule, state=rule.initial_state(counter=counter)
+    )
+
+
+def from_jmp(jmp_scale: Any) -> DynamicScale:
+    """The jdls scale of an existing ``jmp.DynamicLossScale``, same values and counters.
+
+    Reads its ``loss_scale``, ``counter``, ``period``, ``factor`` and ``min_loss_scale``; from
+    there the two follow the same trajectory bit for bit. (A jmp scale that went through a
+    pytree round trip, e.g. out of ``jit``, has already lost its ``min_loss_scale``: jmp resets
+    it to 1.)
+
+    Args:
+      jmp_scale: a ``jmp.DynamicLossScale`` (or any object with those five attributes).
+
+    Returns:
+      The scale, as :func:`jmp` builds it.
+
+    Example:
+      >>> import jax.numpy as jnp, jmp, jdls
+      >>> theirs = jmp.DynamicLossScale(jnp.float32(2.0**15), period=4)
+      >>> ours = jdls.presets.from_jmp(theirs)
+      >>> float(ours.loss_scale), ours.rule.growth_interval
+      (32768.0, 4)
+    """
+    fields = ("loss_scale", "counter", "period", "factor", "min_loss_scale")
+    missing = [f for f in fields if not hasattr(jmp_scale, f)]
+    if missing:
+        raise TypeError(
+            f"from_jmp expects a jmp.DynamicLossScale, got {type(jmp_scale).__name__} without "
+            f"{missing}; for a jmp.StaticLossScale use jdls.StaticScale(s.loss_scale), for a "
+            "jmp.NoOpLossScale jdls.NoOpScale()"
+        )
+    return jmp(**{f: getattr(jmp_scale, f) for f in fields})
 
 
 def keras(initial_scale: float = 2.0**15, dynamic_growth_steps: int = 2000) -> DynamicScale:
@@ -200,7 +281,10 @@ def deepspeed(
     consecutive_hysteresis: bool = False,
     raise_error_at_min_scale: bool = True,
 ) -> DynamicScale:
-    """DeepSpeed's ``DynamicLossScaler`` as its fp16 engine configures it.
+    """DeepSpeed's ``DynamicLossScaler``, the scaler of its ZeRO optimizers (stages 1-3).
+
+    DeepSpeed's fp16 optimizers without ZeRO (``FP16_Optimizer``, fused and unfused) update
+    the scale with their own, simpler rule: :func:`deepspeed_fp16`.
 
     On a non-finite step, hysteresis (``delayed_shift``, the config's ``hysteresis``) forgives
     up to ``delayed_shift - 1`` overflows before dividing by ``scale_factor`` (not below
@@ -244,6 +328,44 @@ def deepspeed(
         error_at_min_scale=bool(raise_error_at_min_scale),
     )
     return DynamicScale(init_scale, rule)
+
+
+def deepspeed_fp16(
+    init_scale: float = 2.0**32,
+    scale_window: int = 1000,
+    min_scale: float = 1.0,
+) -> DynamicScale:
+    """DeepSpeed's fp16 optimizers without ZeRO (``FP16_Optimizer``, fused and unfused).
+
+    Their ``_update_scale`` divides the scale by 2 on every non-finite step (not below
+    ``min_scale``), and doubles it after ``scale_window + 1`` finite steps since the last
+    overflow, then every ``scale_window``. They read only these three settings: the config's
+    ``hysteresis`` and ``consecutive_hysteresis`` are ignored, and they never raise at the
+    minimum. The ZeRO path (hysteresis, the error at the minimum) is :func:`deepspeed`.
+
+    Args:
+      init_scale: initial scale (``2**initial_scale_power`` in the config).
+      scale_window: the config's ``loss_scale_window``, >= 1.
+      min_scale: the config's ``min_loss_scale``.
+
+    Returns:
+      The scale: :func:`deepspeed` with ``delayed_shift=1`` and no error at the minimum.
+
+    Example:
+      >>> import jdls
+      >>> s = jdls.presets.deepspeed_fp16(init_scale=1024.0)
+      >>> float(s.adjust(False).loss_scale)   # no hysteresis: the first overflow halves it
+      512.0
+    """
+    return deepspeed(
+        init_scale=init_scale,
+        scale_factor=2.0,
+        scale_window=scale_window,
+        min_scale=min_scale,
+        delayed_shift=1,
+        consecutive_hysteresis=False,
+        raise_error_at_min_scale=False,
+    )
 
 
 def megatron(
