@@ -304,3 +304,29 @@ def test_batched_scales_repr_values():
         jnp.array([False, True])
     )
     assert "loss_scale=[1.0, 2.0]" in repr(mapped) and "Array" not in repr(mapped)
+
+
+def test_float64_gradients_near_1e183_are_finite_and_clipped():
+    """Finite float64 gradients whose squares overflow float64 (x64) are not an inf."""
+    with jax.enable_x64(True):
+        tx = jdls.wrap(optax.sgd(1.0), max_norm=1.0)
+        params = {"w": jnp.zeros(3, jnp.float64), "v": jnp.zeros(2, jnp.float32)}
+        grads = {"w": jnp.array([1e183, 2e183, 0.0]), "v": jnp.array([1e30, 3.0], jnp.float32)}
+        updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
+        assert bool(jdls.stats(state).finite)
+        np.testing.assert_allclose(np.asarray(updates["w"]), [-1 / 5**0.5, -2 / 5**0.5, 0.0])
+        assert np.all(np.asarray(updates["v"]) == 0)  # far below float32's range once clipped
+        _, state = tx.update(
+            {"w": jnp.array([1e183, jnp.inf, 0.0]), "v": grads["v"]}, tx.init(params), params
+        )
+        assert not bool(jdls.stats(state).finite)
+
+
+def test_check_on_batched_scales():
+    """``check()`` reads vmapped and pmapped counters (sums them) instead of failing."""
+    scale = jdls.presets.deepspeed(init_scale=1.0, delayed_shift=1)
+    batched = jax.vmap(lambda f: scale.adjust(f))(jnp.array([True, False, True]))
+    with pytest.raises(jdls.MinimumScaleError, match="1 step"):
+        batched.check()
+    fine = jax.vmap(lambda f: scale.adjust(f))(jnp.array([True, True]))
+    assert fine.check() is fine
