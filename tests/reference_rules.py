@@ -120,7 +120,8 @@ class Megatron:
             if self.growth_tracker == self.growth_interval:
                 self.growth_tracker = 0
                 self.hysteresis_tracker = self.hysteresis
-                self.scale = _f32(self.scale * self.growth_factor)
+                with np.errstate(over="ignore"):  # no maximum: the scale may reach inf
+                    self.scale = _f32(self.scale * self.growth_factor)
         return self.scale
 
 

@@ -15,6 +15,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 import reference_rules as ref
 from _helpers import F32_MAX, with_and_without_jit
@@ -62,6 +63,23 @@ def trajectory(scale, flags, jit):
     return out
 
 
+def start_at(factory, init_name, s0, minimum, **kwargs):
+    """The preset ``factory(**{init_name: s0}, **kwargs)``.
+
+    jdls rejects a start below the rule's minimum (by design, for every construction path),
+    though the libraries accept it. For such a start, that rejection is checked, and the
+    trajectory from it is still compared with the library's: the scale is built at the
+    minimum and then given the start with ``replace`` (unvalidated, as a restored pytree).
+    """
+    factory = getattr(jdls.presets, factory)
+    if minimum is not None and s0 < minimum:
+        with pytest.raises(ValueError, match="loss_scale must be within"):
+            factory(**{init_name: s0}, **kwargs)
+        scale = factory(**{init_name: minimum}, **kwargs)
+        return scale.replace(loss_scale=jnp.asarray(s0, jnp.float32))
+    return factory(**{init_name: s0}, **kwargs)
+
+
 def same_f32(a, b) -> bool:
     a, b = np.float32(a), np.float32(b)
     return a.view(np.uint32) == b.view(np.uint32)
@@ -106,7 +124,7 @@ def test_pytorch_matches_torch_kernel(jit, flags, g, b, n, s0):
         if value < TINY:  # torch keeps float32 subnormals, XLA flushes them (see docs)
             break
         assert same_f32(s.loss_scale, value), (i, float(s.loss_scale), value, flags[: i + 1])
-        assert int(s.counter) == tracker
+        assert int(s.state.counter) == tracker
     # The pure-Python reference agrees too (used where torch is absent).
     reference = ref.PyTorch(**kwargs)
     assert_same_scales(ours, [reference.step(f) for f in flags], flags, stop=lambda v: v < TINY)
@@ -115,7 +133,7 @@ def test_pytorch_matches_torch_kernel(jit, flags, g, b, n, s0):
 def test_pytorch_growth_to_inf_is_dropped():
     s = jdls.presets.pytorch(init_scale=2.0**127, growth_interval=1)
     s = s.adjust(True)
-    assert float(s.loss_scale) == 2.0**127 and int(s.counter) == 0
+    assert float(s.loss_scale) == 2.0**127 and int(s.state.counter) == 0
     assert torch_trajectory([True], 2.0**127, 2.0, 0.5, 1)[0][0] == 2.0**127
 
 
@@ -128,19 +146,25 @@ def test_pytorch_growth_to_inf_is_dropped():
 def _flax_step():
     def step(ds, finite):
         c = jnp.where(finite, 1.0, jnp.inf)
-        return ds.value_and_grad(lambda x: x * c)(jnp.float32(1.0))[0]
+        ds, is_fin, _, _ = ds.value_and_grad(lambda x: x * c)(jnp.float32(1.0))
+        return ds, is_fin
 
     return jax.jit(step)
 
 
 def flax_trajectory(flags, **kwargs):
+    """Flax's (scale, fin_steps, is_fin) after each step. ``is_fin`` is what Flax saw: the
+    flag, except at a scale of 0 (reachable with ``minimum_scale=None``), where Flax's
+    unscaled gradient is 0 / 0 = NaN on every step."""
     from flax.training.dynamic_scale import DynamicScale
 
     ds = DynamicScale(**kwargs)
     out = []
     for f in flags:
-        ds = _flax_step()(ds, f)
-        out.append((float(ds.scale), int(ds.fin_steps)))
+        before = float(ds.scale)
+        ds, is_fin = _flax_step()(ds, f)
+        assert bool(is_fin) == (f and before != 0.0)
+        out.append((float(ds.scale), int(ds.fin_steps), bool(is_fin)))
     return out
 
 
@@ -163,13 +187,21 @@ def test_flax_matches_flax(jit, flags, g, b, n, s0, minimum):
         scale=jnp.float32(s0),
         minimum_scale=minimum,
     )
-    scale = jdls.presets.flax(
-        growth_factor=g, backoff_factor=b, growth_interval=n, scale=s0, minimum_scale=minimum
+    scale = start_at(
+        "flax",
+        "scale",
+        s0,
+        minimum,
+        growth_factor=g,
+        backoff_factor=b,
+        growth_interval=n,
+        minimum_scale=minimum,
     )
-    ours = trajectory(scale, flags, jit)
-    for i, (s, (value, fin_steps)) in enumerate(zip(ours, theirs, strict=True)):
+    # jdls is given the flags Flax saw (they differ only once Flax's scale is 0).
+    ours = trajectory(scale, [seen for _, _, seen in theirs], jit)
+    for i, (s, (value, fin_steps, _)) in enumerate(zip(ours, theirs, strict=True)):
         assert same_f32(s.loss_scale, value), (i, float(s.loss_scale), value, flags[: i + 1])
-        assert int(s.counter) == fin_steps
+        assert int(s.state.counter) == fin_steps
 
 
 def test_flax_clamps_growth_at_float32_max():
@@ -218,7 +250,9 @@ def test_jmp_matches_jmp(jit, flags, factor, period, s0, minimum):
     step = _jmp_step(period, factor, minimum)
     ls, counter = jnp.float32(s0), jnp.int32(0)
     ours = trajectory(
-        jdls.presets.jmp(loss_scale=s0, period=period, factor=factor, min_loss_scale=minimum),
+        start_at(
+            "jmp", "loss_scale", s0, minimum, period=period, factor=factor, min_loss_scale=minimum
+        ),
         flags,
         jit,
     )
@@ -230,7 +264,7 @@ def test_jmp_matches_jmp(jit, flags, factor, period, s0, minimum):
             float(ls),
             flags[: i + 1],
         )
-        assert int(ours[i].counter) == int(counter)
+        assert int(ours[i].state.counter) == int(counter)
 
 
 # --------------------------------------------------------------------------------------------
@@ -278,7 +312,8 @@ def test_deepspeed_matches_reference(
         consecutive_hysteresis=consecutive,
     )
     reference = ref.DeepSpeed(**kwargs)
-    ours = trajectory(jdls.presets.deepspeed(**kwargs), flags, jit)
+    del kwargs["init_scale"]
+    ours = trajectory(start_at("deepspeed", "init_scale", s0, min_scale, **kwargs), flags, jit)
     for i, f in enumerate(flags):
         value = reference.step(f)
         if value > F32_MAX:  # DeepSpeed's Python float goes beyond float32 (see docs)
@@ -289,8 +324,8 @@ def test_deepspeed_matches_reference(
             value,
             flags[: i + 1],
         )
-        assert int(ours[i].hysteresis) == reference.cur_hysteresis
-        assert int(ours[i].min_scale_overflows) == reference.errors
+        assert int(ours[i].state.hysteresis) == reference.cur_hysteresis
+        assert int(ours[i].state.min_scale_overflows) == reference.errors
 
 
 def test_deepspeed_error_at_min_scale_is_recorded_and_raised_on_host():
@@ -298,7 +333,7 @@ def test_deepspeed_error_at_min_scale_is_recorded_and_raised_on_host():
     s = s.adjust(False)  # 2 -> 1: fine
     s.check()
     s = jax.jit(lambda s: s.adjust(False))(s)  # at the minimum: DeepSpeed would raise
-    assert float(s.loss_scale) == 1.0 and int(s.min_scale_overflows) == 1
+    assert float(s.loss_scale) == 1.0 and int(s.state.min_scale_overflows) == 1
     with pytest.raises(jdls.MinimumScaleError, match="already at its minimum"):
         s.check()
     quiet = jdls.presets.deepspeed(init_scale=1.0, delayed_shift=1, raise_error_at_min_scale=False)
@@ -326,7 +361,8 @@ def test_megatron_matches_reference(jit, flags, g, b, n, s0, min_scale, hysteres
         hysteresis=hysteresis,
     )
     reference = ref.Megatron(**kwargs)
-    ours = trajectory(jdls.presets.megatron(**kwargs), flags, jit)
+    del kwargs["initial_scale"]
+    ours = trajectory(start_at("megatron", "initial_scale", s0, min_scale, **kwargs), flags, jit)
     assert_same_scales(ours, [reference.step(f) for f in flags], flags)
 
 
@@ -350,15 +386,17 @@ def test_cerebras_matches_reference(jit, flags, spi, s0, min_scale, max_scale, t
     )
     reference = ref.Cerebras(**kwargs)
     ours = trajectory(jdls.presets.cerebras(**kwargs), flags, jit)
+    skipped = 0  # a wrap statistic now (jdls.stats(opt_state).skipped_steps): counted here
     for i, f in enumerate(flags):
         value = reference.step(f)
+        skipped += not f
         assert same_f32(ours[i].loss_scale, value), (
             i,
             float(ours[i].loss_scale),
             value,
             flags[: i + 1],
         )
-        state = jdls.presets.to_cerebras_state_dict(ours[i])
+        state = jdls.presets.to_cerebras_state_dict(ours[i], num_skipped_steps=skipped)
         assert state == {
             "loss_scale": float(value),
             "steps_since_rescale": reference.steps_since_rescale,
@@ -381,7 +419,7 @@ def test_preset_defaults():
     assert flax.rule.growth_interval == 2001  # grows on the 2001st finite step, as Flax
     assert float(jdls.presets.keras().loss_scale) == 2.0**15
     ds = jdls.presets.deepspeed()
-    assert float(ds.loss_scale) == 2.0**32 and int(ds.hysteresis) == 2
+    assert float(ds.loss_scale) == 2.0**32 and int(ds.state.hysteresis) == 2
     mg = jdls.presets.megatron()
     assert float(mg.loss_scale) == 2.0**32 and mg.rule.growth_interval == 1000
     cb = jdls.presets.cerebras()
@@ -419,9 +457,11 @@ def test_cerebras_overflow_tolerance_forgives_and_can_grow_on_an_overflow_step()
         ("deepspeed", {"delayed_shift": 0}, "delayed_shift must be >= 1"),
         ("deepspeed", {"min_scale": 0.0}, "min_loss_scale must be a finite number > 0"),
         ("megatron", {"hysteresis": 0}, "hysteresis must be >= 1"),
-        ("megatron", {"min_scale": 4.0, "initial_scale": 1.0}, None),
+        # Megatron-LM accepts a start below min_scale; jdls rejects it by design now.
+        ("megatron", {"min_scale": 4.0, "initial_scale": 1.0}, "loss_scale must be within"),
+        ("megatron", {"min_scale": 4.0, "initial_scale": 4.0}, None),
         ("cerebras", {"min_loss_scale": 2.0**-15}, r"min_loss_scale must be >= 2\*\*-14"),
-        ("cerebras", {"overflow_tolerance": -1.0}, "overflow_tolerance must be >= 0, got -1.0"),
+        ("cerebras", {"overflow_tolerance": -1.0}, "tolerance must be >= 0, got -1.0"),
         ("cerebras", {"steps_per_increase": 0}, "steps_per_increase must be >= 1"),
         (
             "cerebras",
@@ -431,7 +471,6 @@ def test_cerebras_overflow_tolerance_forgives_and_can_grow_on_an_overflow_step()
         ("cerebras", {"loss_scale": "auto"}, 'loss_scale must be "dynamic"'),
         ("cerebras", {"loss_scale": -3.0}, "loss_scale must be a finite number > 0"),
         ("cerebras", {"half_dtype": "float8"}, "half_dtype must be one of"),
-        ("cerebras", {"max_gradient_norm": -1.0}, "max_gradient_norm must be a finite number > 0"),
         ("jmp", {"loss_scale": 4.0, "factor": 1}, "growth_factor must be > 1, got 1"),
         ("jmp", {"loss_scale": 4.0, "period": 0}, "period must be >= 1"),
     ],
@@ -442,6 +481,14 @@ def test_preset_validation(factory, kwargs, message):
         return
     with pytest.raises(ValueError, match=message):
         getattr(jdls.presets, factory)(**kwargs)
+
+
+def test_cerebras_max_gradient_norm_belongs_to_the_wrap():
+    """presets.cerebras no longer takes max_gradient_norm: cerebras_wrap does, and checks it."""
+    with pytest.raises(TypeError, match=r"jdls.presets.cerebras_wrap\(optimizer, max_gradient"):
+        jdls.presets.cerebras(max_gradient_norm=-1.0)
+    with pytest.raises(ValueError, match="max_gradient_norm must be a finite number > 0"):
+        jdls.presets.cerebras_wrap(optax.sgd(0.1), max_gradient_norm=-1.0)
 
 
 def test_scan_and_loop_agree_for_every_preset():
@@ -459,9 +506,13 @@ def test_scan_and_loop_agree_for_every_preset():
         _, scanned = jax.jit(lambda s, f: jax.lax.scan(lambda c, x: (c.adjust(x),) * 2, s, f))(
             scale, jnp.asarray(flags)
         )
-        for name in ("loss_scale", "counter", "hysteresis", "overflows", "skipped"):
+        # Every child: the scale and each of the rule's counters.
+        paths = jax.tree_util.tree_flatten_with_path(scanned)[0]
+        assert jax.tree_util.keystr(paths[0][0]) == ".loss_scale"
+        assert len(paths) == 1 + len(scale.state)
+        for j, (path, leaves) in enumerate(paths):
             np.testing.assert_array_equal(
-                np.array([getattr(s, name) for s in loop]),
-                getattr(scanned, name),
-                err_msg=scale.rule.name,
+                np.array([jax.tree_util.tree_leaves(s)[j] for s in loop]),
+                leaves,
+                err_msg=f"{scale.rule!r}{jax.tree_util.keystr(path)}",
             )

@@ -27,19 +27,23 @@ def kinds():
 def test_dynamic_scale_children_are_arrays_and_config_is_static():
     scale = jdls.DynamicScale(256.0, growth_interval=7, min_loss_scale=0.25, hysteresis=3)
     leaves, treedef = jax.tree_util.tree_flatten(scale)
-    assert [leaf.dtype for leaf in leaves] == [jnp.float32] + [jnp.int32] * 5
+    assert [leaf.dtype for leaf in leaves] == [jnp.float32] + [jnp.int32] * 3
     assert all(leaf.shape == () for leaf in leaves)
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(scale)[0]]
+    # The children are the scale and the rule's counters (GrowBackoff: GrowBackoffState).
     assert paths == [
         ".loss_scale",
-        ".counter",
-        ".hysteresis",
-        ".overflows",
-        ".skipped",
-        ".min_scale_overflows",
+        ".state.counter",
+        ".state.hysteresis",
+        ".state.min_scale_overflows",
     ]
+    assert isinstance(scale.state, jdls.rules.GrowBackoff.State)
     restored = jax.tree_util.tree_unflatten(treedef, leaves)
     assert restored.rule == scale.rule  # every piece of configuration survives
+    assert restored.rule == jdls.rules.GrowBackoff(
+        growth_interval=7, min_loss_scale=0.25, hysteresis=3
+    )
+    assert [int(x) for x in restored.state] == [0, 3, 0]
 
 
 def test_round_trip_keeps_minimum_unlike_jmp():
@@ -96,8 +100,12 @@ def test_vmap_over_a_batch_of_scales():
     finite = jnp.array([True, False, True])
     out = jax.vmap(lambda s, f: s.adjust(f))(scales, finite)
     np.testing.assert_array_equal(out.loss_scale, [4.0, 4.0, 16.0])
-    np.testing.assert_array_equal(out.counter, [1, 0, 1])
-    np.testing.assert_array_equal(out.skipped, [0, 1, 0])
+    np.testing.assert_array_equal(out.state.counter, [1, 0, 1])
+    np.testing.assert_array_equal(out.state.hysteresis, [1, 1, 1])
+    np.testing.assert_array_equal(out.state.min_scale_overflows, [0, 0, 0])
+    # The skip count is no longer the scale's (jdls.stats(opt_state).skipped_steps): the
+    # overflowing member is the one that backed off.
+    np.testing.assert_array_equal(out.loss_scale < scales.loss_scale, ~finite)
 
 
 # --------------------------------------------------------------------------------------------
@@ -132,10 +140,11 @@ def test_default_never_reaches_zero_inf_or_nan():
 def test_exact_trajectory(jit):
     adjust = maybe_jit(lambda s, f: s.adjust(f), jit)
     s = jdls.DynamicScale(8.0, growth_interval=2, min_loss_scale=2.0, max_loss_scale=16.0)
-    got = []
+    got, skipped = [], 0  # the skip count is a wrap statistic now: counted here
     for f in [True, True, True, True, False, False, False, True, False, True, True]:
         s = adjust(s, f)
-        got.append((float(s.loss_scale), int(s.counter), int(s.skipped)))
+        skipped += not f
+        got.append((float(s.loss_scale), int(s.state.counter), skipped))
     assert got == [
         (8.0, 1, 0),
         (16.0, 0, 0),
@@ -159,7 +168,7 @@ def test_hysteresis(jit):
     got = []
     for f in seq:
         s = adjust(s, f)
-        got.append((float(s.loss_scale), int(s.hysteresis)))
+        got.append((float(s.loss_scale), int(s.state.hysteresis)))
     # Two overflows forgiven, then every overflow backs off until a growth refills.
     assert got == [
         (64.0, 2),
@@ -342,6 +351,9 @@ def test_large_finite_values_are_finite():
         ({"loss_scale": float("inf")}, "loss_scale must be a finite number > 0"),
         ({"loss_scale": float("nan")}, "loss_scale must be a number, got nan"),
         ({"loss_scale": 1e39}, "loss_scale must fit in float32"),
+        ({"loss_scale": 1e-39}, "loss_scale must be a normal float32 number"),
+        ({"loss_scale": 0.5}, r"loss_scale must be within \[min_loss_scale, max_loss_scale\]"),
+        ({"loss_scale": 2.0**25}, "loss_scale must be within"),
         ({"min_loss_scale": 0.0}, "min_loss_scale must be a finite number > 0"),
         ({"max_loss_scale": float("inf")}, "max_loss_scale must be a finite number > 0"),
         (
@@ -375,16 +387,23 @@ def test_static_scale_validation():
             jdls.StaticScale(bad)
 
 
-def test_rule_validation_and_from_rule_counters():
-    with pytest.raises(ValueError, match="overflow_tolerance must be >= 0, got -0.1"):
-        jdls.ScaleRule(overflow_tolerance=-0.1)
+def test_rule_validation_and_initial_state_counters():
+    with pytest.raises(ValueError, match="tolerance must be >= 0, got -0.1"):
+        jdls.rules.OverflowTolerance(tolerance=-0.1)
     with pytest.raises(ValueError, match="counter_after_growth must be 0 or 1"):
-        jdls.ScaleRule(counter_after_growth=2)
+        jdls.rules.GrowBackoff(counter_after_growth=2)
+    rule = jdls.rules.GrowBackoff(growth_interval=5)
     with pytest.raises(ValueError, match=r"counter must be < growth_interval \(5\), got 5"):
-        jdls.DynamicScale.from_rule(jdls.ScaleRule(growth_interval=5), 1.0, counter=5)
+        jdls.DynamicScale(1.0, rule, state=rule.initial_state(counter=5))
+    rule = jdls.rules.GrowBackoff(hysteresis=2)
     with pytest.raises(ValueError, match=r"hysteresis must be in \[1, 2\]"):
-        jdls.DynamicScale.from_rule(jdls.ScaleRule(hysteresis=2), 1.0, hysteresis=3)
-    with pytest.raises(TypeError, match="rule must be a jdls.ScaleRule"):
-        jdls.DynamicScale.from_rule({"growth_interval": 3}, 1.0)  # type: ignore[arg-type]
+        jdls.DynamicScale(1.0, rule, state=rule.initial_state(hysteresis=3))
+    with pytest.raises(TypeError, match="rule must be a jdls.rules.Rule, got dict"):
+        jdls.DynamicScale(1.0, {"growth_interval": 3})  # type: ignore[arg-type]
+    # Counters within range are kept exactly (the old from_rule(rule, x, counter, hysteresis)).
+    rule = jdls.rules.GrowBackoff(growth_interval=5, hysteresis=2)
+    scale = jdls.DynamicScale(1.0, rule, state=rule.initial_state(counter=4, hysteresis=1))
+    assert (int(scale.state.counter), int(scale.state.hysteresis)) == (4, 1)
+    assert float(scale.adjust(True).loss_scale) == 2.0  # the 5th counted step grows
     with pytest.raises(TypeError, match="unknown fields"):
         jdls.DynamicScale().replace(scale=1.0)
