@@ -16,6 +16,7 @@ import numpy as np
 
 from jdls._checks import check_positive_finite, finite_flag, is_float
 from jdls.rules import GrowBackoff, Rule
+from jdls.rules._rule import check_within
 
 __all__ = [
     "DynamicScale",
@@ -387,6 +388,9 @@ class DynamicScale(LossScale):
     ) -> None:
         if rule is None:
             rule = GrowBackoff(**options)
+            # jdls's own scale starts within its bounds; a rule given explicitly (a preset)
+            # accepts what the library it mirrors accepts, e.g. a start below the minimum.
+            check_within(check_positive_finite("loss_scale", loss_scale), *rule.bounds)
         elif options:
             raise TypeError(
                 f"give a rule or the options of the default rule, not both: got rule={rule!r} "

@@ -64,20 +64,10 @@ def trajectory(scale, flags, jit):
 
 
 def start_at(factory, init_name, s0, minimum, **kwargs):
-    """The preset ``factory(**{init_name: s0}, **kwargs)``.
-
-    jdls rejects a start below the rule's minimum (by design, for every construction path),
-    though the libraries accept it. For such a start, that rejection is checked, and the
-    trajectory from it is still compared with the library's: the scale is built at the
-    minimum and then given the start with ``replace`` (unvalidated, as a restored pytree).
-    """
-    factory = getattr(jdls.presets, factory)
-    if minimum is not None and s0 < minimum:
-        with pytest.raises(ValueError, match="loss_scale must be within"):
-            factory(**{init_name: s0}, **kwargs)
-        scale = factory(**{init_name: minimum}, **kwargs)
-        return scale.replace(loss_scale=jnp.asarray(s0, jnp.float32))
-    return factory(**{init_name: s0}, **kwargs)
+    """The preset ``factory(**{init_name: s0}, **kwargs)``; like the libraries, presets accept
+    a start below the rule's minimum (it applies from the first backoff)."""
+    del minimum
+    return getattr(jdls.presets, factory)(**{init_name: s0}, **kwargs)
 
 
 def same_f32(a, b) -> bool:
@@ -457,8 +447,8 @@ def test_cerebras_overflow_tolerance_forgives_and_can_grow_on_an_overflow_step()
         ("deepspeed", {"delayed_shift": 0}, "delayed_shift must be >= 1"),
         ("deepspeed", {"min_scale": 0.0}, "min_loss_scale must be a finite number > 0"),
         ("megatron", {"hysteresis": 0}, "hysteresis must be >= 1"),
-        # Megatron-LM accepts a start below min_scale; jdls rejects it by design now.
-        ("megatron", {"min_scale": 4.0, "initial_scale": 1.0}, "loss_scale must be within"),
+        # Megatron-LM accepts a start below min_scale, and so does the preset.
+        ("megatron", {"min_scale": 4.0, "initial_scale": 1.0}, None),
         ("megatron", {"min_scale": 4.0, "initial_scale": 4.0}, None),
         ("cerebras", {"min_loss_scale": 2.0**-15}, r"min_loss_scale must be >= 2\*\*-14"),
         ("cerebras", {"overflow_tolerance": -1.0}, "tolerance must be >= 0, got -1.0"),

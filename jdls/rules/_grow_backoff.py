@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jdls._checks import check_int, check_number
-from jdls.rules._rule import Rule, check_bounds, check_within
+from jdls.rules._rule import Rule, check_bounds
 
 __all__ = ["GrowBackoff", "MinimumScaleError"]
 
@@ -143,11 +143,6 @@ class GrowBackoff(Rule):
         return GrowBackoffState(
             jnp.asarray(counter, _I32), jnp.asarray(left, _I32), jnp.zeros((), _I32)
         )
-
-    def start(self, loss_scale: float) -> float:
-        """``loss_scale`` if it lies within ``[min_loss_scale, max_loss_scale]``."""
-        check_within(loss_scale, self.min_loss_scale, self.max_loss_scale)
-        return loss_scale
 
     def adjust(
         self, loss_scale: jax.Array, state: GrowBackoffState, finite: jax.Array

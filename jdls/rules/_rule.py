@@ -36,6 +36,11 @@ class Rule:
     min_loss_scale: float | None = None
     max_loss_scale: float | None = None
 
+    @property
+    def bounds(self) -> tuple[float | None, float | None]:
+        """``(min_loss_scale, max_loss_scale)``; None where there is no bound."""
+        return self.min_loss_scale, self.max_loss_scale
+
     def initial_state(self, **counts: Any) -> Any:
         """The rule's counters (a pytree of int32 scalars): fresh, or from ``counts``."""
         raise NotImplementedError
