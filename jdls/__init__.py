@@ -6,7 +6,7 @@ from jdls._finfo import FormatInfo
 from jdls._flax import TrainState, nnx_value_and_grad, set_nnx_scale
 from jdls._formats import FloatFormat, cbfloat16, compress, decompress, finfo
 from jdls._policy import Policy, get_policy
-from jdls._scale import DynamicScale, LossScale, NoOpScale, StaticScale, all_finite
+from jdls._scale import AdaptiveScale, DynamicScale, LossScale, NoOpScale, StaticScale, all_finite
 from jdls._stats import (
     Stats,
     WrapState,
@@ -22,6 +22,7 @@ from jdls.rules import MinimumScaleError
 __version__ = "0.1.0"
 
 __all__ = [
+    "AdaptiveScale",
     "DynamicScale",
     "FloatFormat",
     "FormatInfo",
