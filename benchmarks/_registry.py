@@ -70,6 +70,12 @@ SUITES: dict[str, Suite] = {
             "compiled temporary memory and compile time, full step and update",
         ),
         Suite(
+            "quality",
+            "benchmarks.bench_quality",
+            "suite",
+            "scaling quality: 7 rules x 4 tasks (accuracy, skipped steps, settling, underflow)",
+        ),
+        Suite(
             "roofline",
             "benchmarks.bench_roofline",
             "suite",

@@ -6,6 +6,14 @@ from jdls._finfo import FormatInfo
 from jdls._flax import TrainState, nnx_value_and_grad, set_nnx_scale
 from jdls._formats import FloatFormat, cbfloat16, compress, decompress, finfo
 from jdls._policy import Policy, get_policy
+from jdls._probe import (
+    Telemetry,
+    plot_headroom,
+    probe,
+    probe_linen,
+    probe_nnx,
+    probed_value_and_grad,
+)
 from jdls._scale import AdaptiveScale, DynamicScale, LossScale, NoOpScale, StaticScale, all_finite
 from jdls._stats import (
     Stats,
@@ -32,6 +40,7 @@ __all__ = [
     "Policy",
     "StaticScale",
     "Stats",
+    "Telemetry",
     "TrainState",
     "WrapState",
     "all_finite",
@@ -45,7 +54,12 @@ __all__ = [
     "keep_if_skipped",
     "nnx_value_and_grad",
     "nonfinite_paths",
+    "plot_headroom",
     "presets",
+    "probe",
+    "probe_linen",
+    "probe_nnx",
+    "probed_value_and_grad",
     "rules",
     "set_nnx_scale",
     "set_scale",

@@ -28,8 +28,8 @@ class AdaptiveState(NamedTuple):
     Attributes:
       margin: headroom in bits kept between the predicted largest scaled gradient and the
         compute format's maximum.
-      counter: finite steps since the last overflow or margin change (without measurements:
-        since the last growth).
+      counter: finite steps since the start or the last overflow (saturating at ``2**30``;
+        without measurements: since the last growth).
       overflows: non-finite steps in a row up to the last one.
     """
 
@@ -53,9 +53,9 @@ class Adaptive(Rule):
 
     A non-finite step backs off by ``2**-b``, where ``b`` doubles with each overflow in a
     row (1, 2, 4, ... bits, at most ``max_backoff_bits``): a start far too high is left in a
-    few steps. The first overflow after a finite step also raises the margin by one bit (at
-    most ``max_margin``); ``margin_interval`` finite steps in a row lower it by one bit (at
-    least ``min_margin``).
+    few steps. An overflow at a predicted scale (the first after a finite step) also raises
+    the margin by one bit (at most ``max_margin``); every ``margin_interval`` finite steps in
+    a row lower it by one bit (at least ``min_margin``).
 
     Without a measurement (``scale.adjust(finite)``) it behaves as a classic rule: back off
     as above, double after ``growth_interval`` finite steps in a row.
@@ -183,9 +183,10 @@ class Adaptive(Rule):
             _I32(self.max_backoff_bits),
         )
         backed_off = self._clamp(loss_scale * _pow2(-bits))
-        first = state.overflows == 0
+        # At a predicted scale: a finite step came since the start or the last overflow.
+        predicted = (state.overflows == 0) & (state.counter > 0)
         margin = jnp.where(
-            first, jnp.minimum(state.margin + 1, _I32(self.max_margin)), state.margin
+            predicted, jnp.minimum(state.margin + 1, _I32(self.max_margin)), state.margin
         )
         overflows = jnp.minimum(state.overflows, _I32(2**30)) + 1
         return backed_off, AdaptiveState(margin, _I32(0), overflows)
@@ -225,12 +226,12 @@ class Adaptive(Rule):
         target = jnp.clip(jnp.nan_to_num(target, nan=float(lo)), lo, hi).astype(_I32)
         predicted = self._clamp(_pow2(target))
 
-        counted = state.counter + 1
-        lower = counted >= self.margin_interval
+        counted = jnp.minimum(state.counter, _I32(2**30)) + 1
+        lower = counted % self.margin_interval == 0
         margin = jnp.where(
             lower, jnp.maximum(state.margin - 1, _I32(self.min_margin)), state.margin
         )
-        on_finite = AdaptiveState(margin, jnp.where(lower, _I32(0), counted), _I32(0))
+        on_finite = AdaptiveState(margin, counted, _I32(0))
         return _select(finite, (predicted, on_finite), (backed_off, on_overflow))
 
 
