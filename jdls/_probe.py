@@ -279,7 +279,7 @@ def probed_value_and_grad(
 
     def value_and_grad_fn(*args: Any, **kwargs: Any) -> tuple[Any, Any, Telemetry]:
         with _collecting(_Collector(compute_dtype, None)) as discovery:
-            jax.eval_shape(functools.partial(fun, **kwargs), *args)
+            jax.eval_shape(lambda *a: [fun(*a, **kwargs), None][1], *args)  # names only
         names = tuple(discovery.names)
         dummies = {n: jnp.zeros((_FIELDS,), _F32) for n in names}
         (_, (loss, aux)), (stats, *grads) = grad_fn(dummies, *args, **kwargs)
