@@ -90,6 +90,7 @@ TOOLS: dict[str, str] = {
     "benchmarks.profile_ops": "per-kernel times (JAX profiler) and HLO kernel counts of variants",
     "benchmarks.ablate_compile": "compile time of the update with parts of jdls.wrap taken out",
     "benchmarks.bench_round": "cost of cbfloat16 rounding against a native float16 round trip",
+    "benchmarks.bench_quality": "plot the quality suite's scales and skipped steps (RESULTS PNG)",
 }
 
 

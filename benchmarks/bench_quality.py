@@ -39,6 +39,7 @@ import math
 import textwrap
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import flax.linen as nn
@@ -536,3 +537,50 @@ def suite(quick: bool = False, rounds: int | None = None) -> list[h.Section]:
         )
     )
     return sections
+
+
+# --------------------------------------------------------------------------------------------
+# Plots: python -m benchmarks.bench_quality [RESULTS_JSON] [PNG]
+# --------------------------------------------------------------------------------------------
+
+
+def plot(results: str, out: str) -> None:
+    """The loss scale used at every step, and the cumulative skipped steps, per task and rule."""
+    import json
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = json.loads(Path(results).read_text())
+    sections = [s for s in data["sections"] if s["rows"] and "scale_trace" in s["rows"][0]]
+    fig, axes = plt.subplots(2, len(sections), figsize=(4.2 * len(sections), 6.5), squeeze=False)
+    styles = ["-", "--", ":", "-.", "-", "--", ":"]
+    for j, section in enumerate(sections):
+        for i, row in enumerate(section["rows"]):
+            if row["label"] in ("float32", "no scaling (f16)"):
+                continue
+            width = 2.2 if row["label"] == "AdaptiveScale" else 1.2
+            axes[0, j].plot(row["scale_trace"], styles[i], label=row["label"], linewidth=width)
+            axes[1, j].plot(row["skipped_trace"], styles[i], label=row["label"], linewidth=width)
+        axes[0, j].set_yscale("log", base=2)
+        axes[0, j].set_title(f"{section['title']}: loss scale")
+        axes[1, j].set_title(f"{section['title']}: skipped steps (cumulative)")
+        axes[1, j].set_xlabel("step")
+        for ax in axes[:, j]:
+            ax.grid(True, alpha=0.3)
+    axes[0, 0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    import sys
+
+    args = sys.argv[1:]
+    plot(
+        args[0] if args else str(h.RESULTS_DIR / "quality.json"),
+        args[1] if len(args) > 1 else "docs/img/quality.png",
+    )
