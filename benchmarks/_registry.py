@@ -24,12 +24,15 @@ class Suite:
       module: the module that defines it.
       function: the name of ``suite(quick=False, rounds=None) -> list[Section]`` in it.
       description: one line for the help text.
+      in_all: run by ``all`` (and so by the smoke test); False for suites that train models
+        for minutes even with ``--quick`` (``quality``, smoke-tested on its own).
     """
 
     name: str
     module: str
     function: str
     description: str
+    in_all: bool = True
 
     def load(self) -> Callable[..., list[Any]]:
         """The suite function (imports its module, and so JAX)."""
@@ -73,7 +76,9 @@ SUITES: dict[str, Suite] = {
             "quality",
             "benchmarks.bench_quality",
             "suite",
-            "scaling quality: 7 rules x 4 tasks (accuracy, skipped steps, settling, underflow)",
+            "scaling quality: 7 rules x 4 tasks (accuracy, skipped steps, settling, underflow);"
+            " not in all",
+            in_all=False,
         ),
         Suite(
             "roofline",
@@ -100,7 +105,7 @@ def describe() -> str:
     lines = ["suites:"]
     lines += [f"  {s.name:{width}}  {s.description}" for s in SUITES.values()]
     lines += [
-        f"  {'all':{width}}  every suite above, then summary.md and (unless --quick) the plots",
+        f"  {'all':{width}}  every suite above (but quality), then summary.md and the plots",
         f"  {'plot':{width}}  only redraw the plots and summary.md from the JSON in --out",
         "",
         "tools (python -m MODULE --help):",
