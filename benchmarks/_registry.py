@@ -105,7 +105,7 @@ def describe() -> str:
     lines = ["suites:"]
     lines += [f"  {s.name:{width}}  {s.description}" for s in SUITES.values()]
     lines += [
-        f"  {'all':{width}}  every suite above (but quality), then summary.md and the plots",
+        f"  {'all':{width}}  every suite above but quality, then summary.md and (unless --quick) the plots",
         f"  {'plot':{width}}  only redraw the plots and summary.md from the JSON in --out",
         "",
         "tools (python -m MODULE --help):",
