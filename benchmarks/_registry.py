@@ -24,12 +24,15 @@ class Suite:
       module: the module that defines it.
       function: the name of ``suite(quick=False, rounds=None) -> list[Section]`` in it.
       description: one line for the help text.
+      in_all: run by ``all`` (and so by the smoke test); False for suites that train models
+        for minutes even with ``--quick`` (``quality``, smoke-tested on its own).
     """
 
     name: str
     module: str
     function: str
     description: str
+    in_all: bool = True
 
     def load(self) -> Callable[..., list[Any]]:
         """The suite function (imports its module, and so JAX)."""
@@ -76,6 +79,14 @@ SUITES: dict[str, Suite] = {
             "compiled temporary memory and compile time, full step and update",
         ),
         Suite(
+            "quality",
+            "benchmarks.bench_quality",
+            "suite",
+            "scaling quality: 7 rules x 4 tasks (accuracy, skipped steps, settling, underflow);"
+            " not in all",
+            in_all=False,
+        ),
+        Suite(
             "roofline",
             "benchmarks.bench_roofline",
             "suite",
@@ -90,6 +101,7 @@ TOOLS: dict[str, str] = {
     "benchmarks.profile_ops": "per-kernel times (JAX profiler) and HLO kernel counts of variants",
     "benchmarks.ablate_compile": "compile time of the update with parts of jdls.wrap taken out",
     "benchmarks.bench_round": "cost of cbfloat16 rounding against a native float16 round trip",
+    "benchmarks.bench_quality": "plot the quality suite's scales and skipped steps (RESULTS PNG)",
 }
 
 
@@ -99,7 +111,7 @@ def describe() -> str:
     lines = ["suites:"]
     lines += [f"  {s.name:{width}}  {s.description}" for s in SUITES.values()]
     lines += [
-        f"  {'all':{width}}  every suite above, then summary.md and (unless --quick) the plots",
+        f"  {'all':{width}}  every suite above but quality, then summary.md and (unless --quick) the plots",
         f"  {'plot':{width}}  only redraw the plots and summary.md from the JSON in --out",
         "",
         "tools (python -m MODULE --help):",

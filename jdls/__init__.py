@@ -8,8 +8,16 @@ from jdls._flax import TrainState, from_flax_train_state, nnx_value_and_grad, se
 from jdls._formats import FloatFormat, cbfloat16, compress, decompress, finfo
 from jdls._groups import GroupState, group_stats, wrap_groups
 from jdls._policy import Policy, get_policy
+from jdls._probe import (
+    Telemetry,
+    plot_headroom,
+    probe,
+    probe_linen,
+    probe_nnx,
+    probed_value_and_grad,
+)
 from jdls._retry import SkipCause
-from jdls._scale import DynamicScale, LossScale, NoOpScale, StaticScale, all_finite
+from jdls._scale import AdaptiveScale, DynamicScale, LossScale, NoOpScale, StaticScale, all_finite
 from jdls._stats import (
     Stats,
     WrapState,
@@ -26,6 +34,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AccumulateInfo",
+    "AdaptiveScale",
     "DynamicScale",
     "FloatFormat",
     "FormatInfo",
@@ -37,6 +46,7 @@ __all__ = [
     "SkipCause",
     "StaticScale",
     "Stats",
+    "Telemetry",
     "TrainState",
     "WrapState",
     "accumulate",
@@ -53,7 +63,12 @@ __all__ = [
     "keep_if_skipped",
     "nnx_value_and_grad",
     "nonfinite_paths",
+    "plot_headroom",
     "presets",
+    "probe",
+    "probe_linen",
+    "probe_nnx",
+    "probed_value_and_grad",
     "rules",
     "set_nnx_scale",
     "set_scale",

@@ -26,6 +26,7 @@ __all__ = [
     "AxisName",
     "FloatLeaves",
     "GlobalNorm",
+    "amax",
     "check_sharded",
     "clip_by_norm",
     "flatten_floats",
@@ -305,3 +306,13 @@ def clip_by_norm(
         robust = (x * n.down.astype(x.dtype)) * (max_norm / n.scaled_norm).astype(x.dtype)
         out.append(jnp.where(keep, x, jnp.where(n.robust, robust, usual)).astype(g.dtype))
     return tree.with_floats(out)
+
+
+def amax(leaves: Sequence[jax.Array], *, axis_name: AxisName | None = None) -> jax.Array:
+    """The largest magnitude of the float ``leaves`` as float32 (0 for none; NaN propagates),
+    agreed across ``axis_name`` (a ``pmax``: right whether the leaves are split or not)."""
+    maxima = [jnp.max(jnp.abs(x)).astype(_F32) for x in leaves if x.size > 0]
+    out = jnp.max(jnp.stack(maxima)) if maxima else jnp.zeros((), _F32)
+    if axis_name is not None:
+        out = lax.pmax(out, axis_name)
+    return out

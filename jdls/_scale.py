@@ -15,10 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jdls._checks import check_positive_finite, finite_flag, is_float
-from jdls.rules import GrowBackoff, Rule
+from jdls.rules import Adaptive, GrowBackoff, Rule
 from jdls.rules._rule import check_within
 
 __all__ = [
+    "AdaptiveScale",
     "DynamicScale",
     "LossScale",
     "NoOpScale",
@@ -438,19 +439,33 @@ class DynamicScale(LossScale):
             )
         return _new(DynamicScale, **{**fields, **changes})
 
-    def adjust(self, grads_finite: jax.Array | bool) -> DynamicScale:
+    def adjust(
+        self, grads_finite: jax.Array | bool, grad_amax: jax.Array | float | None = None
+    ) -> DynamicScale:
         """The next scale after a step, as the rule says (pure, traceable).
 
         Args:
           grads_finite: boolean scalar, whether the unscaled gradients were all finite
             (:func:`all_finite`).
+          grad_amax: the largest magnitude of the step's unscaled gradients, for rules that
+            use it (``rule.observes``, e.g. :class:`jdls.rules.Adaptive`; :func:`jdls.wrap`
+            passes it to them); None, or a rule that does not use it: ignored.
 
         Example:
           >>> import jdls
           >>> float(jdls.DynamicScale(64.0).adjust(False).loss_scale)
           32.0
         """
-        loss_scale, state = self.rule.adjust(self.loss_scale, self.state, finite_flag(grads_finite))
+        finite = finite_flag(grads_finite)
+        if grad_amax is None:
+            loss_scale, state = self.rule.adjust(self.loss_scale, self.state, finite)
+        else:
+            amax = jnp.asarray(grad_amax, _F32)
+            if amax.shape != ():
+                raise ValueError(
+                    f"grad_amax must be a scalar (the largest |gradient|), got shape {amax.shape}"
+                )
+            loss_scale, state = self.rule.observe(self.loss_scale, self.state, finite, amax)
         return self.replace(loss_scale=loss_scale, state=state)
 
     def check(self) -> DynamicScale:
@@ -483,3 +498,34 @@ class DynamicScale(LossScale):
 _register(StaticScale, ("loss_scale",), ())
 _register(DynamicScale, ("loss_scale", "state"), ("rule",))
 _register(NoOpScale, (), ())
+
+
+def AdaptiveScale(
+    loss_scale: float = 1.0,
+    compute_dtype: Any = "float16",
+    **options: Any,
+) -> DynamicScale:
+    """A :class:`DynamicScale` whose rule sets the scale from the gradients it measures.
+
+    ``jdls.DynamicScale(loss_scale, jdls.rules.Adaptive(compute_dtype, **options))``: after
+    every finite step the scale becomes the power of two that puts the largest scaled
+    gradient a few bits (the adaptive margin) below the maximum of ``compute_dtype``, so it
+    reaches the useful scale in a step or two from any start; an overflow backs off and
+    raises the margin. Use it with :func:`jdls.wrap` (or :class:`jdls.TrainState`), which
+    measures the gradients for it.
+
+    Args:
+      loss_scale: initial scale (default 1: the first step measures, the second is scaled).
+      compute_dtype: the format the backward pass computes in (default ``"float16"``).
+      **options: the other arguments of :class:`jdls.rules.Adaptive` (``margin``,
+        ``min_loss_scale``, ...).
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jdls
+      >>> tx = jdls.wrap(optax.sgd(0.1), jdls.AdaptiveScale())
+      >>> params = {"w": jnp.zeros(2)}
+      >>> _, state = tx.update({"w": jnp.array([2.0**-20, 0.0])}, tx.init(params), params)
+      >>> float(jdls.get_scale(state).loss_scale) == 2.0**(15 - 6 + 20)  # float16, margin 6
+      True
+    """
+    return DynamicScale(loss_scale, Adaptive(compute_dtype, **options))

@@ -30,6 +30,7 @@ from jdls._norm import (
     AxisName,
     FloatLeaves,
     GlobalNorm,
+    amax,
     check_sharded,
     clip_by_norm,
     flatten_floats,
@@ -254,9 +255,20 @@ def wrap(
         stats = _record(state.stats, finite, n, tree, step.tries, cause)
         if max_consecutive_skips is not None:
             _fail_if_stuck(stats.consecutive_skips, max_consecutive_skips)
-        return new_updates, WrapState(step.scale.adjust(finite), inner_state, stats)
+        return new_updates, WrapState(
+            _adjust(step.scale, finite, tree, axis_name), inner_state, stats
+        )
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _adjust(
+    scale: LossScale, finite: jax.Array, tree: FloatLeaves, axis_name: AxisName | None
+) -> LossScale:
+    """The next scale; rules that ask for it (``rule.observes``) get the gradients' amax."""
+    if isinstance(scale, DynamicScale) and scale.rule.observes:
+        return scale.adjust(finite, amax(tree.floats, axis_name=axis_name))
+    return scale.adjust(finite)
 
 
 def _record(

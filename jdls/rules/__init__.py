@@ -12,11 +12,14 @@ Example:
   (256.0, 128.0)
 """
 
+from jdls.rules._adaptive import Adaptive, AdaptiveState
 from jdls.rules._grow_backoff import GrowBackoff, GrowBackoffState, MinimumScaleError
 from jdls.rules._overflow_tolerance import OverflowTolerance, OverflowToleranceState
 from jdls.rules._rule import Rule
 
 __all__ = [
+    "Adaptive",
+    "AdaptiveState",
     "GrowBackoff",
     "GrowBackoffState",
     "MinimumScaleError",

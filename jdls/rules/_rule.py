@@ -9,7 +9,7 @@ must be pure and traceable (it runs inside ``jit``, ``vmap`` and ``lax.cond``).
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 
@@ -35,6 +35,9 @@ class Rule:
 
     min_loss_scale: float | None = None
     max_loss_scale: float | None = None
+    #: Whether the rule uses the largest magnitude of the gradients (:meth:`observe`):
+    #: :func:`jdls.wrap` measures it only for rules that set this.
+    observes: ClassVar[bool] = False
 
     @property
     def bounds(self) -> tuple[float | None, float | None]:
@@ -52,6 +55,14 @@ class Rule:
     def adjust(self, loss_scale: jax.Array, state: Any, finite: jax.Array) -> tuple[jax.Array, Any]:
         """The next loss scale and counters after a step whose gradients were ``finite``."""
         raise NotImplementedError
+
+    def observe(
+        self, loss_scale: jax.Array, state: Any, finite: jax.Array, grad_amax: jax.Array
+    ) -> tuple[jax.Array, Any]:
+        """:meth:`adjust` given also ``grad_amax``, the largest magnitude of the unscaled
+        gradients of the step (default: ignores it)."""
+        del grad_amax
+        return self.adjust(loss_scale, state, finite)
 
     def check(self, loss_scale: jax.Array, state: Any) -> None:
         """Raise on the host if the counters record an error the rule reports (default: none)."""

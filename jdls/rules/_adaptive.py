@@ -1,0 +1,249 @@
+"""A rule driven by measurements: the next scale puts this step's largest gradient just below
+the compute format's maximum, with a headroom margin that adapts to the overflows it sees."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, ClassVar, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jdls._checks import check_int
+from jdls._formats import FloatFormat, finfo
+from jdls.rules._rule import Rule, check_bounds, check_within
+
+__all__ = ["Adaptive", "AdaptiveState"]
+
+_F32 = jnp.float32
+_I32 = jnp.int32
+_EXP_MIN, _EXP_MAX = -126, 127  # the normal powers of two of float32
+
+
+class AdaptiveState(NamedTuple):
+    """The counters of :class:`Adaptive` (int32 scalars).
+
+    Attributes:
+      margin: headroom in bits kept between the predicted largest scaled gradient and the
+        compute format's maximum.
+      counter: finite steps since the start or the last overflow (saturating at ``2**30``;
+        without measurements: since the last growth).
+      overflows: non-finite steps in a row up to the last one.
+    """
+
+    margin: jax.Array
+    counter: jax.Array
+    overflows: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class Adaptive(Rule):
+    """Set the scale from the largest gradient of this step; back off on an overflow.
+
+    With a measurement (``scale.adjust(finite, grad_amax)``, which :func:`jdls.wrap` makes for
+    this rule), a finite step sets the next scale to the largest power of two ``2**k`` with
+    ``amax * 2**k <= fmax * 2**-margin``, where ``amax`` is the largest magnitude of the
+    unscaled gradients and ``fmax`` the compute format's largest finite value: the scaled
+    gradients then use as much of the format's range as the margin allows, whatever the
+    scale was, so the useful scale is reached in one step. When every scaled gradient
+    flushed to zero (``amax * scale`` below half the format's smallest subnormal) the scale
+    jumps by the whole usable range at once.
+
+    A non-finite step backs off by ``2**-b``, where ``b`` doubles with each overflow in a
+    row (1, 2, 4, ... bits, at most ``max_backoff_bits``): a start far too high is left in a
+    few steps. An overflow at a predicted scale (the first after a finite step) also raises
+    the margin by one bit (at most ``max_margin``); every ``margin_interval`` finite steps in
+    a row lower it by one bit (at least ``min_margin``).
+
+    Without a measurement (``scale.adjust(finite)``) it behaves as a classic rule: back off
+    as above, double after ``growth_interval`` finite steps in a row.
+
+    The scale always stays within ``[min_loss_scale, max_loss_scale]`` and within the normal
+    powers of two of float32 (``2**-126`` to ``2**127``).
+
+    Args:
+      compute_dtype: the format the scaled gradients are computed in: ``"float16"``
+        (default), ``"bfloat16"``, ``"float8_e4m3fn"``, ``"cbfloat16"``, a dtype or a
+        :class:`jdls.FloatFormat`.
+      margin: initial headroom in bits, within ``[min_margin, max_margin]``.
+      min_margin: smallest headroom, >= 0.
+      max_margin: largest headroom.
+      margin_interval: finite steps in a row after which the margin is lowered, >= 1.
+      growth_interval: without measurements, finite steps in a row before a doubling, >= 1.
+      max_backoff_bits: the largest backoff on one step, in bits, >= 1.
+      min_loss_scale: lower bound (None: ``2**-126``).
+      max_loss_scale: upper bound (None: ``2**127``).
+
+    Example:
+      >>> import jdls
+      >>> scale = jdls.DynamicScale(1.0, jdls.rules.Adaptive(margin=4))
+      >>> # float16's max is about 2**16: a largest gradient of 2**-30 wants 2**(16-4+30)
+      >>> float(scale.adjust(True, grad_amax=2.0**-30).loss_scale) == 2.0**41
+      True
+
+    References:
+      NVIDIA Transformer Engine, delayed scaling (``scale = fmax * 2**-margin / amax``);
+      Graphcore PopART, automatic loss scaling; Zhao et al., `Adaptive Loss Scaling for
+      Mixed Precision Training <https://arxiv.org/abs/1910.12385>`_, 2019.
+    """
+
+    compute_dtype: Any = "float16"
+    margin: int = 6
+    min_margin: int = 2
+    max_margin: int = 24
+    margin_interval: int = 2000
+    growth_interval: int = 2000
+    max_backoff_bits: int = 8
+    min_loss_scale: float | None = None
+    max_loss_scale: float | None = None
+
+    State = AdaptiveState
+    #: :func:`jdls.wrap` measures the gradients' largest magnitude for this rule.
+    observes: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        self.format_range()  # validates compute_dtype
+        check_int("min_margin", self.min_margin, 0)
+        check_int("max_margin", self.max_margin, self.min_margin)
+        margin = check_int("margin", self.margin, -(2**31))
+        if not self.min_margin <= margin <= self.max_margin:
+            raise ValueError(
+                f"margin must be within [min_margin, max_margin] = [{self.min_margin}, "
+                f"{self.max_margin}], got {margin}"
+            )
+        check_int("margin_interval", self.margin_interval, 1)
+        check_int("growth_interval", self.growth_interval, 1)
+        check_int("max_backoff_bits", self.max_backoff_bits, 1)
+        check_bounds(self.min_loss_scale, self.max_loss_scale)
+
+    def format_range(self) -> tuple[float, float]:
+        """``(log2 of the format's max, log2 of its smallest subnormal)`` of ``compute_dtype``.
+
+        Example:
+          >>> import jdls
+          >>> hi, lo = jdls.rules.Adaptive().format_range()  # float16: max 65504
+          >>> round(hi, 4), lo
+          (15.9993, -24.0)
+        """
+        dtype = self.compute_dtype
+        try:
+            info = finfo(dtype)
+        except TypeError:
+            raise TypeError(
+                "compute_dtype must be a float format: 'float16', 'bfloat16', 'float8_e4m3fn', "
+                f"'cbfloat16', a dtype or a jdls.FloatFormat, got {dtype!r}"
+            ) from None
+        if not isinstance(dtype, FloatFormat) and info.bits > 32:
+            raise ValueError(f"compute_dtype must be at most 32 bits wide, got {dtype!r}")
+        return math.log2(float(info.max)), math.log2(float(info.smallest_subnormal))
+
+    def initial_state(  # type: ignore[override]
+        self, margin: int | None = None, counter: int = 0, overflows: int = 0
+    ) -> AdaptiveState:
+        """Counters to start from (default: a fresh run with the initial ``margin``).
+
+        Example:
+          >>> import jdls
+          >>> int(jdls.rules.Adaptive(margin=5).initial_state().margin)
+          5
+        """
+        m = self.margin if margin is None else check_int("margin", margin, self.min_margin)
+        if m > self.max_margin:
+            raise ValueError(f"margin must be <= max_margin ({self.max_margin}), got {m}")
+        counter = check_int("counter", counter, 0)
+        overflows = check_int("overflows", overflows, 0)
+        return AdaptiveState(
+            jnp.asarray(m, _I32), jnp.asarray(counter, _I32), jnp.asarray(overflows, _I32)
+        )
+
+    def start(self, loss_scale: float) -> float:
+        """``loss_scale`` if it lies within ``[min_loss_scale, max_loss_scale]``."""
+        check_within(loss_scale, self.min_loss_scale, self.max_loss_scale)
+        return loss_scale
+
+    def _exponent_bounds(self) -> tuple[int, int]:
+        lo = _EXP_MIN if self.min_loss_scale is None else math.ceil(math.log2(self.min_loss_scale))
+        hi = _EXP_MAX if self.max_loss_scale is None else math.floor(math.log2(self.max_loss_scale))
+        return max(lo, _EXP_MIN), min(hi, _EXP_MAX)
+
+    def _clamp(self, loss_scale: jax.Array) -> jax.Array:
+        lo = 2.0**_EXP_MIN if self.min_loss_scale is None else self.min_loss_scale
+        hi = 2.0**_EXP_MAX if self.max_loss_scale is None else self.max_loss_scale
+        return jnp.clip(loss_scale, _F32(lo), _F32(hi))
+
+    def _overflow(
+        self, loss_scale: jax.Array, state: AdaptiveState
+    ) -> tuple[jax.Array, AdaptiveState]:
+        """Back off ``2**-b`` bits, ``b`` doubling with consecutive overflows; raise the margin
+        on the first overflow after a finite step."""
+        bits = jnp.minimum(
+            jnp.left_shift(_I32(1), jnp.minimum(state.overflows, _I32(30))),
+            _I32(self.max_backoff_bits),
+        )
+        backed_off = self._clamp(loss_scale * _pow2(-bits))
+        # At a predicted scale: a finite step came since the start or the last overflow.
+        predicted = (state.overflows == 0) & (state.counter > 0)
+        margin = jnp.where(
+            predicted, jnp.minimum(state.margin + 1, _I32(self.max_margin)), state.margin
+        )
+        overflows = jnp.minimum(state.overflows, _I32(2**30)) + 1
+        return backed_off, AdaptiveState(margin, _I32(0), overflows)
+
+    def adjust(
+        self, loss_scale: jax.Array, state: AdaptiveState, finite: jax.Array
+    ) -> tuple[jax.Array, AdaptiveState]:
+        """Without a measurement: back off on an overflow, double after ``growth_interval``
+        finite steps in a row (pure)."""
+        backed_off, on_overflow = self._overflow(loss_scale, state)
+        counted = state.counter + 1
+        grow = counted >= self.growth_interval
+        grown = self._clamp(jnp.where(grow, loss_scale * _F32(2.0), loss_scale))
+        on_finite = AdaptiveState(state.margin, jnp.where(grow, _I32(0), counted), _I32(0))
+        return _select(finite, (grown, on_finite), (backed_off, on_overflow))
+
+    def observe(
+        self,
+        loss_scale: jax.Array,
+        state: AdaptiveState,
+        finite: jax.Array,
+        grad_amax: jax.Array,
+    ) -> tuple[jax.Array, AdaptiveState]:
+        """With the largest magnitude ``grad_amax`` of the unscaled gradients: the scale that
+        puts it ``margin`` bits below the format's maximum (pure; see the class docstring)."""
+        log2_max, log2_sub = self.format_range()
+        backed_off, on_overflow = self._overflow(loss_scale, state)
+        log2_scale = jnp.log2(loss_scale.astype(_F32))
+        # log2 of the largest scaled gradient; none measured (all flushed to zero): below
+        # half the smallest subnormal, so the scale may grow by the whole range at once.
+        amax = jnp.abs(grad_amax).astype(_F32)
+        scaled = jnp.where(
+            amax > 0, jnp.log2(jnp.where(amax > 0, amax, 1)) + log2_scale, _F32(log2_sub - 1)
+        )
+        target = jnp.floor(_F32(log2_max) - state.margin.astype(_F32) - scaled + log2_scale)
+        lo, hi = self._exponent_bounds()
+        target = jnp.clip(jnp.nan_to_num(target, nan=float(lo)), lo, hi).astype(_I32)
+        predicted = self._clamp(_pow2(target))
+
+        counted = jnp.minimum(state.counter, _I32(2**30)) + 1
+        lower = counted % self.margin_interval == 0
+        margin = jnp.where(
+            lower, jnp.maximum(state.margin - 1, _I32(self.min_margin)), state.margin
+        )
+        on_finite = AdaptiveState(margin, counted, _I32(0))
+        return _select(finite, (predicted, on_finite), (backed_off, on_overflow))
+
+
+def _pow2(exponent: jax.Array) -> jax.Array:
+    """``2.0**exponent`` exactly, for int32 exponents in [-126, 127] (built from the bits)."""
+    e = jnp.clip(exponent, _EXP_MIN, _EXP_MAX).astype(_I32)
+    return lax.bitcast_convert_type(jnp.left_shift(e + 127, 23), _F32)
+
+
+def _select(
+    finite: jax.Array, taken: tuple[jax.Array, Any], skipped: tuple[jax.Array, Any]
+) -> tuple[jax.Array, Any]:
+    return jax.tree_util.tree_map(
+        lambda a, b: jnp.where(finite, a, b).astype(jnp.asarray(a).dtype), taken, skipped
+    )

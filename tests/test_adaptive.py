@@ -1,0 +1,339 @@
+"""jdls.rules.Adaptive and jdls.AdaptiveScale: the state machine (property-tested), the
+measurement jdls.wrap makes for it, and the usual scale interface (jit, vmap, shard_map,
+pmap, checkpoints)."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from _helpers import maybe_jit, with_and_without_jit
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from jax.sharding import PartitionSpec as P
+
+import jdls
+
+SETTINGS = settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
+)
+F16_MAX = 65504.0
+LOG2_F16_MAX = math.log2(F16_MAX)
+
+
+def right_scale(amax: float, margin: int, log2_max: float = LOG2_F16_MAX) -> float:
+    """The power of two the rule aims at for a largest unscaled gradient ``amax``."""
+    return 2.0 ** math.floor(log2_max - margin - math.log2(amax))
+
+
+def simulate(scale: jdls.DynamicScale, amax: float, steps: int, *, seed: int = 0, jit=True):
+    """Train-step stand-in: a stationary gradient distribution whose largest magnitude is
+    ``amax * u`` (``u`` uniform in [0.5, 1]); at scale ``s`` the float16 backward pass
+    overflows when ``amax * u * s`` exceeds float16's max and flushes to zero below half its
+    smallest subnormal. Returns the scale used at each step and the finite flags."""
+    rng = np.random.default_rng(seed)
+    adjust = maybe_jit(lambda s, f, a: s.adjust(f, a), jit)
+    used, flags = [], []
+    for _ in range(steps):
+        s = float(scale.loss_scale)
+        a = amax * rng.uniform(0.5, 1.0)
+        finite = a * s <= F16_MAX
+        measured = a if a * s >= 2.0**-25 else 0.0
+        used.append(s)
+        flags.append(finite)
+        scale = adjust(scale, finite, measured if finite else np.inf)
+    return np.array(used), np.array(flags), scale
+
+
+# --------------------------------------------------------------------------------------------
+# The state machine.
+# --------------------------------------------------------------------------------------------
+
+
+@with_and_without_jit
+@pytest.mark.parametrize("direction", [-20, 20])
+def test_settles_within_ten_steps_from_2_to_the_20_away(jit, direction):
+    amax = 3e-9  # the demo's regime: the right scale is about 2**38
+    target = right_scale(amax, 6)
+    start = target * 2.0**direction
+    used, flags, _ = simulate(jdls.AdaptiveScale(start), amax, 60, jit=jit)
+    final = used[-1]
+    settled = next(k for k in range(len(used)) if np.all(np.abs(np.log2(used[k:] / final)) <= 1))
+    assert settled <= 10, used[:15]
+    assert abs(math.log2(final / target)) <= 1
+    assert flags[settled:].all()  # no overflow once settled
+
+
+@SETTINGS
+@given(
+    log2_amax=st.floats(-60, 10),
+    offset=st.integers(-20, 20),
+    margin=st.integers(2, 12),
+)
+def test_settles_from_any_start_on_a_stationary_distribution(log2_amax, offset, margin):
+    amax = 2.0**log2_amax
+    target = right_scale(amax, margin)
+    start = min(max(target * 2.0**offset, 2.0**-126), 2.0**127)
+    used, flags, _ = simulate(jdls.AdaptiveScale(start, margin=margin), amax, 40)
+    settled = next(k for k in range(len(used)) if np.all(np.abs(np.log2(used[k:] / used[-1])) <= 1))
+    assert settled <= 10, used[:15]
+    assert flags[settled:].all()
+
+
+steps = st.lists(
+    st.tuples(
+        st.booleans(),
+        st.one_of(
+            st.just(0.0),
+            st.just(np.inf),
+            st.just(np.nan),
+            st.floats(1e-45, 3e38),
+        ),
+    ),
+    min_size=1,
+    max_size=60,
+)
+
+
+def _check_run(rule, start, seq, jit):
+    scale = jdls.DynamicScale(start, rule)
+    adjust = maybe_jit(lambda s, f, a: s.adjust(f, a), jit)
+    adjust_blind = maybe_jit(lambda s, f: s.adjust(f), jit)
+    lo = rule.min_loss_scale or 2.0**-126
+    hi = rule.max_loss_scale or 2.0**127
+    for k, (finite, amax) in enumerate(seq):
+        old = float(scale.loss_scale)
+        scale = adjust(scale, finite, amax) if k % 3 else adjust_blind(scale, finite)
+        new = float(scale.loss_scale)
+        assert math.isfinite(new) and new > 0, (k, new)
+        assert lo <= new <= hi, (k, new)
+        if not finite:
+            assert new < old or new == lo, (k, old, new)  # backs off on every real overflow
+        m = int(scale.state.margin)
+        assert rule.min_margin <= m <= rule.max_margin
+        assert int(scale.state.overflows) >= 0 and int(scale.state.counter) >= 0
+    return scale
+
+
+@with_and_without_jit
+@SETTINGS
+@given(seq=steps, log2_start=st.integers(-126, 127))
+def test_bounded_never_nan_zero_or_inf_and_backs_off(jit, seq, log2_start):
+    _check_run(jdls.rules.Adaptive(), 2.0**log2_start, seq, jit)
+
+
+@SETTINGS
+@given(
+    seq=steps,
+    lo=st.integers(-30, 10),
+    width=st.integers(0, 60),
+    dtype=st.sampled_from(["float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "cbfloat16"]),
+)
+def test_bounds_and_formats(seq, lo, width, dtype):
+    rule = jdls.rules.Adaptive(dtype, min_loss_scale=2.0**lo, max_loss_scale=2.0 ** (lo + width))
+    _check_run(rule, 2.0**lo, seq, jit=True)
+
+
+@SETTINGS
+@given(seq=steps, log2_start=st.integers(-126, 127))
+def test_jit_and_eager_agree_bit_for_bit(seq, log2_start):
+    def run(jit):
+        scale = jdls.AdaptiveScale(2.0**log2_start)
+        adjust = maybe_jit(lambda s, f, a: s.adjust(f, a), jit)
+        out = []
+        for finite, amax in seq:
+            scale = adjust(scale, finite, amax)
+            out.append(jax.device_get(jax.tree_util.tree_leaves(scale)))
+        return out
+
+    for a, b in zip(run(False), run(True), strict=True):
+        for x, y in zip(a, b, strict=True):
+            assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
+
+
+def test_scales_are_powers_of_two_and_hit_the_margin():
+    scale = jdls.AdaptiveScale(3.0)
+    for amax in (1e-3, 1e-9, 7.0, 2.0**-20):
+        new = float(scale.adjust(True, amax).loss_scale)
+        assert new == right_scale(amax, 6)
+        assert amax * new <= F16_MAX * 2.0**-6 < 2 * amax * new
+
+
+def test_all_flushed_to_zero_jumps_by_the_whole_range():
+    # float16: nothing measured at scale 1 means amax < 2**-25: the jump keeps 2**-25 safe.
+    new = float(jdls.AdaptiveScale(1.0).adjust(True, 0.0).loss_scale)
+    assert new == 2.0 ** math.floor(LOG2_F16_MAX - 6 + 25)
+
+
+def test_backoff_doubles_its_bits_and_an_overflow_at_a_predicted_scale_raises_the_margin():
+    scale = jdls.AdaptiveScale(2.0**40, max_backoff_bits=8)
+    values, margins = [], []
+    for _ in range(6):
+        scale = scale.adjust(False, jnp.inf)
+        values.append(math.log2(float(scale.loss_scale)))
+        margins.append(int(scale.state.margin))
+    assert values == [39, 37, 33, 25, 17, 9]
+    assert margins == [6] * 6  # the start was not predicted: no margin raised
+    scale = scale.adjust(True, 1.0)  # a finite step resets the backoff
+    assert int(scale.state.overflows) == 0
+    assert float(scale.adjust(False, jnp.nan).loss_scale) == float(scale.loss_scale) / 2
+    assert int(scale.adjust(False).state.margin) == 7  # an overflow at a predicted scale
+    assert int(scale.adjust(False).adjust(False).state.margin) == 7  # once per run
+
+
+def test_margin_lowers_after_a_run_of_finite_steps():
+    rule = jdls.rules.Adaptive(margin=5, min_margin=4, margin_interval=3)
+    scale = jdls.DynamicScale(1.0, rule)
+    margins = []
+    for _ in range(7):
+        scale = scale.adjust(True, 1.0)
+        margins.append(int(scale.state.margin))
+    assert margins == [5, 5, 4, 4, 4, 4, 4]
+    assert float(scale.loss_scale) == right_scale(1.0, 4)
+
+
+def test_without_measurements_it_is_a_classic_rule():
+    scale = jdls.AdaptiveScale(1024.0, growth_interval=2)
+    assert float(scale.adjust(True).loss_scale) == 1024.0
+    assert float(scale.adjust(True).adjust(True).loss_scale) == 2048.0
+    assert float(scale.adjust(False).loss_scale) == 512.0
+
+
+def test_other_rules_ignore_the_measurement():
+    scale = jdls.DynamicScale(1024.0, growth_interval=2)
+    assert float(scale.adjust(True, 123.0).adjust(True, 1.0).loss_scale) == 2048.0
+    assert not scale.rule.observes and jdls.rules.Adaptive.observes
+
+
+@pytest.mark.parametrize(
+    ("dtype", "log2_max"),
+    [
+        ("bfloat16", math.log2(float(jnp.finfo(jnp.bfloat16).max))),
+        ("float8_e4m3fn", math.log2(448.0)),
+        (jdls.cbfloat16, math.log2(float(jdls.finfo("cbfloat16").max))),
+        (jdls.FloatFormat(4, 3), math.log2(float(jdls.finfo(jdls.FloatFormat(4, 3)).max))),
+    ],
+)
+def test_compute_formats(dtype, log2_max):
+    scale = jdls.AdaptiveScale(1.0, dtype, margin=3)
+    assert float(scale.adjust(True, 10.0).loss_scale) == right_scale(10.0, 3, log2_max)
+
+
+def test_bad_arguments_say_what_to_pass():
+    with pytest.raises(TypeError, match="compute_dtype must be a float format"):
+        jdls.AdaptiveScale(compute_dtype="int8")
+    with pytest.raises(ValueError, match="margin must be within"):
+        jdls.AdaptiveScale(margin=40)
+    with pytest.raises(ValueError, match="loss_scale must be within"):
+        jdls.AdaptiveScale(1.0, min_loss_scale=2.0)
+    with pytest.raises(ValueError, match="grad_amax must be a scalar"):
+        jdls.AdaptiveScale().adjust(True, jnp.ones(3))
+    with pytest.raises(TypeError, match="got unexpected|unexpected keyword"):
+        jdls.AdaptiveScale(growth_factor=3.0)
+
+
+# --------------------------------------------------------------------------------------------
+# Through jdls.wrap: the measurement, TrainState, vmap, shard_map, pmap, checkpoints.
+# --------------------------------------------------------------------------------------------
+
+
+@with_and_without_jit
+def test_wrap_measures_the_largest_gradient(jit):
+    tx = jdls.wrap(optax.sgd(0.1), jdls.AdaptiveScale())
+    params = {"a": jnp.zeros(3), "b": jnp.zeros((2, 2), jnp.float16), "n": jnp.zeros(2, jnp.int32)}
+    grads = {
+        "a": jnp.array([1e-6, -3e-4, 0.0]),
+        "b": jnp.full((2, 2), -2e-5, jnp.float16),
+        "n": jnp.zeros(2, jnp.int32),
+    }
+    update = maybe_jit(tx.update, jit)
+    _, state = update(grads, tx.init(params), params)
+    assert float(jdls.get_scale(state).loss_scale) == right_scale(3e-4, 6)
+    _, state = update({**grads, "a": jnp.array([jnp.inf, 0.0, 0.0])}, state, params)
+    assert float(jdls.get_scale(state).loss_scale) == right_scale(3e-4, 6) / 2
+    assert bool(jdls.stats(state).skipped)
+
+
+def test_train_state_on_a_float16_model_reaches_the_scale_in_two_steps():
+    import flax.linen as nn
+
+    model = nn.Dense(4, dtype=jnp.float16)
+    x = jnp.ones((8, 3))
+    params = model.init(jax.random.key(0), x)["params"]
+
+    def loss_fn(p):
+        return 1e-9 * jnp.sum(model.apply({"params": p}, x).astype(jnp.float32) ** 2)
+
+    state = jdls.TrainState.create(
+        apply_fn=model.apply, params=params, tx=jdls.wrap(optax.adam(1e-3), jdls.AdaptiveScale())
+    )
+
+    @jax.jit
+    def step(state):
+        _, grads = state.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), grads
+
+    scales = []
+    for _ in range(4):
+        state, grads = step(state)
+        scales.append(float(state.loss_scale))
+    assert scales[1] == scales[2] == scales[3]  # the first step measured, the rest agree
+    amax = max(float(jnp.max(jnp.abs(g))) for g in jax.tree_util.tree_leaves(grads))
+    assert abs(math.log2(scales[-1] / right_scale(amax, 6))) <= 1
+    assert int(state.stats.skipped_steps) == 0
+
+
+def test_vmap_over_scales():
+    scales = jax.vmap(lambda s: jdls.AdaptiveScale().replace(loss_scale=s))(jnp.array([1.0, 4.0]))
+    out = jax.vmap(lambda s, a: s.adjust(True, a))(scales, jnp.array([1e-3, 1e-6]))
+    assert out.loss_scale.tolist() == [right_scale(1e-3, 6), right_scale(1e-6, 6)]
+
+
+def test_shard_map_agrees_on_the_global_amax():
+    n = jax.device_count()
+    if n < 2:
+        pytest.skip("needs several devices")
+    m = jax.make_mesh((n,), ("d",))
+    tx = jdls.wrap(optax.sgd(0.1), jdls.AdaptiveScale(), axis_name="d")
+    params = jnp.zeros(2 * n)
+    grads = jnp.full(2 * n, 1e-6).at[5].set(-4e-3)
+    state = tx.init(params)
+    state_specs = jax.tree_util.tree_map(lambda _: P(), state)
+    f = jax.jit(
+        jax.shard_map(
+            lambda g, s, p: tx.update(g, s, p),
+            mesh=m,
+            in_specs=(P("d"), state_specs, P("d")),
+            out_specs=(P("d"), state_specs),
+        )
+    )
+    put = lambda x, spec: jax.device_put(x, jax.sharding.NamedSharding(m, spec))  # noqa: E731
+    _, state = f(put(grads, P("d")), state, put(params, P("d")))
+    assert float(jdls.get_scale(state).loss_scale) == right_scale(4e-3, 6)
+
+
+def test_pmap_agrees_on_the_global_amax():
+    n = jax.device_count()
+    tx = jdls.wrap(optax.sgd(0.1), jdls.AdaptiveScale(), axis_name="i")
+    params = jnp.zeros((n, 2))
+    grads = jnp.full((n, 2), 1e-6).at[n - 1, 1].set(3e-2)
+    state = jax.pmap(tx.init)(params)
+    _, state = jax.pmap(tx.update, axis_name="i")(grads, state, params)
+    assert jdls.get_scale(state).loss_scale.tolist() == [right_scale(3e-2, 6)] * n
+
+
+def test_checkpoint_round_trip():
+    from flax import serialization
+
+    scale = jdls.AdaptiveScale(4.0).adjust(False).adjust(True, 1e-5)
+    target = jdls.AdaptiveScale()
+    back = serialization.from_bytes(target, serialization.to_bytes(scale))
+    assert back.rule == scale.rule
+    for a, b in zip(jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves(scale), strict=True):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    restored = jax.tree_util.tree_unflatten(*reversed(jax.tree_util.tree_flatten(scale)))
+    assert restored.rule == scale.rule
