@@ -70,6 +70,12 @@ SUITES: dict[str, Suite] = {
             "compiled temporary memory and compile time, full step and update",
         ),
         Suite(
+            "compile-leaves",
+            "benchmarks.bench_compile",
+            "suite_leaves",
+            "compile time of the update at 64, 500 and 5,000 leaves (1M parameters)",
+        ),
+        Suite(
             "roofline",
             "benchmarks.bench_roofline",
             "suite",
