@@ -57,6 +57,7 @@ class _Target:
         self.make = make
         self.lower_s: list[float] = []
         self.compile_s: list[float] = []
+        self.cpu_s: list[float] = []  # process CPU time of trace+lower+compile
         self.memory: Any = None
         self.counts: dict[str, int] = {}
 
@@ -65,11 +66,13 @@ class _Target:
         flat, leaves, donated = _flat(fn, args, donate)
         # A new function object every time: no tracing or compilation cache can answer.
         jitted = jax.jit(lambda *xs: flat(*xs), donate_argnums=donated)
+        c0 = time.process_time()
         t0 = time.perf_counter()
         lowered = jitted.lower(*leaves)
         t1 = time.perf_counter()
         compiled = lowered.compile()
         t2 = time.perf_counter()
+        self.cpu_s.append(time.process_time() - c0)
         self.lower_s.append(t1 - t0)
         self.compile_s.append(t2 - t1)
         self.memory = compiled.memory_analysis()
@@ -152,6 +155,8 @@ COLUMNS = (
     ("compile_ms", "compile ms", ".0f"),
     ("compile_ratio", "compile ratio", ".3f"),
     ("total_ratio", "lower+compile ratio", ".3f"),
+    ("cpu_ms", "CPU ms", ".0f"),
+    ("cpu_ratio", "CPU ratio", ".3f"),
 )
 
 
@@ -203,6 +208,11 @@ def _measure(title: str, note: str, targets: list[_Target], rounds: int) -> h.Se
                 "compile_ms": 1e3 * h.quartiles(t.compile_s)[1],
                 "compile_ratio": h.quartiles(c_ratios)[1],
                 "total_ratio": h.quartiles([a / b for a, b in zip(tot, base_tot, strict=True)])[1],
+                "cpu_ms": 1e3 * h.quartiles(t.cpu_s)[1],
+                "cpu_ratio": h.quartiles([a / b for a, b in zip(t.cpu_s, base.cpu_s, strict=True)])[
+                    1
+                ],
+                "cpu_s": t.cpu_s,
                 "kernels": t.counts.get("fusions", 0)
                 + t.counts.get("copies", 0)
                 + t.counts.get("dots", 0),
@@ -270,7 +280,8 @@ def suite(quick: bool = False, rounds: int | None = None) -> list[h.Section]:
         "`temp`: XLA's temporary buffers (`memory_analysis().temp_size_in_bytes`); footprint = "
         f"arguments + outputs − aliased (donated) + temp. Compile times: medians of {rounds} "
         "interleaved rounds, each variant traced afresh; ratios are medians of per-round "
-        "ratios to the first row."
+        "ratios to the first row. CPU ms: the process CPU time of trace+lower+compile "
+        "(steadier than wall time on a shared machine)."
     )
     step_names = STEP_VARIANTS[:2] if quick else STEP_VARIANTS
     update_names = UPDATE_VARIANTS[:2] if quick else UPDATE_VARIANTS
