@@ -221,12 +221,14 @@ def plot_all(out: Path, img: Path, suffix: str = "") -> list[Path]:
     if leaves is not None:
         rows = leaves["sections"][0]["rows"]
         fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-        for name in dict.fromkeys(r["variant"] for r in rows):
+        for k, name in enumerate(dict.fromkeys(r["variant"] for r in rows)):
             mine = [r for r in rows if r["variant"] == name]
             x = [r["n_leaves"] for r in mine]
-            axes[0].plot(x, [r["cpu_ms"] for r in mine], "o-", label=name)
+            color = f"C{k}"
+            axes[0].plot(x, [r["cpu_ms"] for r in mine], "o-", label=name, color=color)
             if name != "adam":
-                axes[1].plot(x, [r["added_cpu_ms"] for r in mine], "o-", label=name)
+                added = [r["added_cpu_ms"] for r in mine]
+                axes[1].plot(x, added, "o-", label=name, color=color)
         for ax, what in zip(axes, ("trace+lower+compile", "added to adam's"), strict=True):
             ax.set_xscale("log")
             ax.set_yscale("log")
