@@ -57,6 +57,7 @@ class _Target:
         self.make = make
         self.lower_s: list[float] = []
         self.compile_s: list[float] = []
+        self.cpu_s: list[float] = []  # process CPU time of trace+lower+compile
         self.memory: Any = None
         self.counts: dict[str, int] = {}
 
@@ -65,11 +66,13 @@ class _Target:
         flat, leaves, donated = _flat(fn, args, donate)
         # A new function object every time: no tracing or compilation cache can answer.
         jitted = jax.jit(lambda *xs: flat(*xs), donate_argnums=donated)
+        c0 = time.process_time()
         t0 = time.perf_counter()
         lowered = jitted.lower(*leaves)
         t1 = time.perf_counter()
         compiled = lowered.compile()
         t2 = time.perf_counter()
+        self.cpu_s.append(time.process_time() - c0)
         self.lower_s.append(t1 - t0)
         self.compile_s.append(t2 - t1)
         self.memory = compiled.memory_analysis()
@@ -152,6 +155,8 @@ COLUMNS = (
     ("compile_ms", "compile ms", ".0f"),
     ("compile_ratio", "compile ratio", ".3f"),
     ("total_ratio", "lower+compile ratio", ".3f"),
+    ("cpu_ms", "CPU ms", ".0f"),
+    ("cpu_ratio", "CPU ratio", ".3f"),
 )
 
 
@@ -203,6 +208,11 @@ def _measure(title: str, note: str, targets: list[_Target], rounds: int) -> h.Se
                 "compile_ms": 1e3 * h.quartiles(t.compile_s)[1],
                 "compile_ratio": h.quartiles(c_ratios)[1],
                 "total_ratio": h.quartiles([a / b for a, b in zip(tot, base_tot, strict=True)])[1],
+                "cpu_ms": 1e3 * h.quartiles(t.cpu_s)[1],
+                "cpu_ratio": h.quartiles([a / b for a, b in zip(t.cpu_s, base.cpu_s, strict=True)])[
+                    1
+                ],
+                "cpu_s": t.cpu_s,
                 "kernels": t.counts.get("fusions", 0)
                 + t.counts.get("copies", 0)
                 + t.counts.get("dots", 0),
@@ -270,7 +280,8 @@ def suite(quick: bool = False, rounds: int | None = None) -> list[h.Section]:
         "`temp`: XLA's temporary buffers (`memory_analysis().temp_size_in_bytes`); footprint = "
         f"arguments + outputs − aliased (donated) + temp. Compile times: medians of {rounds} "
         "interleaved rounds, each variant traced afresh; ratios are medians of per-round "
-        "ratios to the first row."
+        "ratios to the first row. CPU ms: the process CPU time of trace+lower+compile "
+        "(steadier than wall time on a shared machine)."
     )
     step_names = STEP_VARIANTS[:2] if quick else STEP_VARIANTS
     update_names = UPDATE_VARIANTS[:2] if quick else UPDATE_VARIANTS
@@ -287,3 +298,93 @@ def suite(quick: bool = False, rounds: int | None = None) -> list[h.Section]:
         rounds,
     )
     return [step, update, _norm_forms(quick, rounds)]
+
+
+LEAF_COUNTS = (64, 500, 5000)
+LEAF_VARIANTS = ("adam", bench_update.REFERENCE, "jdls.wrap(adam)", "jdls.wrap(adam, max_norm)")
+
+
+def _leaf_row(n_leaves: int, n_params: int, names: Sequence[str], rounds: int) -> list[dict]:
+    """Compile times of the update of ``n_params`` float32 parameters in ``n_leaves`` leaves."""
+    config = bench_update.Config(n_params=n_params, n_leaves=n_leaves)
+    variants = bench_update.make_variants(config)
+    size = n_params // n_leaves
+    grads = {f"leaf_{i:05d}": jax.ShapeDtypeStruct((size,), "float32") for i in range(n_leaves)}
+    wall: dict[str, list[float]] = {n: [] for n in names}
+    cpu: dict[str, list[float]] = {n: [] for n in names}
+    kernels: dict[str, int] = {}
+    import random
+
+    from benchmarks.profile_ops import hlo_counts
+
+    order = list(names)
+    rng = random.Random(0)
+    for _ in range(rounds):
+        rng.shuffle(order)
+        for name in order:
+            updater = variants[name]()
+            state = jax.eval_shape(updater.init, grads)
+
+            def step(g: Any, s: Any, p: Any, u: Any = updater) -> tuple[Any, Any]:
+                updates, s = u.update(g, s, p)
+                return s, updates
+
+            jitted = jax.jit(lambda *a, f=step: f(*a), donate_argnums=(1,))
+            t0, c0 = time.perf_counter(), time.process_time()
+            compiled = jitted.lower(grads, state, grads).compile()
+            wall[name].append(time.perf_counter() - t0)
+            cpu[name].append(time.process_time() - c0)
+            if name not in kernels:
+                c = hlo_counts(compiled.as_text())
+                kernels[name] = c["fusions"] + c["copies"] + c["dots"]
+    base_wall = h.quartiles(wall[names[0]])[1]
+    base_cpu = h.quartiles(cpu[names[0]])[1]
+    ref_cpu = h.quartiles(cpu[bench_update.REFERENCE])[1] - base_cpu
+    rows = []
+    for name in names:
+        w, c = h.quartiles(wall[name])[1], h.quartiles(cpu[name])[1]
+        rows.append(
+            {
+                "label": f"{name}, {n_leaves} leaves",
+                "n_leaves": n_leaves,
+                "variant": name,
+                "kernels": kernels[name],
+                "wall_ms": 1e3 * w,
+                "cpu_ms": 1e3 * c,
+                "added_cpu_ms": 1e3 * (c - base_cpu),
+                "added_wall_ms": 1e3 * (w - base_wall),
+                "added_over_reference": (c - base_cpu) / ref_cpu if ref_cpu > 0 else float("nan"),
+                "wall_s": wall[name],
+                "cpu_s": cpu[name],
+            }
+        )
+    return rows
+
+
+def suite_leaves(quick: bool = False, rounds: int | None = None) -> list[h.Section]:
+    """The ``compile-leaves`` suite: compile time of the update against the number of leaves
+    (64, 500, 5,000) at a fixed total size, and what each design adds to ``adam``'s."""
+    rounds = rounds or (1 if quick else 3)
+    n_params = 2**14 if quick else 2**20
+    counts = (8, 64) if quick else LEAF_COUNTS
+    rows: list[dict] = []
+    for n in counts:
+        r = 1 if n >= 5000 else rounds  # XLA:CPU takes minutes per variant at 5,000 leaves
+        h.log(f"compile-leaves: {n} leaves, {r} rounds")
+        rows += _leaf_row(n, n_params, LEAF_VARIANTS, r)
+    note = (
+        f"Update only, {n_params:,} float32 parameters split into equal leaves; trace+lower+"
+        f"compile, medians of {rounds} interleaved rounds (one at 5,000 leaves), in process CPU time (steadier than "
+        "wall time on a shared machine) and wall time. *added* = the variant's time minus "
+        "`adam`'s at the same leaf count; *added / reference* divides that by what the minimal "
+        "reference adds."
+    )
+    columns = (
+        ("label", "variant", ""),
+        ("kernels", "kernels", ""),
+        ("cpu_ms", "CPU ms", ".0f"),
+        ("wall_ms", "wall ms", ".0f"),
+        ("added_cpu_ms", "added CPU ms", ".0f"),
+        ("added_over_reference", "added / reference", ".2f"),
+    )
+    return [h.Section("Compile time against the number of leaves", note, rows, columns=columns)]

@@ -217,4 +217,29 @@ def plot_all(out: Path, img: Path, suffix: str = "") -> list[Path]:
         fig.savefig(path, dpi=110)
         plt.close(fig)
         written.append(path)
+    leaves = load(out, "compile-leaves", suffix)
+    if leaves is not None:
+        rows = leaves["sections"][0]["rows"]
+        fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+        for k, name in enumerate(dict.fromkeys(r["variant"] for r in rows)):
+            mine = [r for r in rows if r["variant"] == name]
+            x = [r["n_leaves"] for r in mine]
+            color = f"C{k}"
+            axes[0].plot(x, [r["cpu_ms"] for r in mine], "o-", label=name, color=color)
+            if name != "adam":
+                added = [r["added_cpu_ms"] for r in mine]
+                axes[1].plot(x, added, "o-", label=name, color=color)
+        for ax, what in zip(axes, ("trace+lower+compile", "added to adam's"), strict=True):
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+            ax.set_xlabel("leaves (fixed total size)", fontsize=8)
+            ax.set_ylabel(f"{what}, CPU ms", fontsize=8)
+            ax.tick_params(labelsize=7)
+            ax.legend(fontsize=7)
+        fig.suptitle("Compile time of the update against the number of leaves", fontsize=9)
+        fig.tight_layout()
+        path = img / f"perf_compile_leaves{suffix}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
     return written

@@ -8,6 +8,7 @@ for.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -17,7 +18,7 @@ import numpy as np
 
 from jdls._norm import vary_like
 
-__all__ = ["keep_dtypes", "select", "skip_branch", "skip_value"]
+__all__ = ["cond_branches", "keep_dtypes", "select", "skip_value"]
 
 
 def skip_value(s: Any) -> jax.Array:
@@ -30,20 +31,49 @@ def skip_value(s: Any) -> jax.Array:
     return vary_like(jnp.full_like(s, fill), s)  # full_like keeps an explicit sharding
 
 
-def skip_branch(
-    apply: Callable[[tuple[Any, ...]], tuple[Any, Any]],
-) -> Callable[[tuple[Any, ...]], tuple[Any, Any]]:
-    """The ``lax.cond`` branch that skips ``apply(operands) -> (updates, inner_state)``.
+def _types(tree: Any) -> tuple[Any, ...]:
+    """A hashable key of the abstract types (shape, dtype, sharding, varying axes) of a tree."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    return (treedef, *(jax.typeof(x) for x in leaves))
 
-    ``operands[1]`` must be the inner state, returned as it was.
+
+def _struct(x: Any) -> Any:
+    """A traced output as ``jax.eval_shape`` would give it (from its type: asking a tracer for
+    its sharding walks the whole trace)."""
+    return jax.ShapeDtypeStruct.like(jax.typeof(x))
+
+
+@functools.lru_cache(maxsize=64)
+def cond_branches(
+    apply: Callable[[tuple[Any, ...]], tuple[Any, Any]],
+) -> tuple[
+    Callable[[tuple[Any, ...]], tuple[Any, Any]], Callable[[tuple[Any, ...]], tuple[Any, Any]]
+]:
+    """The two ``lax.cond`` branches ``(apply, skip)`` for ``apply(operands) -> (updates,
+    inner_state)``; ``skip`` returns ``-0.0`` updates and ``operands[1]`` (the inner state)
+    as it was.
+
+    ``lax.cond`` traces ``apply`` first; the ``apply`` returned here records the types of its
+    outputs as it is traced, so that ``skip`` finds them instead of tracing the inner update
+    a second time with ``jax.eval_shape`` (which it still does when nothing was recorded).
+    Cached per ``apply``, so that ``lax.cond`` finds both branches in its cache outside ``jit``.
     """
+    seen: dict[Any, Any] = {}
+
+    def recording(operands: tuple[Any, ...]) -> tuple[Any, Any]:
+        out = apply(operands)
+        if len(seen) > 16:
+            seen.clear()
+        seen[_types(operands)] = jax.tree_util.tree_map(_struct, out)
+        return out
 
     def skip(operands: tuple[Any, ...]) -> tuple[Any, Any]:
-        shapes, state_shapes = jax.eval_shape(apply, operands)
+        found = seen.get(_types(operands))
+        shapes, state_shapes = found if found is not None else jax.eval_shape(apply, operands)
         old_state = jax.tree_util.tree_map(vary_like, operands[1], state_shapes)
         return jax.tree_util.tree_map(skip_value, shapes), old_state
 
-    return skip
+    return recording, skip
 
 
 def select(finite: jax.Array, computed: tuple[Any, Any], old_state: Any) -> tuple[Any, Any]:

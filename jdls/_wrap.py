@@ -38,7 +38,7 @@ from jdls._norm import (
 )
 from jdls._retry import classify, first_attempt, mean_unsharded, retry, value_and_grad_of
 from jdls._scale import DynamicScale, LossScale, all_finite, check_scale
-from jdls._skip import keep_dtypes, select, skip_branch
+from jdls._skip import cond_branches, keep_dtypes, select
 from jdls._stats import Stats, WrapState
 
 __all__ = ["wrap"]
@@ -246,7 +246,7 @@ def wrap(
             apply = apply_branch.__wrapped__(tree.treedef, tree.float_idx, static)
         operands = (tree.leaves, state.inner_state, params, n, dynamic)
         if skip_with == "cond":
-            new_updates, inner_state = lax.cond(finite, apply, skip_branch(apply), operands)
+            new_updates, inner_state = lax.cond(finite, *cond_branches(apply), operands)
         else:
             new_updates, inner_state = select(finite, apply(operands), state.inner_state)
 
