@@ -2,6 +2,7 @@
 
 from jdls import presets, rules
 from jdls._accumulate import AccumulateInfo, accumulate
+from jdls._checks import all_finite
 from jdls._clip import clip
 from jdls._finfo import FormatInfo
 from jdls._flax import TrainState, from_flax_train_state, nnx_value_and_grad, set_nnx_scale
@@ -17,7 +18,7 @@ from jdls._probe import (
     probed_value_and_grad,
 )
 from jdls._retry import SkipCause
-from jdls._scale import AdaptiveScale, DynamicScale, LossScale, NoOpScale, StaticScale, all_finite
+from jdls._scale import AdaptiveScale, DynamicScale, LossScale, NoOpScale, StaticScale
 from jdls._stats import (
     Stats,
     WrapState,

@@ -18,6 +18,7 @@ __all__ = [
     "F32_MAX",
     "F32_TINY",
     "I32_MAX",
+    "all_finite",
     "check_int",
     "check_limit",
     "check_number",
@@ -45,6 +46,30 @@ def is_float(x: Any) -> bool:
 def is_float_array(x: Any) -> bool:
     """Whether ``x`` is a numpy or JAX array with a real floating-point dtype."""
     return isinstance(x, np.ndarray | jax.Array) and bool(jnp.issubdtype(x.dtype, jnp.floating))
+
+
+def all_finite(tree: Any) -> jax.Array:
+    """Whether every element of every floating-point leaf of ``tree`` is finite.
+
+    Integer and boolean leaves are ignored; an empty tree is finite.
+
+    Args:
+      tree: a pytree of arrays.
+
+    Returns:
+      A boolean scalar array: False when any float leaf holds an inf, -inf or NaN.
+
+    Example:
+      >>> import jax.numpy as jnp, jdls
+      >>> bool(jdls.all_finite({"w": jnp.ones(3), "step": jnp.array(7)}))
+      True
+      >>> bool(jdls.all_finite([jnp.array([1.0, jnp.inf])]))
+      False
+    """
+    flags = [jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(tree) if is_float(x)]
+    if not flags:
+        return jnp.array(True)
+    return flags[0] if len(flags) == 1 else jnp.all(jnp.stack(flags))
 
 
 # --------------------------------------------------------------------------------------------

@@ -25,15 +25,8 @@ import numpy as np
 from flax import serialization
 from flax.training import train_state
 
-from jdls._scale import (
-    DynamicScale,
-    LossScale,
-    NoOpScale,
-    StaticScale,
-    check_scale,
-    reject_axis_name,
-    scaled_value_and_grad,
-)
+from jdls._grad import reject_axis_name, scaled_value_and_grad
+from jdls._scale import DynamicScale, LossScale, NoOpScale, StaticScale, check_scale
 from jdls._stats import (
     Stats,
     WrapState,

@@ -15,47 +15,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jdls._checks import check_positive_finite, finite_flag, is_float
+from jdls._grad import reject_axis_name, scaled_value_and_grad
 from jdls.rules import Adaptive, GrowBackoff, Rule
 from jdls.rules._rule import check_within
 
-__all__ = [
-    "AdaptiveScale",
-    "DynamicScale",
-    "LossScale",
-    "NoOpScale",
-    "StaticScale",
-    "all_finite",
-    "check_scale",
-    "reject_axis_name",
-    "scaled_value_and_grad",
-]
+__all__ = ["AdaptiveScale", "DynamicScale", "LossScale", "NoOpScale", "StaticScale", "check_scale"]
 
 _F32 = jnp.float32
 T = TypeVar("T")
-
-
-def all_finite(tree: Any) -> jax.Array:
-    """Whether every element of every floating-point leaf of ``tree`` is finite.
-
-    Integer and boolean leaves are ignored; an empty tree is finite.
-
-    Args:
-      tree: a pytree of arrays.
-
-    Returns:
-      A boolean scalar array: False when any float leaf holds an inf, -inf or NaN.
-
-    Example:
-      >>> import jax.numpy as jnp, jdls
-      >>> bool(jdls.all_finite({"w": jnp.ones(3), "step": jnp.array(7)}))
-      True
-      >>> bool(jdls.all_finite([jnp.array([1.0, jnp.inf])]))
-      False
-    """
-    flags = [jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(tree) if is_float(x)]
-    if not flags:
-        return jnp.array(True)
-    return flags[0] if len(flags) == 1 else jnp.all(jnp.stack(flags))
 
 
 class _NotATransformation:
@@ -169,57 +136,6 @@ class LossScale:
             has_aux,
             lambda scaled: jax.value_and_grad(scaled, argnums=argnums, has_aux=True),
         )
-
-
-def reject_axis_name(axis_name: Any) -> None:
-    """Flax's ``value_and_grad(..., axis_name=...)`` habit: say where the axis goes in jdls."""
-    if axis_name is not None:
-        raise TypeError(
-            f"jdls's value_and_grad takes no axis_name (got {axis_name!r}), unlike Flax's "
-            "DynamicScale: average the gradients yourself (jax.lax.pmean(grads, axis_name)) "
-            f"and give the axis to the optimizer, jdls.wrap(inner, axis_name={axis_name!r}), "
-            "so that every device takes the same skip decision. See the table of "
-            "docs/migration/flax.md."
-        )
-
-
-def scaled_value_and_grad(
-    scale: LossScale,
-    fun: Callable[..., Any],
-    has_aux: bool,
-    differentiate: Callable[[Callable[..., Any]], Callable[..., Any]],
-) -> Callable[..., Any]:
-    """``value_and_grad`` of ``fun`` with the loss scaled and the results unscaled.
-
-    ``differentiate(scaled)`` builds the gradient function of ``scaled`` (with
-    ``has_aux=True``): ``jax.value_and_grad`` here, ``nnx.value_and_grad`` for NNX.
-    """
-
-    def scaled(*args: Any, **kwargs: Any) -> tuple[Any, tuple[Any, Any]]:
-        out = fun(*args, **kwargs)
-        if has_aux:
-            if not (isinstance(out, tuple) and len(out) == 2):
-                raise TypeError(
-                    "with has_aux=True, fun must return a pair (loss, aux), got "
-                    + (
-                        f"an array of shape {out.shape}: return (loss, aux), or drop has_aux"
-                        if isinstance(out, jax.Array)
-                        else type(out).__name__
-                    )
-                )
-            loss, aux = out
-        else:
-            loss, aux = out, None
-        return scale.scale(loss), (loss, aux)
-
-    grad_fn = differentiate(scaled)
-
-    def value_and_grad_fn(*args: Any, **kwargs: Any) -> Any:
-        (_, (loss, aux)), grads = grad_fn(*args, **kwargs)
-        grads = scale.unscale(grads)
-        return ((loss, aux), grads) if has_aux else (loss, grads)
-
-    return value_and_grad_fn
 
 
 def check_scale(scale: Any, what: str = "scale", wrapping: bool = False) -> LossScale:

@@ -25,7 +25,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from jdls._checks import check_int, check_limit
+from jdls._checks import all_finite, check_int, check_limit
 from jdls._norm import (
     AxisName,
     FloatLeaves,
@@ -37,7 +37,7 @@ from jdls._norm import (
     tree_norm,
 )
 from jdls._retry import classify, first_attempt, mean_unsharded, retry, value_and_grad_of
-from jdls._scale import DynamicScale, LossScale, all_finite, check_scale
+from jdls._scale import DynamicScale, LossScale, check_scale
 from jdls._skip import cond_branches, keep_dtypes, select
 from jdls._stats import Stats, WrapState
 

@@ -12,10 +12,8 @@ Example:
   32768.0
 """
 
+from jdls.presets._cerebras import CEREBRAS_MIN_LOSS_SCALE, cerebras, cerebras_wrap
 from jdls.presets._libraries import (
-    CEREBRAS_MIN_LOSS_SCALE,
-    cerebras,
-    cerebras_wrap,
     deepspeed,
     deepspeed_fp16,
     flax,

@@ -9,7 +9,8 @@ import numpy as np
 
 from jdls._checks import check_int, check_positive_finite
 from jdls._scale import DynamicScale, NoOpScale
-from jdls.presets._libraries import cerebras, pytorch
+from jdls.presets._cerebras import cerebras
+from jdls.presets._libraries import pytorch
 from jdls.rules import GrowBackoff, OverflowTolerance
 
 __all__ = [
