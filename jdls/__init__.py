@@ -7,6 +7,7 @@ from jdls._finfo import FormatInfo
 from jdls._flax import TrainState, from_flax_train_state, nnx_value_and_grad, set_nnx_scale
 from jdls._formats import FloatFormat, cbfloat16, compress, decompress, finfo
 from jdls._groups import GroupState, group_stats, wrap_groups
+from jdls._multi_loss import multi_loss_value_and_grad
 from jdls._policy import Policy, get_policy
 from jdls._probe import (
     Telemetry,
@@ -61,6 +62,7 @@ __all__ = [
     "get_scale",
     "group_stats",
     "keep_if_skipped",
+    "multi_loss_value_and_grad",
     "nnx_value_and_grad",
     "nonfinite_paths",
     "plot_headroom",
