@@ -9,6 +9,7 @@ from jdls._formats import FloatFormat, cbfloat16, compress, decompress, finfo
 from jdls._groups import GroupState, group_stats, wrap_groups
 from jdls._layer_scales import (
     adjust_layer_scales,
+    layer_boundaries_linen,
     layer_boundary,
     layer_scaled_value_and_grad,
     rescale_boundary,
@@ -69,6 +70,7 @@ __all__ = [
     "get_scale",
     "group_stats",
     "keep_if_skipped",
+    "layer_boundaries_linen",
     "layer_boundary",
     "layer_scaled_value_and_grad",
     "multi_loss_value_and_grad",

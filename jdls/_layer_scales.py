@@ -25,6 +25,7 @@ from jdls._scale import DynamicScale, LossScale, all_finite, check_scale
 
 __all__ = [
     "adjust_layer_scales",
+    "layer_boundaries_linen",
     "layer_boundary",
     "layer_scaled_value_and_grad",
     "rescale_boundary",
@@ -131,6 +132,40 @@ def layer_boundary(x: Any, name: str) -> Any:
     if layers.ratios is None:
         return x
     return rescale_boundary(x, layers.ratios[name])
+
+
+@contextlib.contextmanager
+def layer_boundaries_linen() -> Iterator[None]:
+    """Within this context, the output of every top-level submodule of a Flax linen model
+    (``"Dense_0"``, ``"layers_1"``) is a :func:`layer_boundary` named by the module: the
+    model needs no change, and its ``variables["params"]`` are keyed by the same names.
+
+    The submodules must form a chain (each one's output is the next one's input), as in
+    ``nn.Sequential``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, flax.linen as nn, jdls
+      >>> model = nn.Sequential([nn.Dense(4), nn.tanh, nn.Dense(1)])
+      >>> params = model.init(jax.random.key(0), jnp.ones((1, 3)))["params"]
+      >>> def loss(p, x):
+      ...     with jdls.layer_boundaries_linen():
+      ...         return jnp.sum(model.apply({"params": p}, x))
+      >>> scales = {"layers_0": jdls.StaticScale(2.0**12), "layers_2": jdls.StaticScale(2.0)}
+      >>> _, grads, _ = jdls.layer_scaled_value_and_grad(loss, scales)(params, jnp.ones((2, 3)))
+      >>> sorted(grads)
+      ['layers_0', 'layers_2']
+    """
+    import flax.linen as nn
+
+    def interceptor(next_fun: Callable[..., Any], args: Any, kwargs: Any, context: Any) -> Any:
+        out = next_fun(*args, **kwargs)
+        path = context.module.path
+        if context.method_name != "__call__" or len(path) != 1:
+            return out
+        return layer_boundary(out, str(path[0]))
+
+    with nn.intercept_methods(interceptor):
+        yield
 
 
 def layer_scaled_value_and_grad(

@@ -162,3 +162,29 @@ def test_errors_say_what_to_pass() -> None:
         twice({"a": jnp.ones(2)})
     with pytest.raises(ValueError, match="scalar"):
         jdls.rescale_boundary(jnp.ones(2), jnp.ones(2))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_linen_model_without_edits_equals_float32_gradients(jit: bool) -> None:
+    import flax.linen as nn
+
+    model = nn.Sequential([nn.Dense(16), nn.tanh, nn.Dense(16), nn.tanh, nn.Dense(1)])
+    x = jax.random.normal(jax.random.key(2), (8, 4))
+    params = model.init(jax.random.key(0), x)["params"]
+
+    def loss(p: dict, x: jax.Array) -> jax.Array:
+        with jdls.layer_boundaries_linen():
+            return jnp.mean(model.apply({"params": p}, x) ** 2)
+
+    scales = {
+        "layers_0": jdls.StaticScale(2.0**30),
+        "layers_2": jdls.StaticScale(2.0**-8),
+        "layers_4": jdls.StaticScale(2.0**12),
+    }
+    value, grads, _ = maybe_jit(jdls.layer_scaled_value_and_grad(loss, scales), jit)(params, x)
+    expected_value, expected = jax.value_and_grad(loss)(params, x)
+    assert float(value) == pytest.approx(float(expected_value), rel=1e-6)
+    for a, b in zip(
+        jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(expected), strict=True
+    ):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * float(jnp.max(jnp.abs(b))))
