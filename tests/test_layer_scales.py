@@ -188,3 +188,27 @@ def test_linen_model_without_edits_equals_float32_gradients(jit: bool) -> None:
         jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(expected), strict=True
     ):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * float(jnp.max(jnp.abs(b))))
+
+
+def test_the_rule_finds_per_layer_scales_that_beat_the_global_adaptive_scale() -> None:
+    """From jdls.AdaptiveScale() per layer, adjust_layer_scales reaches in three steps >= 10x
+    less flushing than one global jdls.AdaptiveScale adjusted on the same gradients."""
+    params, x = deep_params(), _x()
+    small_loss = lambda p, x: 1e-3 * deep_loss(p, x)  # noqa: E731
+    expected = jax.grad(lambda p: 1e-3 * deep_loss(p, x, jnp.float32))(params)
+    grad_fn = jax.jit(lambda s, p, x: jdls.layer_scaled_value_and_grad(small_loss, s)(p, x))
+    per_layer = {k: jdls.AdaptiveScale() for k in params}
+    one = jdls.AdaptiveScale()
+    for _ in range(3):
+        _, grads, _ = grad_fn(per_layer, params, x)
+        per_layer = jdls.adjust_layer_scales(per_layer, grads)
+        _, global_grads, _ = grad_fn(dict.fromkeys(params, one), params, x)
+        amax = max(float(jnp.max(jnp.abs(g))) for g in global_grads.values())
+        one = one.adjust(jdls.all_finite(global_grads), amax)
+    _, grads, finite = grad_fn(per_layer, params, x)
+    _, global_grads, _ = grad_fn(dict.fromkeys(params, one), params, x)
+    assert all(bool(f) for f in finite.values())
+    flushed_layer = np.mean([flushed_fraction(grads[k], expected[k]) for k in params])
+    flushed_global = np.mean([flushed_fraction(global_grads[k], expected[k]) for k in params])
+    print(f"rule-chosen: flushed global {flushed_global:.3f}, per-layer {flushed_layer:.3f}")
+    assert flushed_layer * 10 <= flushed_global
