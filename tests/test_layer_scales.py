@@ -212,3 +212,32 @@ def test_the_rule_finds_per_layer_scales_that_beat_the_global_adaptive_scale() -
     flushed_global = np.mean([flushed_fraction(global_grads[k], expected[k]) for k in params])
     print(f"rule-chosen: flushed global {flushed_global:.3f}, per-layer {flushed_layer:.3f}")
     assert flushed_layer * 10 <= flushed_global
+
+
+def test_under_shard_map_the_scales_agree_across_devices() -> None:
+    from jax.sharding import Mesh, PartitionSpec
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+    params, x = deep_params(), _x()
+    scales = {k: jdls.AdaptiveScale(2.0**10) for k in params}
+    fn = jdls.layer_scaled_value_and_grad(lambda p, x: deep_loss(p, x, jnp.float32), scales)
+
+    def step(params: dict, x: jax.Array) -> tuple:
+        _, grads, _ = fn(params, x)
+        grads = jax.lax.pmean(grads, "data")
+        return grads, jdls.adjust_layer_scales(scales, grads)
+
+    sharded = jax.jit(
+        jax.shard_map(
+            step,
+            mesh=mesh,
+            in_specs=(PartitionSpec(), PartitionSpec("data")),
+            out_specs=PartitionSpec(),
+        )
+    )
+    grads, new_scales = sharded(params, x)
+    expected = jax.grad(deep_loss)(params, x, jnp.float32)
+    for k in params:
+        atol = 1e-6 * float(jnp.max(jnp.abs(expected[k])))
+        np.testing.assert_allclose(grads[k], expected[k], rtol=1e-5, atol=atol)
+    assert float(new_scales["dense_0"].loss_scale) != 2.0**10
