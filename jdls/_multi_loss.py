@@ -88,7 +88,9 @@ def multi_loss_value_and_grad(
         weight_list = [1.0] * len(keys)
     else:
         weight_keys, weight_list = _items(weights, "weights")
-        if weight_keys != keys:
+        if isinstance(weights, Mapping) and set(weight_keys) == set(keys):
+            weight_list = [weights[k] for k in keys]
+        elif weight_keys != keys:
             raise ValueError(
                 f"weights must have the keys of scales, {keys}, got {weight_keys}: pass one "
                 "weight per loss, or None"
@@ -107,8 +109,8 @@ def multi_loss_value_and_grad(
             losses, vjp_fn, aux = jax.vjp(forward, *primals, has_aux=True)
         else:
             (losses, vjp_fn), aux = jax.vjp(forward, *primals), None
-        loss_keys, loss_list = _items(losses, "fun's losses")
-        if loss_keys != keys:
+        loss_keys, _ = _items(losses, "fun's losses")
+        if sorted(map(str, loss_keys)) != sorted(map(str, keys)) or len(loss_keys) != len(keys):
             raise ValueError(
                 f"fun must return one loss per scale, with the keys of scales {keys}; got "
                 f"{loss_keys}"
@@ -116,11 +118,16 @@ def multi_loss_value_and_grad(
         total: Any = None
         finite = []
         for i, (scale, weight) in enumerate(zip(scale_list, weight_list, strict=True)):
-            cotangent = [
-                scale.scale(jnp.ones_like(x)) if j == i else jnp.zeros_like(x)
-                for j, x in enumerate(loss_list)
-            ]
-            grads = scale.unscale(vjp_fn(_rebuild(losses, cotangent)))
+            cotangent = _rebuild(
+                losses,
+                [
+                    scale.scale(jnp.ones_like(losses[k]))
+                    if k == keys[i]
+                    else jnp.zeros_like(losses[k])
+                    for k in loss_keys
+                ],
+            )
+            grads = scale.unscale(vjp_fn(cotangent))
             finite.append(all_finite(grads))
             grads = jax.tree_util.tree_map(lambda g, w=weight: g * jnp.asarray(w, g.dtype), grads)
             total = grads if total is None else jax.tree_util.tree_map(jnp.add, total, grads)

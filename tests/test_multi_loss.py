@@ -172,3 +172,15 @@ def test_errors_say_what_to_pass() -> None:
     fn = jdls.multi_loss_value_and_grad(lambda w: {"a": jnp.sum(w)}, {"b": jdls.NoOpScale()})
     with pytest.raises(ValueError, match="one loss per scale"):
         fn(jnp.ones(2))
+
+
+def test_dict_losses_match_scales_by_key_in_any_order() -> None:
+    def losses(w: jax.Array) -> dict:
+        return {"b": jnp.sum(w), "a": jnp.sum(w**2)}
+
+    scales = {"a": jdls.StaticScale(4.0), "b": jdls.StaticScale(2.0**30)}
+    values, grads, finite = jdls.multi_loss_value_and_grad(
+        losses, scales, weights={"b": 2.0, "a": 1.0}
+    )(jnp.ones(2))
+    assert grads.tolist() == [4.0, 4.0] and set(finite) == {"a", "b"}
+    assert float(values["b"]) == 2.0
