@@ -8,6 +8,14 @@ from jdls._finfo import FormatInfo
 from jdls._flax import TrainState, from_flax_train_state, nnx_value_and_grad, set_nnx_scale
 from jdls._formats import FloatFormat, cbfloat16, compress, decompress, finfo
 from jdls._groups import GroupState, group_stats, wrap_groups
+from jdls._layer_scales import (
+    adjust_layer_scales,
+    layer_boundaries_linen,
+    layer_boundary,
+    layer_scaled_value_and_grad,
+    rescale_boundary,
+)
+from jdls._multi_loss import multi_loss_value_and_grad
 from jdls._policy import Policy, get_policy
 from jdls._probe import (
     Telemetry,
@@ -51,6 +59,7 @@ __all__ = [
     "TrainState",
     "WrapState",
     "accumulate",
+    "adjust_layer_scales",
     "all_finite",
     "cbfloat16",
     "clip",
@@ -62,6 +71,10 @@ __all__ = [
     "get_scale",
     "group_stats",
     "keep_if_skipped",
+    "layer_boundaries_linen",
+    "layer_boundary",
+    "layer_scaled_value_and_grad",
+    "multi_loss_value_and_grad",
     "nnx_value_and_grad",
     "nonfinite_paths",
     "plot_headroom",
@@ -70,6 +83,7 @@ __all__ = [
     "probe_linen",
     "probe_nnx",
     "probed_value_and_grad",
+    "rescale_boundary",
     "rules",
     "set_nnx_scale",
     "set_scale",

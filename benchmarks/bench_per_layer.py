@@ -1,0 +1,98 @@
+"""Cost of per-layer and per-loss scales against one global scale (CPU, interleaved).
+
+    PYTHONPATH=. python benchmarks/bench_per_layer.py
+
+A 12-layer tanh MLP (width 256, batch 256, float16 compute): ``StaticScale.value_and_grad``
+against ``layer_scaled_value_and_grad``; a two-head model: one global scale on the sum against
+``multi_loss_value_and_grad`` with two scales. Each pair is timed in alternation, jitted, and
+the ratio of the medians printed.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jdls
+
+DEPTH, WIDTH, BATCH = 12, 256, 256
+
+
+def mlp_loss(params: dict, x: jax.Array) -> jax.Array:
+    h = x.astype(jnp.float16)
+    for i in range(DEPTH):
+        name = f"dense_{i}"
+        h = jdls.layer_boundary(jnp.tanh(h @ params[name].astype(jnp.float16)), name)
+    return jnp.mean(h.astype(jnp.float32) ** 2)
+
+
+def heads_losses(params: dict, x: jax.Array) -> dict:
+    h = jnp.tanh(x.astype(jnp.float16) @ params["trunk"].astype(jnp.float16))
+    for i in range(4):
+        h = jnp.tanh(h @ params[f"t{i}"].astype(jnp.float16))
+    big = jnp.mean((h @ params["big"].astype(jnp.float16)).astype(jnp.float32) ** 2)
+    small = jnp.mean((h @ params["small"].astype(jnp.float16)).astype(jnp.float32) ** 2)
+    return {"big": big, "small": 1e-4 * small}
+
+
+def timed(fn, *args, repeats: int = 20) -> float:
+    jax.block_until_ready(fn(*args))
+    start = time.perf_counter()
+    for _ in range(repeats):
+        out = fn(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - start) / repeats
+
+
+def compare(name: str, base, other, *args, rounds: int = 15) -> None:
+    a, b = [], []
+    for _ in range(rounds):
+        a.append(timed(base, *args))
+        b.append(timed(other, *args))
+    ratio = np.median(b) / np.median(a)
+    print(
+        f"{name}: global {np.median(a) * 1e3:.2f} ms, per-scale {np.median(b) * 1e3:.2f} ms, "
+        f"ratio {ratio:.3f} (per-round ratios {np.min(np.array(b) / a):.3f}-{np.max(np.array(b) / a):.3f})"
+    )
+
+
+def main() -> None:
+    keys = jax.random.split(jax.random.key(0), DEPTH + 1)
+    x = jax.random.normal(keys[-1], (BATCH, WIDTH))
+    params = {
+        f"dense_{i}": jax.random.normal(k, (WIDTH, WIDTH)) / math.sqrt(WIDTH)
+        for i, k in enumerate(keys[:DEPTH])
+    }
+    one = jdls.StaticScale(2.0**10)
+    base = jax.jit(one.value_and_grad(mlp_loss))
+    layered = jax.jit(
+        jdls.layer_scaled_value_and_grad(mlp_loss, {k: jdls.StaticScale(2.0**10) for k in params})
+    )
+    compare("per-layer, 12-layer MLP", base, layered, params, x)
+
+    hp = {
+        k: jax.random.normal(kk, (WIDTH, WIDTH if k not in ("big", "small") else 1))
+        / math.sqrt(WIDTH)
+        for k, kk in zip(
+            ["trunk", "t0", "t1", "t2", "t3", "big", "small"],
+            jax.random.split(keys[0], 7),
+            strict=True,
+        )
+    }
+    total = lambda p, x: sum(heads_losses(p, x).values())  # noqa: E731
+    base = jax.jit(one.value_and_grad(total))
+    per_loss = jax.jit(
+        jdls.multi_loss_value_and_grad(
+            heads_losses, {"big": one, "small": jdls.StaticScale(2.0**20)}
+        )
+    )
+    compare("per-loss, two heads on a 5-layer trunk", base, per_loss, hp, x)
+    print(jax.devices()[0].device_kind, jax.__version__)
+
+
+if __name__ == "__main__":
+    main()
