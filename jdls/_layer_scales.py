@@ -21,7 +21,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jdls._scale import DynamicScale, LossScale, all_finite, check_scale
+from jdls._checks import all_finite
+from jdls._scale import DynamicScale, LossScale, check_scale
 
 __all__ = [
     "adjust_layer_scales",

@@ -17,7 +17,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jdls._scale import LossScale, all_finite, check_scale
+from jdls._checks import all_finite
+from jdls._scale import LossScale, check_scale
 
 __all__ = ["multi_loss_value_and_grad"]
 
