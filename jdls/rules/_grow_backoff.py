@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jdls._checks import check_int, check_number
-from jdls.rules._rule import Rule, check_bounds
+from jdls.rules._rule import Rule, check_bounds, check_counter
 
 __all__ = ["GrowBackoff", "MinimumScaleError"]
 
@@ -130,11 +130,7 @@ class GrowBackoff(Rule):
           >>> int(jdls.rules.GrowBackoff().initial_state(counter=5).counter)
           5
         """
-        counter = check_int("counter", counter, 0)
-        if counter >= self.growth_interval:
-            raise ValueError(
-                f"counter must be < growth_interval ({self.growth_interval}), got {counter}"
-            )
+        counter = check_counter(counter, self.growth_interval)
         left = self.hysteresis if hysteresis is None else check_int("hysteresis", hysteresis, 1)
         if left > self.hysteresis:
             raise ValueError(

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from jdls._checks import check_int, check_number
-from jdls.rules._rule import Rule, check_bounds
+from jdls.rules._rule import Rule, check_bounds, check_counter
 
 __all__ = ["OverflowTolerance"]
 
@@ -89,11 +89,7 @@ class OverflowTolerance(Rule):
           >>> int(jdls.rules.OverflowTolerance().initial_state(counter=3).counter)
           3
         """
-        counter = check_int("counter", counter, 0)
-        if counter >= self.growth_interval:
-            raise ValueError(
-                f"counter must be < growth_interval ({self.growth_interval}), got {counter}"
-            )
+        counter = check_counter(counter, self.growth_interval)
         overflows = check_int("overflows", overflows, 0)
         return OverflowToleranceState(jnp.asarray(counter, _I32), jnp.asarray(overflows, _I32))
 

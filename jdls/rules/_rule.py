@@ -13,9 +13,9 @@ from typing import Any, ClassVar
 
 import jax
 
-from jdls._checks import check_positive_finite
+from jdls._checks import check_int, check_positive_finite
 
-__all__ = ["Rule", "check_bounds", "check_within"]
+__all__ = ["Rule", "check_bounds", "check_counter", "check_within"]
 
 
 class Rule:
@@ -91,3 +91,11 @@ def check_within(loss_scale: float, low: float | None, high: float | None) -> No
             f"loss_scale must be within [min_loss_scale, max_loss_scale] = [{low!r}, {high!r}], "
             f"got {loss_scale!r}: start inside the bounds, or widen them (None for no bound)"
         )
+
+
+def check_counter(counter: int, growth_interval: int) -> int:
+    """A restored growth counter: an int in ``[0, growth_interval)``."""
+    counter = check_int("counter", counter, 0)
+    if counter >= growth_interval:
+        raise ValueError(f"counter must be < growth_interval ({growth_interval}), got {counter}")
+    return counter
