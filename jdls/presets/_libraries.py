@@ -1,4 +1,4 @@
-"""The seven libraries' loss-scale rules: each preset picks a rule and its parameters."""
+"""The rules of PyTorch, Flax, jmp, Keras, DeepSpeed and Megatron-LM: each preset picks a rule and its parameters."""
 
 from __future__ import annotations
 
