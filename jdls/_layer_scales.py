@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -22,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jdls._checks import all_finite
+from jdls._context import ContextStack
 from jdls._scale import DynamicScale, LossScale, check_scale
 
 __all__ = [
@@ -90,17 +90,7 @@ class _Layers:
         self.names: list[str] = []
 
 
-_LOCAL = threading.local()
-
-
-@contextlib.contextmanager
-def _collecting(layers: _Layers) -> Iterator[_Layers]:
-    stack = _LOCAL.__dict__.setdefault("stack", [])
-    stack.append(layers)
-    try:
-        yield layers
-    finally:
-        stack.pop()
+_LAYERS: ContextStack[_Layers] = ContextStack()
 
 
 def layer_boundary(x: Any, name: str) -> Any:
@@ -120,10 +110,9 @@ def layer_boundary(x: Any, name: str) -> Any:
       >>> jdls.layer_boundary(jnp.ones(2), "dense_0").tolist()  # outside: the identity
       [1.0, 1.0]
     """
-    stack = getattr(_LOCAL, "stack", [])
-    if not stack:
+    layers = _LAYERS.current()
+    if layers is None:
         return x
-    layers = stack[-1]
     if name in layers.names:
         raise ValueError(
             f"layer_boundary({name!r}) was reached twice: mark each layer's output once, "
@@ -220,7 +209,7 @@ def layer_scaled_value_and_grad(
                 f"each with a scale; scales has {sorted(scales)}, got "
                 + (f"{sorted(params)}" if isinstance(params, Mapping) else type(params).__name__)
             )
-        with _collecting(_Layers(None)) as discovery:
+        with _LAYERS.push(_Layers(None)) as discovery:
             jax.eval_shape(lambda p, *a: [fun(p, *a, **kwargs), None][1], params, *args)
         names = discovery.names
         missing = sorted(set(params) - set(names))
@@ -237,7 +226,7 @@ def layer_scaled_value_and_grad(
         last = scales[names[-1]]
 
         def scaled(p: Any) -> Any:
-            with _collecting(_Layers(ratios)):
+            with _LAYERS.push(_Layers(ratios)):
                 out = fun(p, *args, **kwargs)
             loss, aux = out if has_aux else (out, None)
             return last.scale(loss), (loss, aux)

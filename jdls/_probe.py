@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jdls._context import ContextStack
 from jdls._formats import FloatFormat, finfo
 from jdls._scale import LossScale
 
@@ -57,22 +58,7 @@ class _Collector:
         return key
 
 
-_LOCAL = threading.local()
-
-
-def _current() -> _Collector | None:
-    stack = getattr(_LOCAL, "stack", [])
-    return stack[-1] if stack else None
-
-
-@contextlib.contextmanager
-def _collecting(collector: _Collector) -> Iterator[_Collector]:
-    stack = _LOCAL.__dict__.setdefault("stack", [])
-    stack.append(collector)
-    try:
-        yield collector
-    finally:
-        stack.pop()
+_COLLECTORS: ContextStack[_Collector] = ContextStack()
 
 
 def _flush_to_zero(x: jax.Array, compute_dtype: Any) -> jax.Array:
@@ -141,7 +127,7 @@ def probe(x: Any, name: str) -> Any:
       >>> telemetry.names, round(float(telemetry.amax[0]), 6)  # the scaled cotangent
       (('h',), 0.001024)
     """
-    collector = _current()
+    collector = _COLLECTORS.current()
     if collector is None:
         return x
     leaves, treedef = jax.tree_util.tree_flatten(x)
@@ -270,7 +256,7 @@ def probed_value_and_grad(
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
 
     def with_dummies(dummies: dict[str, jax.Array], *args: Any, **kwargs: Any) -> Any:
-        with _collecting(_Collector(compute_dtype, dummies)):
+        with _COLLECTORS.push(_Collector(compute_dtype, dummies)):
             out = fun(*args, **kwargs)
         loss, aux = out if has_aux else (out, None)
         return scale.scale(loss), (loss, aux)
@@ -278,7 +264,7 @@ def probed_value_and_grad(
     grad_fn = jax.value_and_grad(with_dummies, argnums=(0, *(n + 1 for n in nums)), has_aux=True)
 
     def value_and_grad_fn(*args: Any, **kwargs: Any) -> tuple[Any, Any, Telemetry]:
-        with _collecting(_Collector(compute_dtype, None)) as discovery:
+        with _COLLECTORS.push(_Collector(compute_dtype, None)) as discovery:
             jax.eval_shape(lambda *a: [fun(*a, **kwargs), None][1], *args)  # names only
         names = tuple(discovery.names)
         dummies = {n: jnp.zeros((_FIELDS,), _F32) for n in names}
@@ -315,7 +301,7 @@ def probe_linen() -> Iterator[None]:
 
     def interceptor(next_fun: Callable[..., Any], args: Any, kwargs: Any, context: Any) -> Any:
         out = next_fun(*args, **kwargs)
-        if context.method_name != "__call__" or _current() is None:
+        if context.method_name != "__call__" or _COLLECTORS.current() is None:
             return out
         return probe(out, "/".join(str(p) for p in context.module.path))
 
