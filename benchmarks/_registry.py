@@ -87,6 +87,14 @@ SUITES: dict[str, Suite] = {
             in_all=False,
         ),
         Suite(
+            "span",
+            "benchmarks.bench_span",
+            "suite",
+            "scale span: global rules vs per-layer / per-loss scales vs float32 on a deep net"
+            " and a multi-task loss; not in all",
+            in_all=False,
+        ),
+        Suite(
             "compile-leaves",
             "benchmarks.bench_compile",
             "suite_leaves",
