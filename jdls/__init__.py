@@ -15,6 +15,7 @@ from jdls._layer_scales import (
     layer_scaled_value_and_grad,
     rescale_boundary,
 )
+from jdls._layer_scales_nnx import layer_boundaries_nnx, nnx_layer_scaled_value_and_grad
 from jdls._multi_loss import multi_loss_value_and_grad
 from jdls._policy import Policy, get_policy
 from jdls._probe import (
@@ -72,9 +73,11 @@ __all__ = [
     "group_stats",
     "keep_if_skipped",
     "layer_boundaries_linen",
+    "layer_boundaries_nnx",
     "layer_boundary",
     "layer_scaled_value_and_grad",
     "multi_loss_value_and_grad",
+    "nnx_layer_scaled_value_and_grad",
     "nnx_value_and_grad",
     "nonfinite_paths",
     "plot_headroom",

@@ -2,7 +2,8 @@
 
 ``jdls.probe`` and ``jdls.layer_boundary`` are the identity outside a collecting call; inside
 ``probed_value_and_grad`` or ``layer_scaled_value_and_grad`` they find the innermost collector
-here. Each module keeps its own :class:`ContextStack`.
+here; the NNX output hooks (``_nnx_hooks``) keep theirs here too. Each module keeps its own
+:class:`ContextStack`.
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ class ContextStack(Generic[T]):
         """The innermost pushed item of this thread, or None outside any ``push``."""
         stack: list[T] = getattr(self._local, "stack", [])
         return stack[-1] if stack else None
+
+    def all(self) -> tuple[T, ...]:
+        """Every pushed item of this thread, outermost first."""
+        return tuple(getattr(self._local, "stack", []))
 
     @contextlib.contextmanager
     def push(self, item: T) -> Iterator[T]:

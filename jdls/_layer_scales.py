@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -239,25 +239,64 @@ def layer_scaled_value_and_grad(
     return value_and_grad_fn
 
 
+def _key_name(key: Any) -> str:
+    for attr in ("key", "idx", "name"):  # DictKey, SequenceKey / FlattenedIndexKey, GetAttrKey
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def group_by_layer(grads: Any, names: Iterable[str]) -> dict[str, list[jax.Array]]:
+    """The leaves of ``grads`` by layer: a leaf belongs to the layer whose name is its path in
+    ``grads`` (``{"dense_0": g}``) or a prefix of it, by ``/``-separated parts (the leaf
+    ``layers/0/kernel`` of an ``nnx.State`` belongs to ``"layers/0"``). Layers without leaves
+    are left out; a leaf of no layer is an error.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jdls._layer_scales import group_by_layer
+      >>> grads = {"layers": {0: {"w": jnp.ones(2)}}, "b": jnp.ones(1)}
+      >>> sorted(group_by_layer(grads, ["layers/0", "b"]))
+      ['b', 'layers/0']
+    """
+    names = sorted(names, key=len, reverse=True)  # the longest matching name wins
+    out: dict[str, list[jax.Array]] = {}
+    outside = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(grads)[0]:
+        where = "/".join(_key_name(k) for k in path)
+        layer = next((n for n in names if where == n or where.startswith(n + "/")), None)
+        if layer is None:
+            outside.append(where)
+        else:
+            out.setdefault(layer, []).append(leaf)
+    if outside:
+        raise ValueError(
+            f"grads has values outside every layer with a scale: {outside}; pass the gradients "
+            "that the per-layer value_and_grad returned, with the scales given to it"
+        )
+    return out
+
+
 def _amax(tree: Any) -> jax.Array:
     leaves = [jnp.max(jnp.abs(x)).astype(_F32) for x in jax.tree_util.tree_leaves(tree) if x.size]
     return jnp.max(jnp.stack(leaves)) if leaves else jnp.zeros((), _F32)
 
 
-def adjust_layer_scales(
-    scales: Mapping[str, LossScale], grads: Mapping[str, Any]
-) -> dict[str, LossScale]:
+def adjust_layer_scales(scales: Mapping[str, LossScale], grads: Any) -> dict[str, LossScale]:
     """The next per-layer scales after a step: the rule, layer by layer, with a global skip.
 
     When every gradient is finite, each scale is adjusted with its own layer's largest
     unscaled gradient (``scale.adjust(True, grad_amax)``: a :class:`jdls.rules.Adaptive`
     scale moves to that layer's headroom). When any is non-finite (the step is skipped),
     the scales of the layers whose gradients were non-finite back off and the others stay.
-    Every scale stays within its rule's bounds.
+    Every scale stays within its rule's bounds. Under ``shard_map``, ``jax.lax.pmean`` the
+    gradients first: every device then computes the same scales.
 
     Args:
       scales: the per-layer scales (``jdls.AdaptiveScale()`` per layer, say).
-      grads: the unscaled gradients of :func:`layer_scaled_value_and_grad`.
+      grads: the unscaled gradients of :func:`layer_scaled_value_and_grad` (a dict by layer)
+        or of :func:`jdls.nnx_layer_scaled_value_and_grad` (an ``nnx.State``, whose paths
+        under ``layers/0`` belong to the layer ``"layers/0"``).
 
     Returns:
       The new scales, a dict with the keys of ``scales``.
@@ -269,21 +308,17 @@ def adjust_layer_scales(
       >>> float(new["a"].loss_scale) == 2.0**(15 - 6 + 20), float(new["b"].loss_scale) == 2.0**9
       (True, True)
     """
-    if set(grads) - set(scales):
-        raise ValueError(
-            f"grads has layers without a scale: {sorted(set(grads) - set(scales))}; pass the "
-            "scales given to layer_scaled_value_and_grad"
-        )
-    finite = {k: all_finite(g) for k, g in grads.items()}
+    by_layer = group_by_layer(grads, scales)
+    finite = {k: all_finite(g) for k, g in by_layer.items()}
     everything = jnp.all(jnp.stack(list(finite.values()))) if finite else jnp.array(True)
     out: dict[str, LossScale] = {}
     for key, scale in scales.items():
-        if key not in grads:
+        if key not in by_layer:
             out[key] = scale
             continue
         grown: LossScale
         if isinstance(scale, DynamicScale) and scale.rule.observes:
-            grown = scale.adjust(True, _amax(grads[key]))
+            grown = scale.adjust(True, _amax(by_layer[key]))
         else:
             grown = scale.adjust(True)
         backed_off = scale.adjust(False)

@@ -68,7 +68,9 @@ def multi_loss_value_and_grad(
       A function of ``fun``'s arguments returning ``(losses, grads, finite)`` (or
       ``((losses, aux), grads, finite)``): the losses as ``fun`` computed them, the combined
       unscaled gradients, and per loss a boolean scalar, whether that loss's gradients were
-      finite (adjust each scale with it: ``scales[i].adjust(finite[i])``).
+      finite (adjust each scale with it: ``scales[i].adjust(finite[i])``; under
+      ``shard_map`` combine it over the devices first, ``jax.lax.pmin``, see
+      ``docs/per-layer.md``).
 
     Example:
       >>> import jax.numpy as jnp, jdls

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -25,6 +24,7 @@ import numpy as np
 
 from jdls._context import ContextStack
 from jdls._formats import FloatFormat, finfo
+from jdls._nnx_hooks import hook_outputs, module_name
 from jdls._scale import LossScale
 
 __all__ = [
@@ -315,8 +315,9 @@ def probe_nnx(model: Any) -> Iterator[None]:
     model itself) is probed, named by its path (``"blocks/0/up"``).
 
     The modules' classes are swapped for probing subclasses while the context is open, and
-    restored on exit; use it inside the loss function given to :func:`probed_value_and_grad`
-    (or ``jdls.nnx_value_and_grad``'s function), around the model call.
+    restored on exit (as :func:`jdls.layer_boundaries_nnx` does; the two nest); use it inside
+    the loss function given to :func:`probed_value_and_grad` (or ``jdls.nnx_value_and_grad``'s
+    function), around the model call.
 
     Example:
       >>> import jax.numpy as jnp, jdls
@@ -331,33 +332,12 @@ def probe_nnx(model: Any) -> Iterator[None]:
     """
     from flax import nnx
 
-    swapped = []
-    for path, module in nnx.iter_modules(model):
-        swapped.append((module, type(module), "/".join(str(p) for p in path)))
-    stack = _NNX_NAMES.__dict__.setdefault("names", [])
-    stack.append({id(m): name for m, _, name in swapped})
-    for module, cls, _ in swapped:
-        object.__setattr__(module, "__class__", _probing_class(cls))
-    try:
+    hooks = [
+        (module, functools.partial(probe, name=module_name(path)))
+        for path, module in nnx.iter_modules(model)
+    ]
+    with hook_outputs(hooks):
         yield
-    finally:
-        stack.pop()
-        for module, cls, _ in swapped:
-            object.__setattr__(module, "__class__", cls)
-
-
-_NNX_NAMES = threading.local()
-
-
-@functools.cache
-def _probing_class(cls: type) -> type:
-    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
-        out = cls.__call__(self, *args, **kwargs)
-        stack = getattr(_NNX_NAMES, "names", [])
-        name = stack[-1].get(id(self)) if stack else None
-        return out if name is None else probe(out, name)
-
-    return type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__})
 
 
 def plot_headroom(

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _helpers import maybe_jit
+from _helpers import assert_bitwise_equal, maybe_jit, with_and_without_jit
 
 import jdls
 
@@ -214,30 +214,121 @@ def test_the_rule_finds_per_layer_scales_that_beat_the_global_adaptive_scale() -
     assert flushed_layer * 10 <= flushed_global
 
 
-def test_under_shard_map_the_scales_agree_across_devices() -> None:
-    from jax.sharding import Mesh, PartitionSpec
+RESIDUAL_DEPTH = 6
 
-    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
-    params, x = deep_params(), _x()
+
+def residual_params(width: int = 16) -> dict[str, dict[str, jax.Array]]:
+    keys = jax.random.split(jax.random.key(4), RESIDUAL_DEPTH)
+    return {
+        f"block_{i}": {
+            "w": jax.random.normal(k, (width, width)) / math.sqrt(width),
+            "b": jnp.full((width,), 0.1 * i),
+        }
+        for i, k in enumerate(keys)
+    }
+
+
+def residual_loss(params: dict, x: jax.Array, mark_inside: bool = False) -> jax.Array:
+    """Blocks ``h = h + tanh(h @ w + b)``; each block's boundary after the add (a block is
+    one layer), or, with ``mark_inside``, on the branch before the add."""
+    h = x
+    for i in range(RESIDUAL_DEPTH):
+        name = f"block_{i}"
+        branch = jnp.tanh(h @ params[name]["w"] + params[name]["b"])
+        if mark_inside:
+            h = h + jdls.layer_boundary(branch, name)
+        else:
+            h = jdls.layer_boundary(h + branch, name)
+    return jnp.mean(h**2)
+
+
+RESIDUAL_SCALES = [2.0**e for e in (40, 0, 25, -10, 30, 5)]
+
+
+@with_and_without_jit
+def test_residual_blocks_marked_after_the_add_are_exact(jit: bool) -> None:
+    """Each residual block one layer, its boundary after the add: the gradients are the
+    float32 gradients bit for bit, with scales up to 2**50 apart."""
+    params, x = residual_params(), jax.random.normal(jax.random.key(5), (32, 16))
+    scales = {f"block_{i}": jdls.StaticScale(s) for i, s in enumerate(RESIDUAL_SCALES)}
+    fn = maybe_jit(jdls.layer_scaled_value_and_grad(residual_loss, scales), jit)
+    value, grads, finite = fn(params, x)
+    expected_value, expected = maybe_jit(jax.value_and_grad(residual_loss), jit)(params, x)
+    assert float(value) == float(expected_value)
+    assert_bitwise_equal(grads, expected)
+    assert all(bool(f) for f in finite.values())
+
+
+def test_residual_branch_marked_before_the_add_is_not_exact() -> None:
+    """The documented limitation: a boundary inside the residual branch leaves the skip path
+    at the wrong scale, and the gradients are wrong (not a rounding difference)."""
+    params, x = residual_params(), jax.random.normal(jax.random.key(5), (32, 16))
+    scales = {f"block_{i}": jdls.StaticScale(s) for i, s in enumerate(RESIDUAL_SCALES)}
+    inside = lambda p, x: residual_loss(p, x, mark_inside=True)  # noqa: E731
+    _, grads, finite = jdls.layer_scaled_value_and_grad(inside, scales)(params, x)
+    expected = jax.grad(inside)(params, x)
+    assert all(bool(f) for f in finite.values())
+    errors = {
+        k: float(jnp.max(jnp.abs(grads[k]["w"] - expected[k]["w"])))
+        / float(jnp.max(jnp.abs(expected[k]["w"])))
+        for k in params
+    }
+    print("relative error by block, marked before the add:", errors)
+    assert errors["block_5"] == 0.0  # the last block: nothing downstream to mix
+    assert max(errors.values()) > 1.0
+    same = {f"block_{i}": jdls.StaticScale(2.0**7) for i in range(RESIDUAL_DEPTH)}
+    _, equal_scales, _ = jdls.layer_scaled_value_and_grad(inside, same)(params, x)
+    assert_bitwise_equal(equal_scales, expected)  # with equal scales the ratios are 1
+
+
+def _stacked(tree: object) -> object:
+    """Each device's copy of ``tree`` on a new leading axis (for out_specs P("data"))."""
+    return jax.tree_util.tree_map(lambda a: jnp.asarray(a)[None], tree)
+
+
+def test_under_shard_map_on_8_devices_the_scales_agree() -> None:
+    """8 devices, a different batch shard on each, the residual model (float32; the deep
+    saturated-tanh model is too ill-conditioned for rtol 1e-6 across batch splits). Each device differentiates a varying copy
+    of the parameters (its own gradients), then pmean: the gradients equal the float32
+    gradients of the full batch, and adjust_layer_scales gives every device the same scales
+    (while the scales adjusted from each device's own gradients differ). Without the copy,
+    JAX sums the gradients of the replicated parameters over the devices by itself."""
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    assert len(jax.devices()) >= 8, "tests/conftest.py sets 8 CPU devices"
+    mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+    params, x = residual_params(), jax.random.normal(jax.random.key(5), (64, 16))
     scales = {k: jdls.AdaptiveScale(2.0**10) for k in params}
-    fn = jdls.layer_scaled_value_and_grad(lambda p, x: deep_loss(p, x, jnp.float32), scales)
+    fn = jdls.layer_scaled_value_and_grad(residual_loss, scales)
 
     def step(params: dict, x: jax.Array) -> tuple:
-        _, grads, _ = fn(params, x)
-        grads = jax.lax.pmean(grads, "data")
-        return grads, jdls.adjust_layer_scales(scales, grads)
+        _, local, _ = fn(jax.lax.pcast(params, "data", to="varying"), x)
+        grads = jax.lax.pmean(local, "data")
+        new_scales = jdls.adjust_layer_scales(scales, grads)
+        own = jdls.adjust_layer_scales(scales, local)  # what each device alone would choose
+        _, summed, _ = fn(params, x)  # replicated parameters: JAX's psum
+        return grads, summed, new_scales, _stacked(new_scales), _stacked(own)
 
     sharded = jax.jit(
         jax.shard_map(
             step,
             mesh=mesh,
-            in_specs=(PartitionSpec(), PartitionSpec("data")),
-            out_specs=PartitionSpec(),
+            in_specs=(P(), P("data")),
+            out_specs=(P(), P(), P(), P("data"), P("data")),
         )
     )
-    grads, new_scales = sharded(params, x)
-    expected = jax.grad(deep_loss)(params, x, jnp.float32)
+    grads, summed, new_scales, per_device, own = sharded(params, x)
+    expected = jax.grad(residual_loss)(params, x)
     for k in params:
-        atol = 1e-6 * float(jnp.max(jnp.abs(expected[k])))
-        np.testing.assert_allclose(grads[k], expected[k], rtol=1e-5, atol=atol)
-    assert float(new_scales["dense_0"].loss_scale) != 2.0**10
+        for leaf in ("w", "b"):
+            want = expected[k][leaf]
+            atol = 1e-6 * float(jnp.max(jnp.abs(want)))
+            np.testing.assert_allclose(grads[k][leaf], want, rtol=1e-6, atol=atol)
+            np.testing.assert_allclose(summed[k][leaf], 8 * want, rtol=1e-6, atol=8 * atol)
+    for leaf in jax.tree_util.tree_leaves(per_device):
+        assert leaf.shape[0] == 8 and np.all(np.asarray(leaf) == np.asarray(leaf)[:1])
+    assert_bitwise_equal(jax.tree_util.tree_map(lambda a: a[0], per_device), new_scales)
+    assert float(new_scales["block_0"].loss_scale) != 2.0**10
+    own_levels = np.asarray(jnp.stack([s.loss_scale for s in own.values()]))
+    assert np.any(own_levels != own_levels[:, :1]), "the check above would catch disagreement"

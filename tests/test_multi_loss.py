@@ -184,3 +184,54 @@ def test_dict_losses_match_scales_by_key_in_any_order() -> None:
     )(jnp.ones(2))
     assert grads.tolist() == [4.0, 4.0] and set(finite) == {"a", "b"}
     assert float(values["b"]) == 2.0
+
+
+def test_under_shard_map_on_8_devices_the_per_loss_scales_agree() -> None:
+    """8 devices, a different batch shard on each (each differentiates a varying copy of the
+    parameters), one shard whose big loss overflows float16: the per-loss flags combined
+    with ``pmin`` over the devices, every device adjusts the scales alike (the big loss's
+    backs off everywhere, the small loss's stays); in float32 the pmean-ed gradients equal
+    the full batch's."""
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    assert len(jax.devices()) >= 8, "tests/conftest.py sets 8 CPU devices"
+    mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+    params, (x, y_big, y_small) = _model_params(), _batch()
+    y_bad = y_big.at[96:128].set(3e4)  # rows of device 3: the big loss overflows float16
+    scales = {"big": jdls.DynamicScale(2.0**6), "small": jdls.DynamicScale(2.0**20)}
+
+    def step(params: dict, x: jax.Array, y_big: jax.Array, y_small: jax.Array, dtype) -> tuple:
+        losses = lambda p: multitask_losses(p, x, y_big, y_small, dtype)  # noqa: E731
+        local_params = jax.lax.pcast(params, "data", to="varying")
+        _, grads, finite = jdls.multi_loss_value_and_grad(losses, scales)(local_params)
+        grads = jax.lax.pmean(grads, "data")
+        agreed = {k: jax.lax.pmin(f.astype(jnp.int32), "data") == 1 for k, f in finite.items()}
+        new = {k: s.adjust(agreed[k]) for k, s in scales.items()}
+        stacked = jax.tree_util.tree_map(lambda a: jnp.asarray(a)[None], (new, finite))
+        return grads, new, stacked
+
+    def run(dtype, y_big: jax.Array) -> tuple:
+        return jax.jit(
+            jax.shard_map(
+                lambda *a: step(*a, dtype),
+                mesh=mesh,
+                in_specs=(P(), P("data"), P("data"), P("data")),
+                out_specs=(P(), P(), P("data")),
+            )
+        )(params, x, y_big, y_small)
+
+    grads, _, _ = run(jnp.float32, y_big)
+    expected = _reference(params, (x, y_big, y_small))
+    for name in params:
+        atol = 1e-6 * float(jnp.max(jnp.abs(expected[name])))
+        np.testing.assert_allclose(grads[name], expected[name], rtol=1e-5, atol=atol)
+
+    grads, new, (per_device, local_finite) = run(jnp.float16, y_bad)
+    assert np.asarray(local_finite["big"]).tolist() == [True] * 3 + [False] + [True] * 4
+    assert np.all(np.asarray(local_finite["small"]))
+    for leaf in jax.tree_util.tree_leaves(per_device):
+        assert np.all(np.asarray(leaf) == np.asarray(leaf)[:1])
+    assert float(new["big"].loss_scale) == 2.0**5  # backed off on every device
+    assert float(new["small"].loss_scale) == 2.0**20
+    assert not bool(jdls.all_finite(grads))  # the pmean-ed step is skipped (jdls.wrap)
