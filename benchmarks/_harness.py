@@ -70,6 +70,23 @@ def settle(run: Callable[[], Any], jitted: Any, max_calls: int = 5) -> None:
     raise RuntimeError(f"{jitted} still compiles after {max_calls} calls")
 
 
+def temp_bytes(jitted: Any, *args: Any) -> int:
+    """Temporary bytes of ``jitted`` compiled for ``args`` (``memory_analysis()``; donated
+    arguments are not counted)."""
+    return jitted.lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+
+def temp_info(temp: int, base: int, grad_bytes: int) -> dict[str, Any]:
+    """The memory columns of a case: its temporary bytes, and their difference to its
+    baseline's (``base``) in units of one gradient buffer (``grad_bytes``)."""
+    return {
+        "temp_bytes": temp,
+        "temp_mib": temp / 2**20,
+        "extra_grad_buffers": (temp - base) / grad_bytes,
+        "grad_buffer_bytes": grad_bytes,
+    }
+
+
 #: glibc settings that keep freed memory in the process (``--malloc keep``): see
 #: :func:`malloc_mode`. Both are needed; each alone makes little or no difference here.
 KEEP_FREED_MEMORY = {

@@ -3,11 +3,16 @@
 Plain JAX, float32 master parameters, float16 compute: the loss casts the parameters and the
 inputs to float16, runs the model, and computes the loss in float32. Every variant of the
 step benchmark differentiates the same loss of the same model.
+
+The losses take an optional ``mark(x, name)``, applied to every layer's output (default: the
+identity, the plain model): ``jdls.probe`` measures there, ``jdls.layer_boundary`` changes
+scale there (``benchmarks/bench_capabilities.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -15,6 +20,15 @@ import jax.numpy as jnp
 import numpy as np
 
 F16 = jnp.float16
+
+#: ``mark(x, name) -> x``: what the losses apply to every layer's output.
+Mark = Callable[[Any, str], Any]
+
+
+def unmarked(x: Any, name: str) -> Any:
+    """The default :data:`Mark`: the identity."""
+    del name
+    return x
 
 
 def _cast(tree: Any, dtype: Any) -> Any:
@@ -59,7 +73,9 @@ def mlp_batch(config: MLPConfig, seed: int = 1, poison: bool = False) -> dict[st
     return {"x": jnp.asarray(x, F16), "y": jnp.asarray(y)}
 
 
-def mlp_loss(params: Any, batch: dict[str, jax.Array]) -> jax.Array:
+def mlp_loss(params: Any, batch: dict[str, jax.Array], mark: Mark = unmarked) -> jax.Array:
+    """Mean squared error; ``mark`` is applied to each dense layer's output (after its ReLU),
+    named like its parameters (``dense_0``, ...)."""
     p = _cast(params, F16)
     h = batch["x"]
     n = len(p)
@@ -68,6 +84,7 @@ def mlp_loss(params: Any, batch: dict[str, jax.Array]) -> jax.Array:
         h = h @ layer["kernel"] + layer["bias"]
         if i < n - 1:
             h = jax.nn.relu(h)
+        h = mark(h, f"dense_{i}")
     return jnp.mean(jnp.square(h.astype(jnp.float32) - batch["y"]))
 
 
@@ -139,15 +156,41 @@ def _layer_norm(x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
     return (y * p["scale"].astype(jnp.float32) + p["bias"].astype(jnp.float32)).astype(x.dtype)
 
 
-def transformer_loss_fn(config: TransformerConfig) -> Any:
+def transformer_layers(params: Any) -> dict[str, Any]:
+    """The parameters keyed by layer, for per-layer scales: ``embed`` (token and position
+    embeddings), ``block_0``, ``block_1``, ... and ``head`` (final norm and the tied embedding:
+    the embedding array is in ``embed`` and in ``head``)."""
+    layers: dict[str, Any] = {"embed": {"embed": params["embed"], "pos": params["pos"]}}
+    layers.update((k, v) for k, v in params.items() if k.startswith("block_"))
+    layers["head"] = {"final_norm": params["final_norm"], "embed": params["embed"]}
+    return layers
+
+
+def transformer_unlayer(layers: Any) -> dict[str, Any]:
+    """Gradients keyed by layer back to the parameters' structure: the tied embedding's
+    gradient is the sum of its two uses' (:func:`transformer_layers`)."""
+    params = {k: v for k, v in layers.items() if k.startswith("block_")}
+    params["embed"] = layers["embed"]["embed"] + layers["head"]["embed"]
+    params["pos"] = layers["embed"]["pos"]
+    params["final_norm"] = layers["head"]["final_norm"]
+    return params
+
+
+def transformer_logits_fn(
+    config: TransformerConfig, mark: Mark = unmarked, layered: bool = False
+) -> Callable[[Any, jax.Array], jax.Array]:
+    """``logits(params, inputs)``, float32. ``mark`` is applied to the output of each layer:
+    ``embed`` (token + position embedding), ``block_i`` (after the block's second residual
+    add: a residual block is one layer) and ``head`` (final norm and logits). With
+    ``layered``, ``params`` are keyed by layer (:func:`transformer_layers`)."""
     heads = config.heads
 
-    def loss(params: Any, batch: dict[str, jax.Array]) -> jax.Array:
+    def logits_fn(params: Any, inputs: jax.Array) -> jax.Array:
         p = _cast(params, F16)
-        tokens = batch["tokens"]
-        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        if not layered:
+            p = transformer_layers(p)
         b, t = inputs.shape
-        x = p["embed"][inputs] + p["pos"][None, :t]
+        x = mark(p["embed"]["embed"][inputs] + p["embed"]["pos"][None, :t], "embed")
         mask = jnp.tril(jnp.ones((t, t), jnp.bool_))
         for i in range(config.layers):
             blk = p[f"block_{i}"]
@@ -161,11 +204,48 @@ def transformer_loss_fn(config: TransformerConfig) -> Any:
             x = x + y @ blk["out"]
             y = _layer_norm(x, blk["norm2"])
             y = jax.nn.gelu(y @ blk["mlp_in"] + blk["mlp_in_bias"])
-            x = x + y @ blk["mlp_out"] + blk["mlp_out_bias"]
-        x = _layer_norm(x, p["final_norm"])
-        logits = (x @ p["embed"].T).astype(jnp.float32)
-        logp = jax.nn.log_softmax(logits, axis=-1)
-        nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)
-        return jnp.mean(nll) * batch["weight"]
+            x = mark(x + y @ blk["mlp_out"] + blk["mlp_out_bias"], f"block_{i}")
+        head = p["head"]
+        x = _layer_norm(x, head["final_norm"])
+        return mark((x @ head["embed"].T).astype(jnp.float32), "head")
+
+    return logits_fn
+
+
+def _nll(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return jnp.mean(-jnp.take_along_axis(logp, targets[..., None], axis=-1))
+
+
+def transformer_loss_fn(
+    config: TransformerConfig, mark: Mark = unmarked, layered: bool = False
+) -> Callable[[Any, dict[str, jax.Array]], jax.Array]:
+    """``loss(params, batch)``: next-token cross-entropy (``mark`` and ``layered`` as in
+    :func:`transformer_logits_fn`)."""
+    logits_fn = transformer_logits_fn(config, mark, layered)
+
+    def loss(params: Any, batch: dict[str, jax.Array]) -> jax.Array:
+        tokens = batch["tokens"]
+        return _nll(logits_fn(params, tokens[:, :-1]), tokens[:, 1:]) * batch["weight"]
 
     return loss
+
+
+#: The weight of the auxiliary z-loss (PaLM's).
+Z_LOSS_WEIGHT = 1e-4
+
+
+def transformer_losses_fn(
+    config: TransformerConfig, mark: Mark = unmarked, layered: bool = False
+) -> Callable[[Any, dict[str, jax.Array]], dict[str, jax.Array]]:
+    """``losses(params, batch) -> {"nll": cross-entropy, "z": mean(logsumexp(logits)**2)}``:
+    two losses, to be combined as ``nll + Z_LOSS_WEIGHT * z`` (PaLM's auxiliary z-loss)."""
+    logits_fn = transformer_logits_fn(config, mark, layered)
+
+    def losses(params: Any, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        tokens = batch["tokens"]
+        logits = logits_fn(params, tokens[:, :-1])
+        z = jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
+        return {"nll": _nll(logits, tokens[:, 1:]) * batch["weight"], "z": z * batch["weight"]}
+
+    return losses

@@ -73,6 +73,12 @@ SUITES: dict[str, Suite] = {
             "retries=2 + value_fn: a finite step, a step that retries once, compiled memory",
         ),
         Suite(
+            "capabilities",
+            "benchmarks.bench_capabilities",
+            "suite",
+            "cost of AdaptiveScale, telemetry, per-layer and per-loss scales, retries vs targets",
+        ),
+        Suite(
             "compile",
             "benchmarks.bench_compile",
             "suite",

@@ -28,7 +28,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 
 import jdls
 from benchmarks import _harness as h
@@ -57,30 +56,13 @@ def with_probe(loss: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
 
 
 def make_step(loss: Callable[..., jax.Array], tx: Any, retrying: bool) -> Callable[..., Any]:
+    """``bench_step``'s jdls step, from the scale ``2**15`` on every call."""
+    inner = bench_step.jdls_method(loss, tx, retrying).step
+
     def step(params: Any, state: Any, batch: Any) -> tuple[Any, Any, jax.Array]:
-        state = jdls.set_scale(state, jdls.DynamicScale(SCALE))  # every call from 2**15
-        scale = jdls.get_scale(state)
-        value, grads = scale.value_and_grad(loss)(params, batch)
-        extra = {"value_fn": lambda p: loss(p, batch)} if retrying else {}
-        updates, state = tx.update(grads, state, params, **extra)
-        return optax.apply_updates(params, updates), state, value
+        return inner(params, jdls.set_scale(state, jdls.DynamicScale(SCALE)), batch)
 
     return step
-
-
-class _Runner:
-    def __init__(self, step: Callable[..., Any], tx: Any, params: Any, batch: Any) -> None:
-        self.fn = jax.jit(step, donate_argnums=(0, 1))
-        self.params = jax.tree_util.tree_map(jnp.copy, params)
-        self.state = tx.init(self.params)
-        self.batch = batch
-        compiled = self.fn.lower(self.params, self.state, batch).compile()
-        self.temp_bytes = compiled.memory_analysis().temp_size_in_bytes
-        h.settle(self, self.fn)
-
-    def __call__(self) -> None:
-        self.params, self.state, value = self.fn(self.params, self.state, self.batch)
-        jax.block_until_ready((self.params, self.state, value))
 
 
 def run(work: bench_step.Workload, *, rounds: int, warmup: int) -> h.Section:
@@ -96,21 +78,15 @@ def run(work: bench_step.Workload, *, rounds: int, warmup: int) -> h.Section:
         ("retries=2 + value_fn, retries once", retrying, True, outlier, 1),
     ]
     h.log(f"{work.title}: compiling {len(specs)} cases")
-    runners = [_Runner(make_step(loss, tx, r), tx, params, b) for _, tx, r, b, _ in specs]
+    runners = [
+        bench_step.Runner(bench_step.Method(tx.init, make_step(loss, tx, r)), params, b)
+        for _, tx, r, b, _ in specs
+    ]
     grad_bytes = 4 * (work.n_params + 1)  # one float32 gradient buffer
-    base_temp = runners[0].temp_bytes
+    temps = [r.temp_bytes() for r in runners]
     cases = [
-        h.Case(
-            label,
-            r,
-            info={
-                "temp_bytes": r.temp_bytes,
-                "temp_mib": r.temp_bytes / 2**20,
-                "extra_grad_buffers": (r.temp_bytes - base_temp) / grad_bytes,
-                "grad_buffer_bytes": grad_bytes,
-            },
-        )
-        for (label, *_), r in zip(specs, runners, strict=True)
+        h.Case(label, r, info=h.temp_info(temp, temps[0], grad_bytes))
+        for (label, *_), r, temp in zip(specs, runners, temps, strict=True)
     ]
     rows = h.time_cases(cases, rounds=rounds, warmup=warmup)
     for row, r, spec in zip(rows, runners, specs, strict=True):

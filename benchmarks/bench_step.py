@@ -75,13 +75,17 @@ def static_method(loss: Callable[..., jax.Array], tx: optax.GradientTransformati
     return Method(tx.init, step)
 
 
-def jdls_method(loss: Callable[..., jax.Array], tx: optax.GradientTransformation) -> Method:
-    """jdls: the scale lives in the optimizer state of ``jdls.wrap``."""
+def jdls_method(
+    loss: Callable[..., jax.Array], tx: optax.GradientTransformation, retrying: bool = False
+) -> Method:
+    """jdls: the scale lives in the optimizer state of ``jdls.wrap``; with ``retrying``, the
+    update gets the ``value_fn`` that ``jdls.wrap(..., retries=N)`` recomputes gradients with."""
 
     def step(params: Any, state: Any, batch: Any) -> tuple[Any, Any, jax.Array]:
         scale = jdls.get_scale(state)
         value, grads = scale.value_and_grad(loss)(params, batch)
-        updates, state = tx.update(grads, state, params)
+        extra = {"value_fn": lambda p: loss(p, batch)} if retrying else {}
+        updates, state = tx.update(grads, state, params, **extra)
         return optax.apply_updates(params, updates), state, value
 
     return Method(tx.init, step, lambda state: jdls.stats(state).skipped)
@@ -176,7 +180,7 @@ def _jitted(method: Method) -> Callable[..., Any]:
     return _JITTED[key][1]
 
 
-class _Runner:
+class Runner:
     """One case: a jitted step (parameters and state donated) on its own parameters and state."""
 
     def __init__(self, method: Method, params: Any, batch: Any) -> None:
@@ -192,6 +196,10 @@ class _Runner:
     def __call__(self) -> None:
         self.params, self.state, value = self.fn(self.params, self.state, self.batch)
         jax.block_until_ready((self.params, self.state, value))
+
+    def temp_bytes(self) -> int:
+        """The compiled step's temporary memory (``memory_analysis``)."""
+        return h.temp_bytes(self.fn, self.params, self.state, self.batch)
 
     def last_skipped(self) -> bool | None:
         if self.method.skipped is None:
@@ -209,6 +217,8 @@ class Workload:
     poisoned: Any
     n_params: int
     description: str
+    #: the model's configuration (``_models.MLPConfig`` or ``TransformerConfig``)
+    config: Any = None
 
 
 def mlp_workload(quick: bool) -> Workload:
@@ -223,6 +233,7 @@ def mlp_workload(quick: bool) -> Workload:
         config.n_params,
         f"MLP {'-'.join(map(str, config.widths))}, {config.n_params:,} float32 parameters, "
         f"float16 compute, batch {config.batch}",
+        config,
     )
 
 
@@ -244,6 +255,7 @@ def transformer_workload(quick: bool) -> Workload:
         f"{config.heads} heads, MLP {config.d_mlp}, vocab {config.vocab}, "
         f"{config.n_params:,} float32 parameters, float16 compute, batch {config.batch} x "
         f"{config.seq} tokens",
+        config,
     )
 
 
@@ -261,7 +273,7 @@ def run(
     runners = []
     for _, name, poison in specs:
         runners.append(
-            _Runner(methods[name](), work.params, work.poisoned if poison else work.batch)
+            Runner(methods[name](), work.params, work.poisoned if poison else work.batch)
         )
     cases = [h.Case(label, r) for (label, _, _), r in zip(specs, runners, strict=True)]
     rows = h.time_cases(cases, rounds=rounds, warmup=warmup)

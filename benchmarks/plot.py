@@ -1,9 +1,11 @@
 """Plots and the target summary, drawn from the JSON results of the suites.
 
 ``python -m benchmarks plot [--out benchmarks/results] [--img docs/img]`` redraws
-``perf_ratios.png`` (time ratios to the baseline, IQR whiskers, per suite) and
-``perf_roofline.png`` (achieved GB/s against the streaming kernels); ``python -m benchmarks
-all`` also writes ``summary.md``, jdls's performance targets next to the measured values.
+``perf_ratios.png`` (time ratios to the baseline, IQR whiskers, per suite),
+``perf_roofline.png`` (achieved GB/s against the streaming kernels) and
+``perf_capabilities.png`` (each capability's time ratio against its target); ``python -m
+benchmarks all`` also writes ``summary.md``, jdls's performance targets next to the measured
+values.
 """
 
 from __future__ import annotations
@@ -106,6 +108,15 @@ def targets(out: Path, suffix: str = "") -> list[dict[str, Any]]:
             1.25,
             f"bound from bytes moved: {wrap['bound_ratio_to_adam']:.3f}",
         )
+    capabilities = load(out, "capabilities", suffix)
+    for row in capabilities["sections"][0]["rows"] if capabilities else []:
+        if row.get("target") is not None:
+            add(
+                f"{row['workload']} full step: {row['label']} / {row['baseline']}",
+                row["ratio"],
+                row["target"],
+                f"issue {row['issue']}",
+            )
     return found
 
 
@@ -188,6 +199,30 @@ def plot_all(out: Path, img: Path, suffix: str = "") -> list[Path]:
         fig.tight_layout()
         path = img / f"perf_ratios{suffix}.png"
         fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    capabilities = load(out, "capabilities", suffix)
+    if capabilities is not None:
+        rows = [r for r in capabilities["sections"][0]["rows"] if r.get("target")][::-1]
+        fig, ax = plt.subplots(figsize=(10, 1.4 + 0.35 * len(rows)))
+        y = range(len(rows))
+        err = [
+            [r["ratio"] - r["ratio_q1"] for r in rows],
+            [r["ratio_q3"] - r["ratio"] for r in rows],
+        ]
+        colors = ["tab:blue" if r["met"] else "tab:orange" for r in rows]
+        ax.barh(y, [r["ratio"] - 1 for r in rows], left=1, xerr=err, color=colors, capsize=2)
+        targets_x = [r["target"] for r in rows]
+        ax.scatter(targets_x, y, marker="|", s=300, color="tab:red", label="target", zorder=3)
+        ax.set_yticks(y, [f"{r['workload']}: {r['label']}" for r in rows], fontsize=7)
+        ax.axvline(1.0, color="black", lw=0.8)
+        ax.legend(fontsize=7, loc="upper right")
+        ax.set_xlabel("time / baseline step (median of per-round ratios, IQR)", fontsize=7)
+        ax.set_title("Cost of each capability, full train step (blue: target met)", fontsize=9)
+        ax.tick_params(axis="x", labelsize=7)
+        fig.tight_layout()
+        path = img / f"perf_capabilities{suffix}.png"
+        fig.savefig(path, dpi=110, bbox_inches="tight")
         plt.close(fig)
         written.append(path)
     roof = load(out, "roofline", suffix)

@@ -44,7 +44,7 @@ def _runner(workload: str, name: str, skipped: bool) -> Any:
         else (bench_step.transformer_workload(False))
     )
     method = bench_step.make_methods(work.loss)[name]()
-    return bench_step._Runner(method, work.params, work.poisoned if skipped else work.batch)
+    return bench_step.Runner(method, work.params, work.poisoned if skipped else work.batch)
 
 
 def hlo_counts(text: str) -> dict[str, int]:
@@ -117,7 +117,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 def _args(runner: Any) -> tuple[Any, ...]:
-    if isinstance(runner, bench_step._Runner):
+    if isinstance(runner, bench_step.Runner):
         return runner.params, runner.state, runner.batch
     return runner.grads, runner.state, runner.params
 

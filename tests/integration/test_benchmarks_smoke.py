@@ -113,6 +113,28 @@ def test_skipped_cases_really_skip(results: Path) -> None:
             assert row["last_step_skipped"] is row["label"].endswith("[skipped step]")
 
 
+def test_capabilities_suite_targets_and_plot(results: Path, tmp_path: Path) -> None:
+    rows = json.loads((results / "capabilities.json").read_text())["sections"][0]["rows"]
+    assert {r["workload"] for r in rows} == {"mlp", "transformer"}
+    assert all(r["skipped_steps"] == 0 for r in rows)
+    assert sum(r["target"] is not None for r in rows) == 9
+    assert "transformer full step: nll + z-loss" in (results / "summary.md").read_text()
+    pytest.importorskip("matplotlib")
+    from benchmarks import plot
+
+    assert tmp_path / "perf_capabilities.png" in plot.plot_all(results, tmp_path)
+
+
+def test_capabilities_gradients_agree() -> None:
+    """The per-layer and per-loss steps of the ``capabilities`` suite compute the global
+    scale's gradients (quick sizes; the suite checks it itself only before a full run)."""
+    _registry()  # the repository root on sys.path
+    cap = importlib.import_module("benchmarks.bench_capabilities")
+    for model in (cap.mlp_model(True), cap.transformer_model(True)):
+        errors = cap.check_gradients(model)  # raises beyond cap.TOLERANCE
+        assert set(errors) == ({"per-layer"} if model.losses is None else {"per-layer", "per-loss"})
+
+
 def test_help_lists_the_registry() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks", "--help"],
