@@ -2,20 +2,21 @@
 per-layer and per-loss scales against float32, trained side by side from the same starts.
 
 One global loss scale serves the layer (or the loss) with the largest gradients; where the
-gradients span more than the compute format holds, the rest are flushed to zero. Two tasks
-built to have that span, on the digits of ``bench_quality``:
+gradients span more than the compute format holds, the rest are flushed to zero or rounded
+to a few subnormal ulps. Three tasks on the digits of ``bench_quality``:
 
 * ``deep`` and ``deep-saturated``: a plain MLP of ``DEPTH`` tanh layers of width ``WIDTH``,
   no normalisation, biases starting at 1.5 or 3 (saturated units: each layer shrinks the
   backward signal, by about ``2**-4`` at 3), so the first layers' gradients sit about
-  ``2**20`` or ``2**46`` below the last's.
-  Per-layer scales: ``jdls.AdaptiveScale()`` per layer, a ``jdls.layer_boundary`` at each
-  layer's output, ``jdls.adjust_layer_scales`` after each step.
-* ``multitask``: an autoencoder whose reconstruction error is summed over pixels and batch
-  (as VAE code often reduces it: its gradients hold the global scale near ``2**7``), and an
-  auxiliary digit classifier on the code, mean cross-entropy weighted ``1e-4`` (its
-  gradients, some ``2**45`` smaller, are flushed at that scale). Per-loss scales:
-  ``jdls.multi_loss_value_and_grad`` with PyTorch's rule per loss.
+  ``2**20`` or ``2**46`` below the last's. Per-layer scales: ``jdls.AdaptiveScale()`` per
+  layer, a ``jdls.layer_boundary`` at each layer's output, ``jdls.adjust_layer_scales``
+  after each step.
+* ``multitask``: an autoencoder whose squared error of the raw pixels (0 to 16) is summed
+  over pixels and a batch of 1024 (as VAE code often reduces it: its gradients hold the
+  global scale near ``2**1``), and an auxiliary digit classifier on the code, mean
+  cross-entropy weighted ``1e-4``: at that scale its gradients sit at the bottom of
+  float16's subnormals. Per-loss scales: ``jdls.multi_loss_value_and_grad`` with PyTorch's
+  rule per loss.
 
 Rules: PyTorch's default (``presets.pytorch()``) and ``jdls.AdaptiveScale()`` as global scales,
 the per-layer or per-loss scales, float16 without scaling, and float32. Each float16 run
@@ -23,11 +24,13 @@ computes forward and backward in float16 on float32 master weights, with
 ``jdls.wrap(optax.adam(...))`` (skipping non-finite steps); each rule runs from ``SEEDS``
 seeds (initialisation and batch order), and float32's spread over the seeds is the noise.
 
-Metrics: the task's final metric (mean and range over seeds), skipped steps, and the fraction
-of gradient signal flushed to zero: every ``PROBE_EVERY`` steps the float32 gradient at the
-same parameters and batch is computed, and the fraction of its L1 mass (of the parameters
-the task names: all layers, or the auxiliary head) that sits where the run's gradient is
-exactly zero (mean over those steps).
+Metrics: the task's final metric (mean and range over seeds), skipped steps, the fraction of
+gradient signal flushed to zero and the gradient error: every ``PROBE_EVERY`` steps the
+float32 gradient at the same parameters and batch is computed; *flushed* is the fraction of
+its L1 mass that sits where the run's gradient is exactly zero, *error* the relative L1
+distance of the run's (unscaled) gradient to it (flushed, or rounded to a few subnormal
+ulps), per layer (deep: the mean over the layers, each counting alike) or of the auxiliary
+head (multitask); the mean over those steps.
 
 Run::
 
@@ -214,16 +217,19 @@ def _split_factory(task: Task) -> Callable[[], jdls.LossScale]:
     return jdls.AdaptiveScale if task.per == "layer" else jdls.presets.pytorch
 
 
-def _flushed(grads: Any, ref: Any, keys: tuple[str, ...]) -> jax.Array:
-    """Per watched key, the fraction of the float32 gradient's L1 mass where ``grads`` is
-    exactly zero; the mean over the keys (every layer counts alike, however small)."""
+def _lost(grads: Any, ref: Any, keys: tuple[str, ...]) -> jax.Array:
+    """Per watched key, against the float32 gradient ``ref``: the fraction of its L1 mass
+    where ``grads`` is exactly zero (flushed), and the relative L1 error of ``grads`` (flushed
+    or rounded away: ``|g - ref|_1 / |ref|_1``); each the mean over the keys (every layer
+    counts alike, however small). Returns ``[flushed, error]``."""
     fractions = []
     for key in keys:
         g, r = jax.tree.leaves(grads[key]), jax.tree.leaves(ref[key])
-        mass = sum(jnp.sum(jnp.abs(b)) for b in r)
+        mass = jnp.maximum(sum(jnp.sum(jnp.abs(b)) for b in r), jnp.finfo(F32).tiny)
         lost = sum(jnp.sum(jnp.where(a == 0, jnp.abs(b), 0)) for a, b in zip(g, r, strict=True))
-        fractions.append(lost / jnp.maximum(mass, jnp.finfo(F32).tiny))
-    return jnp.mean(jnp.stack(fractions))
+        error = sum(jnp.sum(jnp.abs(a.astype(F32) - b)) for a, b in zip(g, r, strict=True))
+        fractions.append(jnp.stack([lost / mass, error / mass]))
+    return jnp.mean(jnp.stack(fractions), axis=0)
 
 
 def train(task: Task, rule: str, seed: int) -> dict[str, Any]:
@@ -264,10 +270,10 @@ def train(task: Task, rule: str, seed: int) -> dict[str, Any]:
 
         def flushed() -> jax.Array:
             ref = jax.grad(total)(params, batch, F32)
-            return _flushed(grads, ref, task.watched)
+            return _lost(grads, ref, task.watched)
 
         probe = (step % PROBE_EVERY == 0) & (dtype != F32)
-        frac = jax.lax.cond(probe, flushed, lambda: jnp.full((), jnp.nan))
+        frac = jax.lax.cond(probe, flushed, lambda: jnp.full((2,), jnp.nan))
         updates, opt = tx.update(grads, opt, params)
         finite = jdls.stats(opt).finite
         if split and task.per == "layer":
@@ -284,13 +290,15 @@ def train(task: Task, rule: str, seed: int) -> dict[str, Any]:
     metric = float(task.evaluate(params))
     out = jax.device_get(out)
     finite = np.asarray(out["finite"])
-    flushed = np.asarray(out["flushed"])
-    flushed = flushed[np.isfinite(flushed) & finite] if dtype != F32 else np.zeros(1)
+    lost = np.asarray(out["flushed"])
+    kept = np.isfinite(lost[:, 0]) & finite
+    lost = lost[kept] if dtype != F32 else np.zeros((1, 2))
     level = np.asarray(out["level"])
     return {
         "metric": metric,
         "skipped": int((~finite).sum()),
-        "flushed": float(flushed.mean()) if flushed.size else float("nan"),
+        "flushed": float(lost[:, 0].mean()) if lost.size else float("nan"),
+        "error": float(lost[:, 1].mean()) if lost.size else float("nan"),
         "scale_log2": level[-1].tolist(),
         "seconds": time.perf_counter() - start,
     }
@@ -327,6 +335,7 @@ COLUMNS = (
     ("metric_range", "metric (min-max over seeds)", ""),
     ("skipped", "skipped steps (mean)", ".1f"),
     ("flushed_pct", "signal flushed % (mean)", ".3f"),
+    ("error_pct", "gradient error % (mean)", ".3f"),
     ("scale_log2", "final scale(s), log2 (seed 0)", ""),
     ("seconds", "seconds per run", ".1f"),
 )
@@ -342,6 +351,7 @@ def _summary(rule: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
         "metrics": metrics,
         "skipped": float(np.mean([r["skipped"] for r in runs])),
         "flushed_pct": 100 * float(np.nanmean([r["flushed"] for r in runs])),
+        "error_pct": 100 * float(np.nanmean([r["error"] for r in runs])),
         "scale_log2": (
             f"{scales[0]:.0f}" if scales.size == 1 else f"{scales.min():.0f} to {scales.max():.0f}"
         ),

@@ -36,6 +36,7 @@ def test_every_rule_runs_and_reports(small_tasks, name):
             assert r["flushed"] == 0
         else:  # NaN when the one probed step (step 0) was skipped
             assert math.isnan(r["flushed"]) or 0 <= r["flushed"] <= 1, rule
+            assert math.isnan(r["error"]) or r["error"] >= r["flushed"] - 1e-6, rule
         levels = np.atleast_1d(r["scale_log2"])
         expected = len(task.watched) if task.per == "layer" else 2
         assert levels.size == (expected if rule == "per-layer / per-loss" else 1), rule
