@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jdls._checks import all_finite
+from jdls._checks import all_finite, is_float
 from jdls._context import ContextStack
 from jdls._scale import DynamicScale, LossScale, check_scale
 
@@ -278,7 +278,13 @@ def group_by_layer(grads: Any, names: Iterable[str]) -> dict[str, list[jax.Array
 
 
 def _amax(tree: Any) -> jax.Array:
-    leaves = [jnp.max(jnp.abs(x)).astype(_F32) for x in jax.tree_util.tree_leaves(tree) if x.size]
+    """The largest magnitude over the float leaves of ``tree`` (float32): NaN or inf when any
+    element is, so one reduction per leaf gives both the rule's input and finiteness."""
+    leaves = [
+        jnp.max(jnp.abs(x)).astype(_F32)
+        for x in jax.tree_util.tree_leaves(tree)
+        if is_float(x) and x.size
+    ]
     return jnp.max(jnp.stack(leaves)) if leaves else jnp.zeros((), _F32)
 
 
@@ -309,7 +315,8 @@ def adjust_layer_scales(scales: Mapping[str, LossScale], grads: Any) -> dict[str
       (True, True)
     """
     by_layer = group_by_layer(grads, scales)
-    finite = {k: all_finite(g) for k, g in by_layer.items()}
+    amax = {k: _amax(g) for k, g in by_layer.items()}
+    finite = {k: jnp.isfinite(a) for k, a in amax.items()}
     everything = jnp.all(jnp.stack(list(finite.values()))) if finite else jnp.array(True)
     out: dict[str, LossScale] = {}
     for key, scale in scales.items():
@@ -318,7 +325,7 @@ def adjust_layer_scales(scales: Mapping[str, LossScale], grads: Any) -> dict[str
             continue
         grown: LossScale
         if isinstance(scale, DynamicScale) and scale.rule.observes:
-            grown = scale.adjust(True, _amax(by_layer[key]))
+            grown = scale.adjust(True, amax[key])
         else:
             grown = scale.adjust(True)
         backed_off = scale.adjust(False)
