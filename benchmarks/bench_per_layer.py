@@ -4,8 +4,11 @@
 
 A 12-layer tanh MLP (width 256, batch 256, float16 compute): ``StaticScale.value_and_grad``
 against ``layer_scaled_value_and_grad``; a two-head model: one global scale on the sum against
-``multi_loss_value_and_grad`` with two scales. Each pair is timed in alternation, jitted, and
-the ratio of the medians printed.
+``multi_loss_value_and_grad`` with two scales, ``backward="one"`` (one backward pass) and
+``backward="per_loss"`` (one per loss), and the global step with ``jdls.all_finite`` of its
+gradients (``multi_loss_value_and_grad`` returns finite flags; a dynamic global scale needs
+them too). Each set is timed in alternation, jitted, and the ratio of the medians printed (and
+the median of the per-round ratios).
 """
 
 from __future__ import annotations
@@ -48,15 +51,29 @@ def timed(fn, *args, repeats: int = 20) -> float:
     return (time.perf_counter() - start) / repeats
 
 
-def compare(name: str, base, other, *args, rounds: int = 15) -> None:
-    a, b = [], []
+def compare(
+    name: str, base, others: dict, *args, rounds: int = 15, base_name: str = "global"
+) -> dict[str, np.ndarray]:
+    """Time ``base`` and each of ``others`` in alternation, ``rounds`` times; print each one's
+    median against the base's, and the range and median of the per-round ratios. Returns the
+    times by name (the base's under ``base_name``)."""
+    times: dict[str, list[float]] = {base_name: [], **{k: [] for k in others}}
     for _ in range(rounds):
-        a.append(timed(base, *args))
-        b.append(timed(other, *args))
-    ratio = np.median(b) / np.median(a)
+        times[base_name].append(timed(base, *args))
+        for k, fn in others.items():
+            times[k].append(timed(fn, *args))
+    out = {k: np.array(v) for k, v in times.items()}
+    for k in others:
+        report(f"{name}, {k}", out[base_name], out[k], base_name)
+    return out
+
+
+def report(name: str, base: np.ndarray, other: np.ndarray, base_name: str) -> None:
+    rounds = other / base
     print(
-        f"{name}: global {np.median(a) * 1e3:.2f} ms, per-scale {np.median(b) * 1e3:.2f} ms, "
-        f"ratio {ratio:.3f} (per-round ratios {np.min(np.array(b) / a):.3f}-{np.max(np.array(b) / a):.3f})"
+        f"{name}: {base_name} {np.median(base) * 1e3:.2f} ms, per-scale "
+        f"{np.median(other) * 1e3:.2f} ms, ratio {np.median(other) / np.median(base):.3f} "
+        f"(per-round ratios {rounds.min():.3f}-{rounds.max():.3f}, median {np.median(rounds):.3f})"
     )
 
 
@@ -72,7 +89,7 @@ def main() -> None:
     layered = jax.jit(
         jdls.layer_scaled_value_and_grad(mlp_loss, {k: jdls.StaticScale(2.0**10) for k in params})
     )
-    compare("per-layer, 12-layer MLP", base, layered, params, x)
+    compare("per-layer, 12-layer MLP", base, {"per-layer": layered}, params, x)
 
     hp = {
         k: jax.random.normal(kk, (WIDTH, WIDTH if k not in ("big", "small") else 1))
@@ -85,12 +102,25 @@ def main() -> None:
     }
     total = lambda p, x: sum(heads_losses(p, x).values())  # noqa: E731
     base = jax.jit(one.value_and_grad(total))
-    per_loss = jax.jit(
-        jdls.multi_loss_value_and_grad(
-            heads_losses, {"big": one, "small": jdls.StaticScale(2.0**20)}
+    scales = {"big": one, "small": jdls.StaticScale(2.0**20)}
+    candidates = {
+        f"backward={b!r}": jax.jit(jdls.multi_loss_value_and_grad(heads_losses, scales, backward=b))
+        for b in ("one", "per_loss")
+    }
+
+    def checked(p: dict, x: jax.Array) -> tuple:  # a dynamic global scale needs the flag too
+        value, grads = one.value_and_grad(total)(p, x)
+        return value, grads, jdls.all_finite(grads)
+
+    candidates["global + all_finite"] = jax.jit(checked)
+    times = compare("per-loss, two heads on a 5-layer trunk", base, candidates, hp, x)
+    for k in ("backward='one'", "backward='per_loss'"):  # both return per-loss finite flags
+        report(
+            f"  {k} against the global step with its finite check",
+            times["global + all_finite"],
+            times[k],
+            "global+finite",
         )
-    )
-    compare("per-loss, two heads on a 5-layer trunk", base, per_loss, hp, x)
     print(jax.devices()[0].device_kind, jax.__version__)
 
 

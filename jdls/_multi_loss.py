@@ -1,12 +1,15 @@
 """Per-loss scales: several losses, each differentiated at its own scale, combined exactly.
 
-One forward pass (``jax.vjp`` of the function returning every loss), then one backward pass
-per loss: loss ``i``'s cotangent is its scale ``s_i``, its gradients are unscaled by ``s_i``
-and checked for finiteness on their own, and the unscaled gradients are summed (times the
-optional float32 ``weights``). A small loss then keeps its gradients in the compute format's
-range even where the big loss's scale would flush them to zero (apex's ``num_losses`` /
-``loss_id``). One *combined* backward pass cannot unscale each loss's share exactly where the
-losses share parameters, so this takes one backward pass per loss, sharing the forward.
+``backward="one"`` (the default): ``fun`` is traced to a jaxpr, every value gets the set of
+losses that depend on it (``jdls._loss_sets``), and one backward pass keeps each value's
+cotangent at its set's scale: the region of the backward pass that only loss ``i`` reaches (its
+head) runs at ``s_i``, a region shared by several losses at the smallest of their scales. Each
+parameter's gradient is unscaled by its region's scale: the gradients equal ``jax.grad`` of the
+weighted sum (bit for bit in float32 with power-of-two scales and weights), at about the cost
+of one global scale's step. ``backward="per_loss"``: one forward pass (``jax.vjp``), one
+backward pass per loss at its own scale, unscaled, weighted and summed in float32 (apex's
+``num_losses`` / ``loss_id``): every parameter, shared ones included, gets each loss's share at
+that loss's scale, for one backward pass per loss.
 """
 
 from __future__ import annotations
@@ -17,10 +20,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jdls._checks import all_finite
+from jdls import _loss_sets
+from jdls._checks import all_finite, is_float
 from jdls._scale import LossScale, check_scale
 
 __all__ = ["multi_loss_value_and_grad"]
+
+_BACKWARDS = ("one", "per_loss")
+_F32 = jnp.float32
 
 
 def _items(tree: Any, what: str) -> tuple[list[Any], list[Any]]:
@@ -40,29 +47,69 @@ def _rebuild(like: Any, values: list[Any]) -> Any:
     return type(like)(values) if isinstance(like, list) else tuple(values)
 
 
+def _loss_order(losses: Any, keys: list[Any]) -> tuple[list[Any], list[int]]:
+    """The keys of ``fun``'s losses, and for each the index of its scale."""
+    loss_keys, _ = _items(losses, "fun's losses")
+    if len(loss_keys) != len(keys) or set(loss_keys) != set(keys):
+        raise ValueError(
+            f"fun must return one loss per scale, with the keys of scales {keys}; got {loss_keys}"
+        )
+    return loss_keys, [keys.index(k) for k in loss_keys]
+
+
+def _unscale(g: Any, level: jax.Array) -> Any:
+    """``g / level``, narrower floats promoted to float32 (as ``LossScale.unscale``)."""
+    if not is_float(g):
+        return g
+    dtype = jnp.promote_types(g.dtype, _F32)
+    return g.astype(dtype) / level.astype(dtype)
+
+
 def multi_loss_value_and_grad(
     fun: Callable[..., Any],
     scales: Mapping[Any, LossScale] | Sequence[LossScale],
     weights: Mapping[Any, float] | Sequence[float] | None = None,
     argnums: int | Sequence[int] = 0,
     has_aux: bool = False,
+    *,
+    backward: str = "one",
 ) -> Callable[..., tuple[Any, Any, Any]]:
     """Gradients of several losses, each scaled by its own scale, combined after unscaling.
 
     ``fun`` returns its losses as a dict, tuple or list shaped like ``scales`` (one scalar
-    per loss). Loss ``i`` is differentiated at scale ``scales[i]``, unscaled by it, multiplied
-    by ``weights[i]`` in float32 and added to the others: the gradients equal
-    ``jax.grad`` of ``sum(weights[i] * loss[i])`` wherever nothing underflows or overflows.
-    One forward pass, one backward pass per loss.
+    per loss). The gradients equal ``jax.grad`` of ``sum(weights[i] * loss[i])`` wherever
+    nothing underflows or overflows; how each loss's scale is applied depends on ``backward``:
+
+    * ``"one"`` (default): one forward and one backward pass. ``fun`` is traced to a jaxpr (as
+      ``jax.jit`` traces it: no Python control flow on traced values) and each value's backward
+      cotangent is kept at the scale of the losses that depend on it: where only loss ``i``
+      reaches (its head, its own parameters) at ``scales[i]``, in a region shared by several
+      losses (a common trunk) at the smallest of their scales, as with one global scale there.
+      A parameter used by one loss only is unscaled by that loss's scale and multiplied by its
+      weight in float32, exactly as with ``"per_loss"``; a shared one is unscaled by the
+      smallest scale of its losses (the weights entered where the losses' cotangents met).
+      Functions inside ``jax.jit`` are looked into; other higher-order primitives (``scan``,
+      ``cond``, ``remat``, ``custom_jvp``...) are one region each. Exact: in float32 with
+      power-of-two scales and weights, the gradients are ``jax.grad``'s bit for bit (eager;
+      under ``jax.jit`` to float32 rounding, XLA fusing the two programs differently); other
+      scales or weights round once more where they are applied.
+    * ``"per_loss"``: one forward pass, one backward pass per loss: loss ``i``'s cotangent is
+      ``scales[i]``, its gradients are unscaled by it, multiplied by ``weights[i]`` in float32
+      and added to the others'. Every parameter, shared ones included, gets each loss's share
+      at that loss's own scale, for one backward pass per loss (about 1.7x one global scale's
+      step for two losses).
 
     Args:
       fun: the loss function; returns the losses (``{"a": la, "b": lb}`` or ``(la, lb)``),
         or ``(losses, aux)`` with ``has_aux``.
       scales: one jdls loss scale per loss, in the same container (dict keys or positions).
-      weights: one float per loss (default 1 each), applied to the unscaled float32
-        gradients, so that a tiny weight never enters the compute format.
+      weights: one float per loss (default 1 each). Applied in float32 to the unscaled
+        gradients of the parameters used by that loss alone (all of them with ``"per_loss"``),
+        so that a tiny weight does not enter the compute format there; with ``"one"`` it
+        multiplies the loss's cotangent where it enters a region shared with other losses.
       argnums: positional argument(s) to differentiate, as in ``jax.value_and_grad``.
       has_aux: whether ``fun`` returns ``(losses, aux)``.
+      backward: ``"one"`` or ``"per_loss"``, see above.
 
     Returns:
       A function of ``fun``'s arguments returning ``(losses, grads, finite)`` (or
@@ -70,25 +117,39 @@ def multi_loss_value_and_grad(
       unscaled gradients, and per loss a boolean scalar, whether that loss's gradients were
       finite (adjust each scale with it: ``scales[i].adjust(finite[i])``; under
       ``shard_map`` combine it over the devices first, ``jax.lax.pmin``, see
-      ``docs/per-layer.md``).
+      ``docs/per-layer.md``). With ``"one"``, loss ``i`` is finite when the gradients of every
+      parameter it depends on are: a non-finite gradient of a shared parameter flags every
+      loss that shares it.
 
     Example:
       >>> import jax.numpy as jnp, jdls
-      >>> def losses(w):
-      ...     return {"big": jnp.sum(w**2), "small": 1e-4 * jnp.sum(w)}
+      >>> def losses(p):
+      ...     return {"big": jnp.sum(p["a"] ** 2), "small": 1e-4 * jnp.sum(p["b"] * p["a"])}
       >>> scales = {"big": jdls.StaticScale(8.0), "small": jdls.StaticScale(2.0**20)}
-      >>> fn = jdls.multi_loss_value_and_grad(losses, scales)
-      >>> values, grads, finite = fn(jnp.ones(2))
-      >>> [round(g, 4) for g in grads.tolist()], bool(finite["small"])
-      ([2.0001, 2.0001], True)
+      >>> fn = jdls.multi_loss_value_and_grad(losses, scales)  # one backward pass
+      >>> values, grads, finite = fn({"a": jnp.ones(2), "b": jnp.ones(2)})
+      >>> [round(g, 4) for g in grads["a"].tolist()], [round(g, 6) for g in grads["b"].tolist()]
+      ([2.0001, 2.0001], [0.0001, 0.0001])
+      >>> bool(finite["big"]), bool(finite["small"])
+      (True, True)
+      >>> _, per_loss, _ = jdls.multi_loss_value_and_grad(losses, scales, backward="per_loss")(
+      ...     {"a": jnp.ones(2), "b": jnp.ones(2)})
+      >>> bool(jnp.all(per_loss["a"] == grads["a"]))
+      True
     """
+    if backward not in _BACKWARDS:
+        raise ValueError(
+            f"backward must be 'one' (one backward pass, each loss's own region at its scale) "
+            f"or 'per_loss' (one backward pass per loss), got {backward!r}"
+        )
     keys, scale_list = _items(scales, "scales")
     if not keys:
         raise ValueError("scales must hold one loss scale per loss, got none")
     for key, scale in zip(keys, scale_list, strict=True):
         check_scale(scale, f"scales[{key!r}]")
+    weight_list: list[Any]
     if weights is None:
-        weight_list = [1.0] * len(keys)
+        weight_list = [None] * len(keys)
     else:
         weight_keys, weight_list = _items(weights, "weights")
         if isinstance(weights, Mapping) and set(weight_keys) == set(keys):
@@ -99,6 +160,7 @@ def multi_loss_value_and_grad(
                 "weight per loss, or None"
             )
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    run = _one_pass if backward == "one" else _per_loss
 
     def value_and_grad_fn(*args: Any, **kwargs: Any) -> tuple[Any, Any, Any]:
         def forward(*diff: Any) -> Any:
@@ -108,34 +170,125 @@ def multi_loss_value_and_grad(
             return fun(*full, **kwargs)
 
         primals = [args[n] for n in nums]
-        if has_aux:
-            losses, vjp_fn, aux = jax.vjp(forward, *primals, has_aux=True)
-        else:
-            (losses, vjp_fn), aux = jax.vjp(forward, *primals), None
-        loss_keys, _ = _items(losses, "fun's losses")
-        if sorted(map(str, loss_keys)) != sorted(map(str, keys)) or len(loss_keys) != len(keys):
-            raise ValueError(
-                f"fun must return one loss per scale, with the keys of scales {keys}; got "
-                f"{loss_keys}"
-            )
-        total: Any = None
-        finite = []
-        for i, (scale, weight) in enumerate(zip(scale_list, weight_list, strict=True)):
-            cotangent = _rebuild(
-                losses,
-                [
-                    scale.scale(jnp.ones_like(losses[k]))
-                    if k == keys[i]
-                    else jnp.zeros_like(losses[k])
-                    for k in loss_keys
-                ],
-            )
-            grads = scale.unscale(vjp_fn(cotangent))
-            finite.append(all_finite(grads))
-            grads = jax.tree_util.tree_map(lambda g, w=weight: g * jnp.asarray(w, g.dtype), grads)
-            total = grads if total is None else jax.tree_util.tree_map(jnp.add, total, grads)
+        losses, aux, total, finite = run(forward, primals, keys, scale_list, weight_list, has_aux)
         grads = total[0] if isinstance(argnums, int) else tuple(total)
         value = (losses, aux) if has_aux else losses
         return value, grads, _rebuild(scales, finite)
 
     return value_and_grad_fn
+
+
+def _weighted(grads: Any, weight: Any) -> Any:
+    if weight is None:
+        return grads
+    return jax.tree_util.tree_map(lambda g: g * jnp.asarray(weight, g.dtype), grads)
+
+
+def _add(a: Any, b: Any) -> Any:
+    """``a + b``; an integer argument's ``float0`` gradient stays as it is."""
+    return a + b if is_float(a) else a
+
+
+def _per_loss(
+    forward: Callable[..., Any],
+    primals: list[Any],
+    keys: list[Any],
+    scale_list: list[LossScale],
+    weight_list: list[Any],
+    has_aux: bool,
+) -> tuple[Any, Any, list[Any], list[jax.Array]]:
+    """One forward pass, one backward pass per loss, summed after unscaling."""
+    if has_aux:
+        losses, vjp_fn, aux = jax.vjp(forward, *primals, has_aux=True)
+    else:
+        (losses, vjp_fn), aux = jax.vjp(forward, *primals), None
+    loss_keys, _ = _loss_order(losses, keys)
+    total: Any = None
+    finite = []
+    for i, scale in enumerate(scale_list):
+        cotangent = _rebuild(
+            losses,
+            [
+                scale.scale(jnp.ones_like(losses[k])) if k == keys[i] else jnp.zeros_like(losses[k])
+                for k in loss_keys
+            ],
+        )
+        grads = scale.unscale(vjp_fn(cotangent))
+        finite.append(all_finite(grads))
+        grads = _weighted(grads, weight_list[i])
+        total = grads if total is None else jax.tree_util.tree_map(_add, total, grads)
+    return losses, aux, total, finite
+
+
+def _one_pass(
+    forward: Callable[..., Any],
+    primals: list[Any],
+    keys: list[Any],
+    scale_list: list[LossScale],
+    weight_list: list[Any],
+    has_aux: bool,
+) -> tuple[Any, Any, list[Any], list[jax.Array]]:
+    """One backward pass, each value's cotangent at the scale of the losses depending on it."""
+    flat, in_tree = jax.tree_util.tree_flatten(primals)
+    found: dict[str, Any] = {}
+
+    def traced(*leaves: Any) -> list[Any]:
+        out = forward(*jax.tree_util.tree_unflatten(in_tree, leaves))
+        losses, aux = out if has_aux else (out, None)
+        loss_keys, order = _loss_order(losses, keys)
+        aux_leaves, aux_tree = jax.tree_util.tree_flatten(aux)
+        is_traced = [isinstance(a, jax.core.Tracer) for a in aux_leaves]
+        found.update(
+            losses=losses, order=order, aux_leaves=aux_leaves, aux_tree=aux_tree, traced=is_traced
+        )
+        return [losses[k] for k in loss_keys] + [
+            a for a, t in zip(aux_leaves, is_traced, strict=True) if t
+        ]
+
+    closed = jax.make_jaxpr(traced)(*flat)
+    order: list[int] = found["order"]
+    n = len(order)
+    live = [is_float(x) for x in flat]
+    out_sets = [frozenset({i}) for i in order] + [_loss_sets.EMPTY] * (len(closed.out_avals) - n)
+    scope = _loss_sets.analyze(closed, live, out_sets)
+    weights = [None if w is None else jnp.asarray(w, _F32) for w in weight_list]
+    levels = _loss_sets.Levels([s.loss_scale for s in scale_list], weights)
+
+    def interpreted(*leaves: Any) -> tuple[list[Any], list[Any]]:
+        outs = _loss_sets.evaluate(scope, levels, closed.consts, leaves)
+        return outs[:n], outs[n:]
+
+    loss_values, vjp_fn, traced_aux = jax.vjp(interpreted, *flat, has_aux=True)
+    outvars = closed.jaxpr.outvars
+    seeds = [
+        jnp.ones_like(v) * levels.seed(_loss_sets.var_set(scope, ov), i).astype(jnp.result_type(v))
+        for v, ov, i in zip(loss_values, outvars[:n], order, strict=True)
+    ]
+    cotangents = vjp_fn(seeds)
+
+    grads: list[Any] = []
+    finite_by_set: dict[frozenset[int], list[Any]] = {}
+    for g, v in zip(cotangents, closed.jaxpr.invars, strict=True):
+        s = _loss_sets.var_set(scope, v)
+        if not s:
+            grads.append(
+                jnp.zeros(jnp.shape(g), jnp.promote_types(g.dtype, _F32)) if is_float(g) else g
+            )
+            continue
+        g = _unscale(g, levels.level(s))
+        finite_by_set.setdefault(s, []).append(g)
+        grads.append(_weighted(g, weight_list[next(iter(s))]) if len(s) == 1 else g)
+    flags = {s: all_finite(gs) for s, gs in finite_by_set.items()}
+    finite = []
+    for i in range(len(keys)):
+        mine = [f for s, f in flags.items() if i in s]
+        finite.append(jnp.all(jnp.stack(mine)) if mine else jnp.array(True))
+
+    aux_iter = iter(traced_aux)
+    aux_leaves = [
+        next(aux_iter) if t else a
+        for a, t in zip(found["aux_leaves"], found["traced"], strict=True)
+    ]
+    aux = jax.tree_util.tree_unflatten(found["aux_tree"], aux_leaves)
+    losses = _rebuild(found["losses"], list(loss_values))
+    return losses, aux if has_aux else None, jax.tree_util.tree_unflatten(in_tree, grads), finite

@@ -1,0 +1,272 @@
+"""Loss sets (which losses each traced value feeds) and the one-pass evaluation that uses them.
+
+The *loss set* of a value of the jaxpr is the set of losses whose value depends on it (backward
+reachability from the loss outputs). One backward pass then serves several loss scales: each
+value's cotangent is kept at its set's *level*, ``s_i`` (loss ``i``'s scale) where only loss
+``i`` depends on it and the smallest scale of the set where several do (their cotangents are
+summed there; the smallest scale keeps the sum from overflowing). Where the set changes along
+an edge of the jaxpr (a value used by an equation of a smaller set, an equation's output used by
+fewer losses), :func:`jdls.rescale_boundary` converts the cotangent from the consumer's level to
+the producer's.
+
+The cotangent of a value of a one-loss set ``{i}`` is ``s_i`` times loss ``i``'s own gradient,
+without its weight; that of a value of a several-loss set ``S`` is ``min(s_j, j in S)`` times
+the weighted sum of the gradients of the losses of ``S``: the weight ``w_i`` enters at the edges
+from ``{i}`` into a shared region, and at the unscaling of a parameter of ``{i}`` (in float32).
+With powers of two, the one backward pass is that of ``sum(w_i * loss_i)`` times exact powers of
+two, wherever nothing underflows or overflows.
+
+``jit`` (``pjit``) and ``closed_call`` equations are inlined, so that branches inside a jitted
+model function are seen (unless the ``jit`` constrains shardings or layouts: then it is
+atomic); every other higher-order primitive (``custom_jvp_call``, ``custom_vjp_call``,
+``scan``, ``cond``, ``while``, ``remat``, ``shard_map``...) is one atomic equation: its inputs
+and outputs may carry several sets, and inside it the cotangent runs at the level of the union
+(coarser, still exact).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.extend import core as jcore
+
+from jdls._layer_scales import rescale_boundary
+
+__all__ = ["EMPTY", "Levels", "Scope", "analyze", "evaluate", "var_set"]
+
+LossSet = frozenset[int]
+
+#: The set of a value on which no loss depends (or that no differentiated input reaches).
+EMPTY: LossSet = frozenset()
+
+_F32 = jnp.float32
+
+# The call primitives whose sub-jaxpr is inlined, and the parameter holding it.
+_INLINED = {
+    jcore.primitives.jit_p: "jaxpr",
+    jcore.primitives.closed_call_p: "call_jaxpr",
+}
+
+
+def _sub_jaxpr(eqn: Any) -> jcore.ClosedJaxpr | None:
+    """The closed sub-jaxpr of a ``jit`` or ``closed_call`` equation to inline, else None.
+
+    A ``jit`` with sharding or layout constraints is not inlined: inlining would drop them.
+    """
+    key = _INLINED.get(eqn.primitive)
+    if key is None:
+        return None
+    params = eqn.params
+    shardings = [*params.get("in_shardings", ()), *params.get("out_shardings", ())]
+    if any(type(s).__name__ != "UnspecifiedValue" for s in shardings):
+        return None
+    if any(x is not None for x in (*params.get("in_layouts", ()), *params.get("out_layouts", ()))):
+        return None
+    sub = eqn.params[key]
+    return sub if isinstance(sub, jcore.ClosedJaxpr) else None
+
+
+class Scope:
+    """The analysis of one jaxpr at one place of the trace (an inlined jaxpr called twice has
+    two scopes): which variables depend on the differentiated inputs (``live``), their loss
+    sets, each atomic equation's set, and the scopes of its inlined equations."""
+
+    def __init__(self, closed: jcore.ClosedJaxpr) -> None:
+        self.jaxpr = closed.jaxpr
+        self.consts = closed.consts
+        self.live: set[Any] = set()
+        self.sets: dict[Any, LossSet] = {}
+        self.eqn_sets: dict[int, LossSet] = {}
+        self.subs: dict[int, Scope] = {}
+
+
+def var_set(scope: Scope, v: Any) -> LossSet:
+    """The loss set of an atom of ``scope``'s jaxpr (a literal's is empty)."""
+    return scope.sets.get(v, EMPTY) if isinstance(v, jcore.Var) else EMPTY
+
+
+def _forward(closed: jcore.ClosedJaxpr, in_live: Sequence[bool]) -> Scope:
+    """Which variables depend on the live inputs (only they carry cotangents); the scopes of
+    the inlined equations."""
+    scope = Scope(closed)
+    live = scope.live
+    live.update(v for v, on in zip(scope.jaxpr.invars, in_live, strict=True) if on)
+    for k, eqn in enumerate(scope.jaxpr.eqns):
+        eqn_in = [isinstance(v, jcore.Var) and v in live for v in eqn.invars]
+        sub = _sub_jaxpr(eqn)
+        if sub is not None:
+            inner = scope.subs[k] = _forward(sub, eqn_in)
+            out_live = [isinstance(v, jcore.Var) and v in inner.live for v in sub.jaxpr.outvars]
+        else:
+            out_live = [any(eqn_in)] * len(eqn.outvars)
+        live.update(v for v, on in zip(eqn.outvars, out_live, strict=True) if on)
+    return scope
+
+
+def _backward(scope: Scope, out_sets: Sequence[LossSet]) -> None:
+    """The loss sets of ``scope``'s variables, given those of its outputs."""
+    sets = scope.sets
+
+    def add(v: Any, s: LossSet) -> None:
+        if s and isinstance(v, jcore.Var) and v in scope.live:
+            sets[v] = sets.get(v, EMPTY) | s
+
+    for v, s in zip(scope.jaxpr.outvars, out_sets, strict=True):
+        add(v, s)
+    for k in reversed(range(len(scope.jaxpr.eqns))):
+        eqn = scope.jaxpr.eqns[k]
+        outs = [var_set(scope, v) for v in eqn.outvars]
+        inner = scope.subs.get(k)
+        if inner is not None:
+            _backward(inner, outs)
+            for v, iv in zip(eqn.invars, inner.jaxpr.invars, strict=True):
+                add(v, var_set(inner, iv))
+            continue
+        s = frozenset().union(*outs)
+        if s:
+            scope.eqn_sets[k] = s
+            for v in eqn.invars:
+                add(v, s)
+
+
+def analyze(
+    closed: jcore.ClosedJaxpr, in_live: Sequence[bool], out_sets: Sequence[LossSet]
+) -> Scope:
+    """The loss sets of every variable of ``closed``.
+
+    Args:
+      closed: the traced function, from ``jax.make_jaxpr``.
+      in_live: per input, whether it is differentiated (a float leaf of the argnums).
+      out_sets: per output, the losses it is (``{i}`` for loss ``i``; empty for aux).
+
+    Returns:
+      The top scope: ``var_set(scope, v)`` is the set of an input or output ``v``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jdls._loss_sets import analyze, var_set
+      >>> closed = jax.make_jaxpr(lambda w, h: (jnp.sum(w * h), jnp.sum(h)))(1.0, 2.0)
+      >>> scope = analyze(closed, [True, True], [frozenset({0}), frozenset({1})])
+      >>> [sorted(var_set(scope, v)) for v in closed.jaxpr.invars]
+      [[0], [0, 1]]
+    """
+    scope = _forward(closed, in_live)
+    _backward(scope, out_sets)
+    return scope
+
+
+class Levels:
+    """The float32 level of each loss set, and the ratios converting cotangents between sets,
+    computed once per set (or pair) from the traced scales and weights (one ``Levels`` per
+    differentiation).
+
+    Args:
+      scales: per loss, its scale (a float32 scalar, a power of two for exactness).
+      weights: per loss, its float32 weight, or None for 1.
+    """
+
+    def __init__(self, scales: Sequence[jax.Array], weights: Sequence[jax.Array | None]) -> None:
+        self.scales = [jnp.asarray(s, _F32) for s in scales]
+        self.weights = list(weights)
+        self._levels: dict[LossSet, jax.Array] = {}
+        self._ratios: dict[tuple[LossSet, LossSet], jax.Array] = {}
+
+    def level(self, s: LossSet) -> jax.Array:
+        """``s_i`` for ``{i}``; the smallest scale of the set for several losses."""
+        if s not in self._levels:
+            self._levels[s] = functools.reduce(jnp.minimum, [self.scales[i] for i in sorted(s)])
+        return self._levels[s]
+
+    def ratio(self, producer: LossSet, consumer: LossSet) -> jax.Array:
+        """The factor taking a cotangent at ``consumer``'s level to ``producer``'s (a superset)."""
+        key = (producer, consumer)
+        if key not in self._ratios:
+            r = self.level(producer) / self.level(consumer)
+            if len(consumer) == 1 < len(producer):  # into a shared region: the weight enters
+                (i,) = consumer
+                w = self.weights[i]
+                if w is not None:
+                    r = w * r
+            self._ratios[key] = r
+        return self._ratios[key]
+
+    def seed(self, s: LossSet, i: int) -> jax.Array:
+        """The cotangent of loss ``i``'s output, whose set is ``s`` (float32)."""
+        if s == {i}:
+            return self.level(s)
+        if not s:  # the loss does not depend on the differentiated arguments
+            return jnp.zeros((), _F32)
+        w = self.weights[i]
+        return self.level(s) if w is None else w * self.level(s)
+
+    def convert(self, x: Any, producer: LossSet, consumer: LossSet) -> Any:
+        """``x``, through a :func:`jdls.rescale_boundary` if the sets differ."""
+        if not producer or not consumer or producer == consumer:
+            return x
+        return rescale_boundary(x, self.ratio(producer, consumer))
+
+
+def _bind(eqn: Any, invals: list[Any]) -> list[Any]:
+    """Apply ``eqn``'s primitive to ``invals``, as ``jax.core.eval_jaxpr`` does."""
+    params = eqn.primitive.get_bind_params(eqn.params)
+    subfuns: Sequence[Any] = ()
+    if isinstance(params, tuple):  # older JAX: (subfuns, params)
+        subfuns, params = params
+    ctx = getattr(eqn, "ctx", None)
+    manager = getattr(ctx, "manager", None)
+    if manager is None:
+        out = eqn.primitive.bind(*subfuns, *invals, **params)
+    else:
+        with manager:
+            out = eqn.primitive.bind(*subfuns, *invals, **params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def evaluate(scope: Scope, levels: Levels, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+    """Evaluate ``scope``'s jaxpr on ``args``, converting cotangents wherever the set changes.
+
+    The forward values are those of the jaxpr (every boundary is the identity forward).
+    """
+    jaxpr = scope.jaxpr
+    env: dict[Any, Any] = {}
+
+    def read(v: Any) -> Any:
+        return v.val if isinstance(v, jcore.Literal) else env[v]
+
+    env.update(zip(jaxpr.constvars, consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
+    for k, eqn in enumerate(jaxpr.eqns):
+        invals = [read(v) for v in eqn.invars]
+        inner = scope.subs.get(k)
+        if inner is not None:
+            ij = inner.jaxpr
+            invals = [
+                levels.convert(x, var_set(scope, v), var_set(inner, iv))
+                for x, v, iv in zip(invals, eqn.invars, ij.invars, strict=True)
+            ]
+            outs = evaluate(inner, levels, inner.consts, invals)
+            outs = [
+                levels.convert(y, var_set(inner, iv), var_set(scope, v))
+                for y, iv, v in zip(outs, ij.outvars, eqn.outvars, strict=True)
+            ]
+        else:
+            s = scope.eqn_sets.get(k, EMPTY)
+            if s:
+                invals = [
+                    levels.convert(x, var_set(scope, v), s)
+                    for x, v in zip(invals, eqn.invars, strict=True)
+                ]
+            outs = _bind(eqn, invals)
+            if s:
+                outs = [
+                    levels.convert(y, s, var_set(scope, v))
+                    for y, v in zip(outs, eqn.outvars, strict=True)
+                ]
+        for v, y in zip(eqn.outvars, outs, strict=True):
+            if not isinstance(v, jcore.DropVar):
+                env[v] = y
+    return [read(v) for v in jaxpr.outvars]
