@@ -8,24 +8,24 @@ in the same interleaved rounds (``benchmarks/_harness.py``). Each case is a rati
 step with ``jdls.wrap(adam)`` (``jdls.DynamicScale()``), as ``bench_step`` times it:
 
 * ``jdls.wrap(adam, AdaptiveScale())``: the rule that measures the gradients (target
-  <= 1.02x, issue 14);
+  <= 1.02x);
 * telemetry: the gradients of ``jdls.probed_value_and_grad`` with a ``jdls.probe`` at every
   layer's output (MLP: each dense layer; transformer: the embedding and each block), the
-  telemetry returned by the step (target <= 1.03x, issue 14);
+  telemetry returned by the step (target <= 1.03x);
 * per-layer scales, as ``docs/per-layer.md`` writes them: ``jdls.layer_scaled_value_and_grad``
   with a ``jdls.layer_boundary`` at every layer's output (MLP: each dense layer; transformer:
   ``embed``, ``block_0``... after the block's second residual add, ``head``), one
   ``jdls.AdaptiveScale()`` per layer adjusted by ``jdls.adjust_layer_scales`` in the step,
   and ``jdls.wrap(adam, jdls.NoOpScale())`` to skip. The transformer ties its embedding: the
   array is passed as a parameter of both ``embed`` and ``head``, and the two gradients are
-  added in the step (target <= 1.05x, issue 15);
+  added in the step (target <= 1.05x);
 * retries: ``jdls.wrap(adam, retries=2)`` with ``value_fn``, a finite step (target
-  <= 1.01x, issue 13; ``bench_retry`` also times a step that retries);
+  <= 1.01x; ``bench_retry`` also times a step that retries);
 * per-loss scales (transformer): the cross-entropy and PaLM's auxiliary z-loss
   (``1e-4 * mean(logsumexp(logits)**2)``) through ``jdls.multi_loss_value_and_grad`` with one
   ``jdls.DynamicScale()`` per loss (weights ``1, 1e-4``) and ``jdls.wrap(adam,
   jdls.NoOpScale())``, against its own baseline: the same two-loss sum under one global
-  scale, ``jdls.wrap(adam)`` (target <= 1.05x, issue 15; one backward pass per loss).
+  scale, ``jdls.wrap(adam)`` (target <= 1.05x; one backward pass, the default).
 
 Memory: ``memory_analysis()`` of each compiled step, the difference of its temporary bytes
 to its baseline's in units of one float32 gradient buffer. So that the benchmark times a
@@ -201,7 +201,7 @@ class Spec:
     label: str
     method: Callable[[], Method]
     target: float | None = None
-    issue: int | None = None
+    owner: str | None = None  # the capability the target belongs to
     group: str = ""
 
 
@@ -219,25 +219,25 @@ def specs(model: Model) -> list[Spec]:
             "jdls.wrap(adam, AdaptiveScale())",
             lambda: bench_step.jdls_method(loss, jdls.wrap(adam(), jdls.AdaptiveScale())),
             1.02,
-            14,
+            "adaptive scaling",
         ),
         Spec(
             "telemetry: probed_value_and_grad, a probe per layer",
             lambda: telemetry_method(model.marked(probe), jdls.wrap(adam())),
             1.03,
-            14,
+            "telemetry",
         ),
         Spec(
             "per-layer scales: AdaptiveScale per layer",
             lambda: per_layer_method(model),
             1.05,
-            15,
+            "per-layer scales",
         ),
         Spec(
             "jdls.wrap(adam, retries=2) + value_fn, finite step",
             lambda: bench_step.jdls_method(loss, jdls.wrap(adam(), retries=2), retrying=True),
             1.01,
-            13,
+            "retries",
         ),
     ]
     if model.losses is not None:
@@ -252,7 +252,7 @@ def specs(model: Model) -> list[Spec]:
                 "nll + z-loss, per-loss scales: multi_loss_value_and_grad",
                 lambda: per_loss_method(losses),
                 1.05,
-                15,
+                "per-loss scales",
                 group="two losses",
             ),
         ]
@@ -320,7 +320,7 @@ def _cells(row: dict[str, Any]) -> None:
     if target is None:
         row["target_cell"], row["met"], row["met_cell"] = "baseline", None, ""
         return
-    row["target_cell"] = f"<= {target:.2f}x (issue {row['issue']})"
+    row["target_cell"] = f"<= {target:.2f}x ({row['owner']})"
     row["met"] = bool(row["ratio"] <= target)
     row["met_cell"] = "yes" if row["met"] else "**no**"
 
@@ -350,7 +350,7 @@ def suite(quick: bool = False, rounds: int | None = None) -> list[h.Section]:
         info = {
             "workload": model.work.name,
             "target": spec.target,
-            "issue": spec.issue,
+            "owner": spec.owner,
             **h.temp_info(temp, base_temp[group], 4 * model.work.n_params),
         }
         cases.append(h.Case(spec.label, runner, group, info))

@@ -115,7 +115,7 @@ def targets(out: Path, suffix: str = "") -> list[dict[str, Any]]:
                 f"{row['workload']} full step: {row['label']} / {row['baseline']}",
                 row["ratio"],
                 row["target"],
-                f"issue {row['issue']}",
+                row.get("owner") or row.get("issue", ""),
             )
     return found
 
