@@ -7,7 +7,9 @@ value's cotangent is kept at its set's *level*, ``s_i`` (loss ``i``'s scale) whe
 summed there; the smallest scale keeps the sum from overflowing). Where the set changes along
 an edge of the jaxpr (a value used by an equation of a smaller set, an equation's output used by
 fewer losses), :func:`jdls.rescale_boundary` converts the cotangent from the consumer's level to
-the producer's.
+the producer's. Each boundary also measures, backward, whether the cotangent it converts is
+finite, and blames the losses that set the level of the region that made it: the finite flag
+of a loss then covers its own region even where it has no parameters of its own.
 
 The cotangent of a value of a one-loss set ``{i}`` is ``s_i`` times loss ``i``'s own gradient,
 without its weight; that of a value of a several-loss set ``S`` is ``min(s_j, j in S)`` times
@@ -34,7 +36,8 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
-from jdls._layer_scales import rescale_boundary
+from jdls._checks import is_float
+from jdls._norm import vary_like
 
 __all__ = ["EMPTY", "Levels", "Scope", "analyze", "evaluate", "var_set"]
 
@@ -159,6 +162,34 @@ def analyze(
     return scope
 
 
+@jax.custom_vjp
+def _measured_rescale(
+    x: jax.Array, ratio: jax.Array, blame: jax.Array, setters: jax.Array
+) -> jax.Array:
+    del ratio, blame, setters
+    return x
+
+
+def _measured_fwd(
+    x: jax.Array, ratio: jax.Array, blame: jax.Array, setters: jax.Array
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
+    return x, (ratio, setters, jnp.zeros_like(blame))
+
+
+def _measured_bwd(
+    res: tuple[jax.Array, jax.Array, jax.Array], g: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    ratio, setters, blame_zeros = res
+    dtype = jnp.promote_types(g.dtype, _F32)
+    out = (g.astype(dtype) * ratio.astype(dtype)).astype(g.dtype)
+    bad = (~jnp.all(jnp.isfinite(g))).astype(_F32)  # the cotangent as the consumer made it
+    blame = vary_like(bad * setters, blame_zeros)  # under shard_map: per device, as given
+    return out, jnp.zeros_like(ratio), blame, jnp.zeros_like(setters)
+
+
+_measured_rescale.defvjp(_measured_fwd, _measured_bwd)
+
+
 class Levels:
     """The float32 level of each loss set, and the ratios converting cotangents between sets,
     computed once per set (or pair) from the traced scales and weights (one ``Levels`` per
@@ -174,12 +205,31 @@ class Levels:
         self.weights = list(weights)
         self._levels: dict[LossSet, jax.Array] = {}
         self._ratios: dict[tuple[LossSet, LossSet], jax.Array] = {}
+        self._setters: dict[LossSet, jax.Array] = {}
+        #: float32 zeros, one per loss, set by the caller before evaluating: each boundary
+        #: adds to its cotangent whether the cotangent it converted was non-finite, for the
+        #: losses that set the level of the region that made it (``setters``).
+        self.blame: jax.Array | None = None
 
     def level(self, s: LossSet) -> jax.Array:
         """``s_i`` for ``{i}``; the smallest scale of the set for several losses."""
         if s not in self._levels:
             self._levels[s] = functools.reduce(jnp.minimum, [self.scales[i] for i in sorted(s)])
         return self._levels[s]
+
+    def setters(self, s: LossSet) -> jax.Array:
+        """Per loss (float32 0 or 1): whether it belongs to ``s`` and its scale is ``s``'s
+        level. A cotangent of ``s``'s region runs at that level, so an overflow there is
+        those losses' (the others' cotangents entered it scaled down)."""
+        if s not in self._setters:
+            level = self.level(s)
+            self._setters[s] = jnp.stack(
+                [
+                    (scale == level).astype(_F32) if i in s else jnp.zeros((), _F32)
+                    for i, scale in enumerate(self.scales)
+                ]
+            )
+        return self._setters[s]
 
     def ratio(self, producer: LossSet, consumer: LossSet) -> jax.Array:
         """The factor taking a cotangent at ``consumer``'s level to ``producer``'s (a superset)."""
@@ -204,10 +254,16 @@ class Levels:
         return self.level(s) if w is None else w * self.level(s)
 
     def convert(self, x: Any, producer: LossSet, consumer: LossSet) -> Any:
-        """``x``, through a :func:`jdls.rescale_boundary` if the sets differ."""
-        if not producer or not consumer or producer == consumer:
+        """``x``, through a boundary if the sets differ: the identity forward; backward, the
+        cotangent (made at ``consumer``'s level) times the ratio to ``producer``'s level, and
+        whether it was non-finite added to :attr:`blame` for ``consumer``'s level setters."""
+        if not producer or not consumer or producer == consumer or not is_float(x):
             return x
-        return rescale_boundary(x, self.ratio(producer, consumer))
+        if self.blame is None:
+            raise RuntimeError("Levels.blame must be set before evaluating")
+        return _measured_rescale(
+            x, self.ratio(producer, consumer), self.blame, self.setters(consumer)
+        )
 
 
 def _bind(eqn: Any, invals: list[Any]) -> list[Any]:

@@ -117,9 +117,9 @@ def multi_loss_value_and_grad(
       unscaled gradients, and per loss a boolean scalar, whether that loss's gradients were
       finite (adjust each scale with it: ``scales[i].adjust(finite[i])``; under
       ``shard_map`` combine it over the devices first, ``jax.lax.pmin``, see
-      ``docs/per-layer.md``). With ``"one"``, loss ``i`` is finite when the gradients of every
-      parameter it depends on are: a non-finite gradient of a shared parameter flags every
-      loss that shares it.
+      ``docs/per-layer.md``). With ``"one"``, loss ``i`` is non-finite when a region of the
+      backward pass running at its scale made a non-finite value: its own region (measured
+      where its cotangent leaves it), or a shared region whose smallest scale is its own.
 
     Example:
       >>> import jax.numpy as jnp, jdls
@@ -254,17 +254,22 @@ def _one_pass(
     weights = [None if w is None else jnp.asarray(w, _F32) for w in weight_list]
     levels = _loss_sets.Levels([s.loss_scale for s in scale_list], weights)
 
-    def interpreted(*leaves: Any) -> tuple[list[Any], list[Any]]:
+    def interpreted(*args: Any) -> tuple[list[Any], list[Any]]:
+        *leaves, levels.blame = args
         outs = _loss_sets.evaluate(scope, levels, closed.consts, leaves)
         return outs[:n], outs[n:]
 
-    loss_values, vjp_fn, traced_aux = jax.vjp(interpreted, *flat, has_aux=True)
+    blame = jnp.zeros((len(keys),), _F32)
+    manual = tuple(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
+    if manual:  # inside shard_map: each device blames its own overflows
+        blame = jax.lax.pcast(blame, manual, to="varying")
+    loss_values, vjp_fn, traced_aux = jax.vjp(interpreted, *flat, blame, has_aux=True)
     outvars = closed.jaxpr.outvars
     seeds = [
         jnp.ones_like(v) * levels.seed(_loss_sets.var_set(scope, ov), i).astype(jnp.result_type(v))
         for v, ov, i in zip(loss_values, outvars[:n], order, strict=True)
     ]
-    cotangents = vjp_fn(seeds)
+    *cotangents, blamed = vjp_fn(seeds)
 
     grads: list[Any] = []
     finite_by_set: dict[frozenset[int], list[Any]] = {}
@@ -278,11 +283,11 @@ def _one_pass(
         g = _unscale(g, levels.level(s))
         finite_by_set.setdefault(s, []).append(g)
         grads.append(_weighted(g, weight_list[next(iter(s))]) if len(s) == 1 else g)
-    flags = {s: all_finite(gs) for s, gs in finite_by_set.items()}
-    finite = []
-    for i in range(len(keys)):
-        mine = [f for s, f in flags.items() if i in s]
-        finite.append(jnp.all(jnp.stack(mine)) if mine else jnp.array(True))
+    # Loss i overflowed where a region whose level it sets made a non-finite cotangent: at a
+    # boundary out of that region, or in the gradients of its parameters.
+    for s, gs in finite_by_set.items():
+        blamed = blamed + (~all_finite(gs)).astype(_F32) * levels.setters(s)
+    finite = [blamed[i] == 0 for i in range(len(keys))]
 
     aux_iter = iter(traced_aux)
     aux_leaves = [
