@@ -39,7 +39,7 @@ from jax.extend import core as jcore
 from jdls._checks import is_float
 from jdls._norm import vary_like
 
-__all__ = ["EMPTY", "Levels", "Scope", "analyze", "evaluate", "var_set"]
+__all__ = ["EMPTY", "Levels", "Scope", "all_sets", "analyze", "evaluate", "var_set"]
 
 LossSet = frozenset[int]
 
@@ -136,6 +136,15 @@ def _backward(scope: Scope, out_sets: Sequence[LossSet]) -> None:
                 add(v, s)
 
 
+def all_sets(scope: Scope) -> list[LossSet]:
+    """Every nonempty loss set of ``scope`` and its inlined scopes, in a fixed order."""
+    found: set[LossSet] = set(scope.sets.values()) | set(scope.eqn_sets.values())
+    for inner in scope.subs.values():
+        found.update(all_sets(inner))
+    found.discard(EMPTY)
+    return sorted(found, key=lambda s: (len(s), sorted(s)))
+
+
 def analyze(
     closed: jcore.ClosedJaxpr, in_live: Sequence[bool], out_sets: Sequence[LossSet]
 ) -> Scope:
@@ -164,27 +173,34 @@ def analyze(
 
 @jax.custom_vjp
 def _measured_rescale(
-    x: jax.Array, ratio: jax.Array, blame: jax.Array, setters: jax.Array
+    x: jax.Array,
+    ratio: jax.Array,
+    sinks: tuple[jax.Array, jax.Array],
+    marks: tuple[jax.Array, jax.Array],
 ) -> jax.Array:
-    del ratio, blame, setters
+    del ratio, sinks, marks
     return x
 
 
 def _measured_fwd(
-    x: jax.Array, ratio: jax.Array, blame: jax.Array, setters: jax.Array
-) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
-    return x, (ratio, setters, jnp.zeros_like(blame))
+    x: jax.Array,
+    ratio: jax.Array,
+    sinks: tuple[jax.Array, jax.Array],
+    marks: tuple[jax.Array, jax.Array],
+) -> tuple[jax.Array, Any]:
+    return x, (ratio, marks, jax.tree_util.tree_map(jnp.zeros_like, sinks))
 
 
-def _measured_bwd(
-    res: tuple[jax.Array, jax.Array, jax.Array], g: jax.Array
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    ratio, setters, blame_zeros = res
+def _measured_bwd(res: Any, g: jax.Array) -> tuple[Any, ...]:
+    ratio, (region, own), (bad_zeros, size_zeros) = res
     dtype = jnp.promote_types(g.dtype, _F32)
     out = (g.astype(dtype) * ratio.astype(dtype)).astype(g.dtype)
-    bad = (~jnp.all(jnp.isfinite(g))).astype(_F32)  # the cotangent as the consumer made it
-    blame = vary_like(bad * setters, blame_zeros)  # under shard_map: per device, as given
-    return out, jnp.zeros_like(ratio), blame, jnp.zeros_like(setters)
+    amax = jnp.max(jnp.abs(g)).astype(_F32) if g.size else jnp.zeros((), _F32)
+    finite = jnp.isfinite(amax)  # the cotangent as the consumer's region made it
+    bad = vary_like((~finite).astype(_F32) * region, bad_zeros)  # per device under shard_map
+    size = vary_like(jnp.where(finite, amax * jnp.abs(ratio), 0.0) * own, size_zeros)
+    zeros = jax.tree_util.tree_map(jnp.zeros_like, (region, own))
+    return out, jnp.zeros_like(ratio), (bad, size), zeros
 
 
 _measured_rescale.defvjp(_measured_fwd, _measured_bwd)
@@ -206,10 +222,13 @@ class Levels:
         self._levels: dict[LossSet, jax.Array] = {}
         self._ratios: dict[tuple[LossSet, LossSet], jax.Array] = {}
         self._setters: dict[LossSet, jax.Array] = {}
-        #: float32 zeros, one per loss, set by the caller before evaluating: each boundary
-        #: adds to its cotangent whether the cotangent it converted was non-finite, for the
-        #: losses that set the level of the region that made it (``setters``).
-        self.blame: jax.Array | None = None
+        #: The loss sets whose regions the boundaries report on, by position in ``sinks[0]``.
+        self.index: dict[LossSet, int] = {}
+        #: Set by the caller before evaluating: float32 zeros, one per set of ``index`` and one
+        #: per loss. Backward, each boundary adds to the first whether the cotangent it
+        #: converted (made in its consumer's region) was non-finite, and, where that region is
+        #: one loss's own, to the second the largest magnitude it passed on (converted).
+        self.sinks: tuple[jax.Array, jax.Array] | None = None
 
     def level(self, s: LossSet) -> jax.Array:
         """``s_i`` for ``{i}``; the smallest scale of the set for several losses."""
@@ -255,15 +274,29 @@ class Levels:
 
     def convert(self, x: Any, producer: LossSet, consumer: LossSet) -> Any:
         """``x``, through a boundary if the sets differ: the identity forward; backward, the
-        cotangent (made at ``consumer``'s level) times the ratio to ``producer``'s level, and
-        whether it was non-finite added to :attr:`blame` for ``consumer``'s level setters."""
+        cotangent (made at ``consumer``'s level) times the ratio to ``producer``'s level,
+        measured into :attr:`sinks`."""
         if not producer or not consumer or producer == consumer or not is_float(x):
             return x
-        if self.blame is None:
-            raise RuntimeError("Levels.blame must be set before evaluating")
-        return _measured_rescale(
-            x, self.ratio(producer, consumer), self.blame, self.setters(consumer)
-        )
+        if self.sinks is None:
+            raise RuntimeError("Levels.sinks must be set before evaluating")
+        region = jnp.zeros(self.sinks[0].shape, _F32).at[self.index[consumer]].set(1.0)
+        own = jnp.zeros(self.sinks[1].shape, _F32)
+        if len(consumer) == 1:
+            own = own.at[next(iter(consumer))].set(1.0)
+        return _measured_rescale(x, self.ratio(producer, consumer), self.sinks, (region, own))
+
+    def culprits(self, s: LossSet, size: jax.Array) -> jax.Array:
+        """Per loss (float32 0 or 1), whom a non-finite value in ``s``'s region blames: the
+        loss whose scale is the region's level; where several share that scale, those of
+        them whose cotangents entered largest (``size``, at least half the largest)."""
+        setters = self.setters(s)
+        if len(s) == 1:
+            return setters
+        tied = jnp.where(setters > 0, size, 0.0)
+        top = jnp.max(tied)
+        largest = (tied >= 0.5 * top) & (setters > 0)
+        return jnp.where((jnp.sum(setters) > 1) & (top > 0), largest.astype(_F32), setters)
 
 
 def _bind(eqn: Any, invals: list[Any]) -> list[Any]:

@@ -119,7 +119,8 @@ def multi_loss_value_and_grad(
       ``shard_map`` combine it over the devices first, ``jax.lax.pmin``, see
       ``docs/per-layer.md``). With ``"one"``, loss ``i`` is non-finite when a region of the
       backward pass running at its scale made a non-finite value: its own region (measured
-      where its cotangent leaves it), or a shared region whose smallest scale is its own.
+      where its cotangent leaves it), or a shared region whose smallest scale is its own (of
+      several losses with that scale, those whose cotangents entered it largest).
 
     Example:
       >>> import jax.numpy as jnp, jdls
@@ -253,23 +254,26 @@ def _one_pass(
     scope = _loss_sets.analyze(closed, live, out_sets)
     weights = [None if w is None else jnp.asarray(w, _F32) for w in weight_list]
     levels = _loss_sets.Levels([s.loss_scale for s in scale_list], weights)
+    sets = _loss_sets.all_sets(scope)
+    levels.index = {s: k for k, s in enumerate(sets)}
 
     def interpreted(*args: Any) -> tuple[list[Any], list[Any]]:
-        *leaves, levels.blame = args
+        *leaves, bad, size = args
+        levels.sinks = (bad, size)
         outs = _loss_sets.evaluate(scope, levels, closed.consts, leaves)
         return outs[:n], outs[n:]
 
-    blame = jnp.zeros((len(keys),), _F32)
+    sinks = [jnp.zeros((len(sets),), _F32), jnp.zeros((len(keys),), _F32)]
     manual = tuple(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
     if manual:  # inside shard_map: each device blames its own overflows
-        blame = jax.lax.pcast(blame, manual, to="varying")
-    loss_values, vjp_fn, traced_aux = jax.vjp(interpreted, *flat, blame, has_aux=True)
+        sinks = [jax.lax.pcast(x, manual, to="varying") for x in sinks]
+    loss_values, vjp_fn, traced_aux = jax.vjp(interpreted, *flat, *sinks, has_aux=True)
     outvars = closed.jaxpr.outvars
     seeds = [
         jnp.ones_like(v) * levels.seed(_loss_sets.var_set(scope, ov), i).astype(jnp.result_type(v))
         for v, ov, i in zip(loss_values, outvars[:n], order, strict=True)
     ]
-    *cotangents, blamed = vjp_fn(seeds)
+    *cotangents, bad, size = vjp_fn(seeds)
 
     grads: list[Any] = []
     finite_by_set: dict[frozenset[int], list[Any]] = {}
@@ -283,10 +287,14 @@ def _one_pass(
         g = _unscale(g, levels.level(s))
         finite_by_set.setdefault(s, []).append(g)
         grads.append(_weighted(g, weight_list[next(iter(s))]) if len(s) == 1 else g)
-    # Loss i overflowed where a region whose level it sets made a non-finite cotangent: at a
-    # boundary out of that region, or in the gradients of its parameters.
-    for s, gs in finite_by_set.items():
-        blamed = blamed + (~all_finite(gs)).astype(_F32) * levels.setters(s)
+    # A region is non-finite where a boundary out of it saw a non-finite cotangent, or where
+    # the gradients of its parameters are; each such region blames its culprits.
+    blamed = jnp.zeros((len(keys),), _F32)
+    for s in sets:
+        nonfinite = bad[levels.index[s]] > 0
+        if s in finite_by_set:
+            nonfinite = nonfinite | ~all_finite(finite_by_set[s])
+        blamed = blamed + nonfinite.astype(_F32) * levels.culprits(s, size)
     finite = [blamed[i] == 0 for i in range(len(keys))]
 
     aux_iter = iter(traced_aux)

@@ -651,3 +651,21 @@ def test_overflow_in_a_loss_region_without_parameters_flags_that_loss(jit: bool)
     _, grads, finite = fn(big, w, x)
     assert not bool(finite["b"])
     assert not bool(jdls.all_finite(grads))
+
+
+@with_and_without_jit
+def test_tied_scales_blame_the_loss_whose_cotangent_entered_the_trunk_largest(jit: bool) -> None:
+    """One pass, both scales ``2**4`` (as two scales built alike start): the trunk's weight
+    gradient overflows; the big head's cotangent into the trunk is 1e4 times the small one's,
+    so only the big loss is flagged, and the two scales can part (flagging both would keep
+    them tied for ever)."""
+    fn = maybe_jit(lambda s, p, x: jdls.multi_loss_value_and_grad(overflow_losses, s)(p, x), jit)
+    params = {
+        "trunk": jnp.full((16, 8), 0.0025),
+        "big": jnp.ones((8, 1)),
+        "small": jnp.full((8, 1), 1e-4),
+    }
+    scales = {"big": jdls.StaticScale(2.0**4), "small": jdls.StaticScale(2.0**4)}
+    _, grads, finite = fn(scales, params, jnp.full((64, 16), 100.0))
+    assert not bool(jdls.all_finite(grads["trunk"]))
+    assert (bool(finite["big"]), bool(finite["small"])) == (False, True)
