@@ -325,6 +325,87 @@ def span_bits(task: Task, seed: int = 0) -> float:
     return float(np.log2(meds.max() / meds.min()))
 
 
+#: global scales tried at each point of ``same_point`` (log2): the best of them is reported
+GLOBAL_LOG2 = tuple(range(0, 31, 2))
+SAME_POINT_ADJUSTMENTS = 30
+
+
+def same_point(task: Task, seed: int = 0, at: tuple[int, ...] | None = None) -> list[dict]:
+    """Gradient error at the *same* parameters: float32 trains the task; at the steps ``at``
+    its parameters and batch are frozen, and the float16 gradient is taken with the best of
+    the global scales ``2**GLOBAL_LOG2`` (the one with the least error) and with per-layer
+    scales (``jdls.AdaptiveScale()`` per layer, adjusted ``SAME_POINT_ADJUSTMENTS`` times on
+    that batch). Unlike the training runs' errors, these share one trajectory, so what
+    differs is only how the backward pass is scaled. Layer tasks only."""
+    if task.per != "layer":
+        raise ValueError(f"same_point compares per-layer scales; {task.name!r} has per-loss")
+    at = at if at is not None else (0, task.steps // 2, task.steps - 1)
+    params = task.init(seed)
+    idx = jnp.asarray(_batches(len(_data()[0]), task.batch, task.steps, seed))
+    tx = optax.adam(optax.cosine_decay_schedule(task.learning_rate, task.steps))
+    opt = tx.init(params)
+
+    def total(p: Any, batch: Any, dt: Any) -> jax.Array:
+        return sum(task.losses(p, batch, dt).values())
+
+    @jax.jit
+    def step(p: Any, o: Any, i: jax.Array) -> tuple[Any, Any]:
+        u, o = tx.update(jax.grad(total)(p, {"idx": i}, F32), o, p)
+        return optax.apply_updates(p, u), o
+
+    base = jdls.DynamicScale(1.0)
+
+    @jax.jit
+    def global_lost(p: Any, i: jax.Array, log2: jax.Array) -> jax.Array:
+        batch = {"idx": i}
+        scale = base.replace(loss_scale=jnp.exp2(log2.astype(F32)))
+        _, g = scale.value_and_grad(lambda q: total(q, batch, F16))(p)
+        return _lost(g, jax.grad(total)(p, batch, F32), task.watched)
+
+    @jax.jit
+    def layered(p: Any, i: jax.Array, scales: Any) -> tuple[jax.Array, Any]:
+        batch = {"idx": i}
+        fn = jdls.layer_scaled_value_and_grad(lambda q: total(q, batch, F16), scales)
+        _, g, _ = fn(p)
+        lost = _lost(g, jax.grad(total)(p, batch, F32), task.watched)
+        return lost, jdls.adjust_layer_scales(scales, g)
+
+    rows = []
+    for t in range(max(at) + 1):
+        if t in at:
+            errors = {e: np.asarray(global_lost(params, idx[t], jnp.int32(e))) for e in GLOBAL_LOG2}
+            best = min(errors, key=lambda e: (errors[e][1], e))
+            scales = {k: jdls.AdaptiveScale() for k in task.watched}
+            for _ in range(SAME_POINT_ADJUSTMENTS):
+                lost, scales = layered(params, idx[t], scales)
+            lost = np.asarray(lost)
+            levels = np.log2([float(s.loss_scale) for s in scales.values()])
+            rows.append(
+                {
+                    "label": f"step {t}",
+                    "global_log2": best,
+                    "global_flushed_pct": 100 * float(errors[best][0]),
+                    "global_error_pct": 100 * float(errors[best][1]),
+                    "layer_log2": f"{levels.min():.0f} to {levels.max():.0f}",
+                    "layer_flushed_pct": 100 * float(lost[0]),
+                    "layer_error_pct": 100 * float(lost[1]),
+                }
+            )
+        params, opt = step(params, opt, idx[t])
+    return rows
+
+
+SAME_POINT_COLUMNS = (
+    ("label", "float32 parameters at", ""),
+    ("global_log2", "best global scale, log2", ""),
+    ("global_flushed_pct", "flushed % (best global)", ".3f"),
+    ("global_error_pct", "error % (best global)", ".2f"),
+    ("layer_log2", "per-layer scales, log2", ""),
+    ("layer_flushed_pct", "flushed % (per-layer)", ".3f"),
+    ("layer_error_pct", "error % (per-layer)", ".2f"),
+)
+
+
 # --------------------------------------------------------------------------------------------
 # The suite.
 # --------------------------------------------------------------------------------------------
@@ -379,4 +460,17 @@ def suite(quick: bool = False, rounds: int | None = None) -> list[h.Section]:
         sections.append(
             h.Section(task.name, note, rows, COLUMNS, {"steps": task.steps, "span_bits": span})
         )
+        if task.per == "layer":
+            h.log(f"span: {task.name} / same parameters")
+            same = (
+                f"{task.name}, gradient error at the same parameters (the float32 run's, seed 0, "
+                "and its batch): the best of the global scales 2**0, 2**2, ..., 2**30 against "
+                f"per-layer scales (AdaptiveScale per layer, {SAME_POINT_ADJUSTMENTS} "
+                "adjustments on that batch); error and flushed as above, mean over the layers"
+            )
+            sections.append(
+                h.Section(
+                    f"{task.name}, same parameters", same, same_point(task), SAME_POINT_COLUMNS
+                )
+            )
     return sections

@@ -45,3 +45,20 @@ def test_every_rule_runs_and_reports(small_tasks, name):
 def test_the_saturated_task_spans_more_than_float16_holds(small_tasks):
     # float16 holds 2**40 (normal and subnormal): the deep task's layers span more at the start
     assert sp.span_bits(small_tasks["deep-saturated"]) > 30
+
+
+def test_at_the_same_parameters_per_layer_scales_lose_less_than_any_global_scale(small_tasks):
+    # the documented comparison: one trajectory (float32's), so only the scaling differs
+    (saturated,) = sp.same_point(small_tasks["deep-saturated"], at=(0,))
+    assert saturated["layer_flushed_pct"] * 10 <= saturated["global_flushed_pct"]
+    assert saturated["layer_error_pct"] * 10 <= saturated["global_error_pct"]
+    # where the span fits float16, the best global scale and per-layer scales err alike:
+    # what is left is float16's forward rounding, the same at every scale
+    (trainable,) = sp.same_point(small_tasks["deep"], at=(0,))
+    assert trainable["layer_flushed_pct"] < 1e-3
+    assert trainable["layer_error_pct"] == pytest.approx(trainable["global_error_pct"], rel=0.05)
+
+
+def test_same_point_refuses_a_per_loss_task(small_tasks):
+    with pytest.raises(ValueError, match="per-loss"):
+        sp.same_point(small_tasks["multitask"])
