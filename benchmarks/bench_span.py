@@ -474,3 +474,30 @@ def suite(quick: bool = False, rounds: int | None = None) -> list[h.Section]:
                 )
             )
     return sections
+
+
+def sweep(biases: tuple[float, ...] = (1.5, 1.75, 2.0, 2.25, 2.5, 3.0)) -> str:
+    """Where a deep tanh network stops training in float32, against where one global scale
+    starts to lose gradient: for each starting bias, the span at the start, float32's test
+    accuracy after the suite's 2,000 steps (seed 0), and ``same_point`` at steps 0 and 1000.
+    Returns a Markdown table."""
+    lines = [
+        "| bias | span at the start | float32 accuracy | step | best global: flushed %, error % "
+        "| per-layer: flushed %, error % |",
+        "|--:|--:|--:|--:|--:|--:|",
+    ]
+    for bias in biases:
+        task = task_deep(2000, bias, f"deep-{bias:g}")
+        head = f"| {bias:g} | 2**{span_bits(task):.0f} | {train(task, 'float32', 0)['metric']:.3f}"
+        for r in same_point(task, at=(0, 1000)):
+            lines.append(
+                f"{head} | {r['label'].split()[1]} | {r['global_flushed_pct']:.3f}, "
+                f"{r['global_error_pct']:.2f} | {r['layer_flushed_pct']:.3f}, "
+                f"{r['layer_error_pct']:.2f} |"
+            )
+            head = "| | |"
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # python -m benchmarks.bench_span: the bias sweep of docs/per-layer.md
+    print(sweep())
