@@ -9,6 +9,9 @@
   skip agree on what varies across devices), and every device takes the same decision, which
   the type system proves (the decision and the scale leave ``shard_map`` as replicated
   outputs) and the values confirm.
+* Per-layer and per-loss scales under an explicit mesh, on a model-sharded MLP (a column- and
+  a row-parallel layer) with a data-sharded batch: float32's gradients, each with its
+  parameter's sharding, and replicated scales.
 
 ``tests/conftest.py`` provides 8 virtual CPU devices.
 """
@@ -246,3 +249,73 @@ def test_shard_map_without_axis_name_decides_per_device():
     u = np.asarray(updates)
     np.testing.assert_array_equal(np.delete(u, [10, 11]), -np.delete(g, [10, 11]))
     assert np.all(np.signbit(u[10:12])) and np.all(u[10:12] == 0)
+
+
+# --------------------------------------------------------------------------------------------
+# Per-layer and per-loss scales under an explicit mesh: a model-sharded MLP, a data-sharded
+# batch.
+# --------------------------------------------------------------------------------------------
+
+LAYER_SPECS = {"dense_0": P(None, "model"), "dense_1": P("model", None), "out": P(None, None)}
+
+
+def layered_params(mesh):
+    rng = np.random.default_rng(3)
+    shapes = {"dense_0": (16, 32), "dense_1": (32, 16), "out": (16, 4)}
+    return {
+        k: jax.device_put(
+            (rng.standard_normal(s) / np.sqrt(s[0])).astype(np.float32),
+            NamedSharding(mesh, LAYER_SPECS[k]),
+        )
+        for k, s in shapes.items()
+    }
+
+
+def layered_logits(p, x, dtype):
+    h = jnp.tanh(x.astype(dtype) @ p["dense_0"].astype(dtype))  # (data, model)
+    h = jdls.layer_boundary(h, "dense_0")
+    # Megatron's row-parallel layer: the contraction over "model" ends in a sum across it
+    h = jnp.matmul(h, p["dense_1"].astype(dtype), out_sharding=P("data", None))
+    h = jdls.layer_boundary(jnp.tanh(h), "dense_1")
+    return jdls.layer_boundary(h @ p["out"].astype(dtype), "out").astype(jnp.float32)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_explicit_mesh_per_layer_and_per_loss_gradients_keep_their_shardings(jit):
+    mesh = explicit_mesh()
+    with jax.set_mesh(mesh):
+        params = layered_params(mesh)
+        x = jax.device_put(
+            np.random.default_rng(4).standard_normal((8, 16)).astype(np.float32),
+            NamedSharding(mesh, P("data", None)),
+        )
+
+        def loss(p, x, dtype=jnp.float32):
+            return jnp.mean(layered_logits(p, x, dtype) ** 2)
+
+        def losses(p, x):
+            y = layered_logits(p, x, jnp.float32)
+            return {"main": jnp.mean(y**2), "small": 1e-4 * jnp.mean(jnp.abs(y))}
+
+        maybe = jax.jit if jit else (lambda f: f)
+        expected = jax.grad(loss)(params, x)
+        layer_scales = {"dense_0": jdls.StaticScale(2.0**30), "dense_1": jdls.StaticScale(2.0**9)}
+        layer_scales["out"] = jdls.StaticScale(2.0**-3)
+        _, grads, finite = maybe(jdls.layer_scaled_value_and_grad(loss, layer_scales))(params, x)
+        loss_scales = {"main": jdls.StaticScale(2.0), "small": jdls.StaticScale(2.0**20)}
+        _, loss_grads, loss_finite = maybe(jdls.multi_loss_value_and_grad(losses, loss_scales))(
+            params, x
+        )
+        expected_sum = jax.grad(lambda p, x: sum(losses(p, x).values()))(params, x)
+        adjusted = jdls.adjust_layer_scales({k: jdls.AdaptiveScale() for k in params}, grads)
+
+    for k, spec in LAYER_SPECS.items():
+        # float32, power-of-two scales: float32's gradients up to the programs' summation order
+        atol = 1e-6 * float(jnp.max(jnp.abs(expected[k])))
+        np.testing.assert_allclose(grads[k], expected[k], rtol=1e-6, atol=atol)
+        np.testing.assert_allclose(loss_grads[k], expected_sum[k], rtol=1e-6, atol=atol)
+        assert grads[k].sharding == NamedSharding(mesh, spec), k
+        assert loss_grads[k].sharding == NamedSharding(mesh, spec), k
+        assert bool(finite[k])
+        assert adjusted[k].loss_scale.sharding.is_fully_replicated, k
+    assert all(bool(f) for f in loss_finite.values())
