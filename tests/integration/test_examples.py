@@ -17,7 +17,15 @@ import pytest
 from _helpers import ROOT
 
 EXAMPLES = ROOT / "examples"
-NAMES = ["quickstart", "demo", "nnx_transformer", "data_parallel", "cbfloat16", "zero_skip"]
+NAMES = [
+    "quickstart",
+    "demo",
+    "nnx_transformer",
+    "data_parallel",
+    "cbfloat16",
+    "zero_skip",
+    "multitask",
+]
 
 
 def load(name: str):
@@ -164,3 +172,20 @@ def test_data_parallel_runs_as_a_script():
     assert proc.returncode == 0, proc.stderr
     assert "8 devices (cpu)" in proc.stdout
     assert "jit: final loss" in proc.stdout
+
+
+def test_multitask_per_loss_scales_recover_the_small_loss():
+    """The example's claim, at its defaults (2,000 steps, about 20 s): one global scale loses
+    the classifier weighted 1e-4, per-loss scales learn it as float32 does."""
+    results = load("multitask").main(["--quiet"])
+    f32 = results["float32"]
+    one = results["float16, one global scale"]
+    per_loss = results["float16, per-loss scales"]
+    assert f32.accuracy > 0.6
+    assert one.accuracy < f32.accuracy - 0.2
+    assert per_loss.accuracy > f32.accuracy - 0.05
+    # the reconstruction holds every global scale near 1; the classifier gets its own
+    assert one.scales["global"] <= 2.0**2
+    assert per_loss.scales["classifier"] >= 2.0**8 * per_loss.scales["reconstruction"]
+    # the reconstruction itself is learnt alike
+    assert abs(per_loss.reconstruction - f32.reconstruction) < 0.05 * f32.reconstruction
