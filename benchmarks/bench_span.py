@@ -354,31 +354,32 @@ def same_point(task: Task, seed: int = 0, at: tuple[int, ...] | None = None) -> 
         return optax.apply_updates(p, u), o
 
     base = jdls.DynamicScale(1.0)
+    reference = jax.jit(lambda p, i: jax.grad(total)(p, {"idx": i}, F32))
 
     @jax.jit
-    def global_lost(p: Any, i: jax.Array, log2: jax.Array) -> jax.Array:
-        batch = {"idx": i}
+    def global_lost(p: Any, i: jax.Array, ref: Any, log2: jax.Array) -> jax.Array:
         scale = base.replace(loss_scale=jnp.exp2(log2.astype(F32)))
-        _, g = scale.value_and_grad(lambda q: total(q, batch, F16))(p)
-        return _lost(g, jax.grad(total)(p, batch, F32), task.watched)
+        _, g = scale.value_and_grad(lambda q: total(q, {"idx": i}, F16))(p)
+        return _lost(g, ref, task.watched)
 
     @jax.jit
-    def layered(p: Any, i: jax.Array, scales: Any) -> tuple[jax.Array, Any]:
-        batch = {"idx": i}
-        fn = jdls.layer_scaled_value_and_grad(lambda q: total(q, batch, F16), scales)
+    def layered(p: Any, i: jax.Array, scales: Any) -> tuple[Any, Any]:
+        fn = jdls.layer_scaled_value_and_grad(lambda q: total(q, {"idx": i}, F16), scales)
         _, g, _ = fn(p)
-        lost = _lost(g, jax.grad(total)(p, batch, F32), task.watched)
-        return lost, jdls.adjust_layer_scales(scales, g)
+        return g, jdls.adjust_layer_scales(scales, g)
 
     rows = []
     for t in range(max(at) + 1):
         if t in at:
-            errors = {e: np.asarray(global_lost(params, idx[t], jnp.int32(e))) for e in GLOBAL_LOG2}
+            ref = reference(params, idx[t])  # once per point, for every scale compared
+            errors = {
+                e: np.asarray(global_lost(params, idx[t], ref, jnp.int32(e))) for e in GLOBAL_LOG2
+            }
             best = min(errors, key=lambda e: (errors[e][1], e))
             scales = {k: jdls.AdaptiveScale() for k in task.watched}
-            for _ in range(SAME_POINT_ADJUSTMENTS):
-                lost, scales = layered(params, idx[t], scales)
-            lost = np.asarray(lost)
+            for _ in range(SAME_POINT_ADJUSTMENTS):  # the last gradients are measured
+                grads, scales = layered(params, idx[t], scales)
+            lost = np.asarray(_lost(grads, ref, task.watched))
             levels = np.log2([float(s.loss_scale) for s in scales.values()])
             rows.append(
                 {
