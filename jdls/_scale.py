@@ -55,7 +55,7 @@ class NoOpScale(LossScale):
     def __eq__(self, other: object) -> bool:
         return type(other) is type(self) or NotImplemented
 
-    def __hash__(self) -> int:
+    def __hash__(self) -> int:  # type: ignore[override]
         return hash(type(self))
 
     def scale(self, tree: T) -> T:
