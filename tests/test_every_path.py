@@ -335,9 +335,11 @@ def test_cerebras_wrap_is_wrap_with_the_cerebras_scale():
 # ``jdls.multi_loss_value_and_grad`` returns per-loss finite flags; a scale per loss is adjusted
 # by hand. A rule that observes needs each loss's measurement: the per-loss adjustment
 # (``jdls.adjust_loss_scales``) gives it; until then, adjusting it by hand is a clear error.
-# Add the per-loss adjustment to PER_LOSS_PATHS as ``(name, fn(scales, losses, params, x))``
-# returning the new scales, and the walk below checks it for every kind.
-PER_LOSS_PATHS: list[Any] = []
+# Add the per-loss adjustment to PER_LOSS_PATHS as ``(name, fn)`` with
+# ``fn(scales, losses, params, x) -> new_scales``: ``test_per_loss_adjustment`` walks it for
+# every kind against ``jdls.wrap`` fed each loss's own gradients (adapt ``reference_per_loss``
+# if the adjustment documents other semantics, e.g. a global skip as per layer).
+PER_LOSS_PATHS: list[tuple[str, Callable[..., dict[str, Any]]]] = []
 
 
 def _losses(p, x):
@@ -366,6 +368,40 @@ def test_per_loss_by_hand(kind):
             got[k].append(scales[k])
     for k in scales:
         assert_same_scales(got[k], reference(kind, fed[k], PARAMS[k]))
+
+
+def test_per_loss_adjustment_joins_the_walk():
+    """Once the per-loss adjustment is public, it must be in PER_LOSS_PATHS."""
+    if hasattr(jdls, "adjust_loss_scales"):
+        assert PER_LOSS_PATHS, "add jdls.adjust_loss_scales to PER_LOSS_PATHS"
+
+
+def reference_per_loss(kind: str, losses: Any, x: Any) -> dict[str, list[Any]]:
+    """Per loss, ``jdls.wrap`` fed that loss's own gradients, step after step."""
+    keys = losses(PARAMS, x[0]).keys()
+    return {
+        k: reference(kind, [jax.grad(lambda p, s=s, k=k: losses(p, s)[k])(PARAMS) for s in x])
+        for k in keys
+    }
+
+
+@kinds
+@pytest.mark.parametrize(
+    "path",
+    PER_LOSS_PATHS
+    or [pytest.param(None, marks=pytest.mark.skip(reason="no per-loss adjustment yet"))],
+)
+def test_per_loss_adjustment(kind, path):
+    _, adjust = path
+    scales = {"a": KINDS[kind](), "b": KINDS[kind]()}
+    got: dict[str, list[Any]] = {"a": [], "b": []}
+    for x in STEPS:
+        scales = adjust(scales, _losses, PARAMS, x)
+        for k in scales:
+            got[k].append(scales[k])
+    want = reference_per_loss(kind, _losses, STEPS)
+    for k in scales:
+        assert_same_scales(got[k], want[k])
 
 
 # --------------------------------------------------------------------------------------------
