@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jdls._norm import amax, flatten_floats
 from jdls._scale import DynamicScale, LossScale, NoOpScale, check_scale
 from jdls._stats import Stats, WrapState, the_wrap_state
 from jdls._wrap import wrap
@@ -46,7 +47,9 @@ def wrap_groups(
     ``tx.init(params)`` and ``tx.update(grads, state, params)`` take dicts keyed like
     ``inners``, one parameter (or gradient) tree per group. On ``update``, each group given
     is checked and updated (or skipped) on its own, as ``jdls.wrap(inner)`` would; the scale
-    is adjusted once, as overflowing if any given group's gradients were not finite. A
+    is adjusted once, as overflowing if any given group's gradients were not finite (a rule
+    that observes, :class:`jdls.rules.Adaptive`, gets the largest magnitude of the given
+    groups' gradients, as :func:`jdls.wrap` gives it over all its gradients). A
     group left out of ``grads`` is not stepped (its state stays as it was, and it has no
     say in the scale): the pattern of a GAN stepping its discriminator and its generator
     in turn, ``scaler.step(opt_d); scaler.update()`` then ``scaler.step(opt_g);
@@ -63,7 +66,9 @@ def wrap_groups(
       scale: the one loss scale; default ``jdls.DynamicScale()``.
       **wrap_options: options of :func:`jdls.wrap` applied to every group (``max_norm``,
         ``skip_norm_overflow``, ``skip_with``, ``track_nonfinite``): each group is clipped
-        by its own global norm, as ``clip_grad_norm_`` per optimizer in PyTorch.
+        by its own global norm, as ``clip_grad_norm_`` per optimizer in PyTorch. With
+        ``track_nonfinite``, :func:`jdls.nonfinite_paths` names the leaves with their group
+        (``"['disc']['w']"``).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` over dicts of parameter groups.
@@ -111,7 +116,7 @@ def wrap_groups(
         return WrapState(
             scale=jax.tree_util.tree_map(jnp.array, scale0),
             inner_state={n: GroupState(s.inner_state, s.stats) for n, s in states.items()},
-            stats=first.stats._replace(nonfinite=None),
+            stats=first.stats._replace(nonfinite=_flags(states)),
         )
 
     def update_fn(
@@ -141,7 +146,16 @@ def wrap_groups(
             causes.append(new.stats.cause)
         finite = jnp.all(jnp.stack(finites))
         old = state.stats
+        nonfinite = old.nonfinite
+        if nonfinite is not None:  # the groups not given this step held no inf or NaN in it
+            nonfinite = {
+                name: inner[name].stats.nonfinite
+                if name in grads
+                else jax.tree_util.tree_map(jnp.zeros_like, flags)
+                for name, flags in nonfinite.items()
+            }
         stats = old._replace(
+            nonfinite=nonfinite,
             finite=finite,
             skipped_steps=jnp.where(
                 finite, old.skipped_steps, optax.safe_increment(old.skipped_steps)
@@ -150,7 +164,7 @@ def wrap_groups(
             grad_norm=jnp.sqrt(jnp.sum(jnp.square(jnp.stack(norms)))),
             cause=jnp.max(jnp.stack(causes)),
         )
-        return updates, WrapState(scale.adjust(finite), inner, stats)
+        return updates, WrapState(_adjust(scale, finite, grads), inner, stats)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -181,6 +195,20 @@ def group_stats(opt_state: Any) -> dict[str, Stats]:
             "jdls.wrap use jdls.stats(opt_state)"
         )
     return {name: g.stats for name, g in inner.items()}
+
+
+def _adjust(scale: LossScale, finite: jax.Array, grads: Mapping[str, Any]) -> LossScale:
+    """The next scale, as ``jdls.wrap`` adjusts it: a rule that observes (``rule.observes``)
+    gets the largest magnitude of the gradients of the groups given."""
+    if isinstance(scale, DynamicScale) and scale.rule.observes:
+        return scale.adjust(finite, amax(flatten_floats(dict(grads)).floats))
+    return scale.adjust(finite)
+
+
+def _flags(states: Mapping[str, WrapState]) -> dict[str, Any] | None:
+    """The per-leaf non-finite flags of every group, keyed like the gradients (or None)."""
+    flags = {name: s.stats.nonfinite for name, s in states.items()}
+    return None if any(f is None for f in flags.values()) else flags
 
 
 def _check_groups(tree: Any, groups: Mapping[str, Any], what: str, partial: bool = False) -> None:

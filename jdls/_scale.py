@@ -1,4 +1,4 @@
-"""Loss scales: the ``LossScale`` interface and its no-op, static and dynamic kinds.
+"""Loss scales: the no-op, static and dynamic kinds (the interface is in ``_scale_interface``).
 
 Every scale is an immutable pytree: its data (the float32 ``loss_scale`` and, for a dynamic
 scale, the rule's int32 counters) are children; its configuration (the rule) is static.
@@ -7,202 +7,29 @@ scale, the rule's int32 counters) are children; its configuration (the rule) is 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jdls._checks import check_positive_finite, finite_flag, is_float
-from jdls._grad import reject_axis_name, scaled_value_and_grad
+from jdls._checks import check_positive_finite, finite_flag
+from jdls._scale_interface import LossScale, check_scale, new_scale, register_scale, show
 from jdls.rules import Adaptive, GrowBackoff, Rule
 from jdls.rules._rule import check_within
 
-__all__ = ["AdaptiveScale", "DynamicScale", "LossScale", "NoOpScale", "StaticScale", "check_scale"]
+__all__ = [
+    "AdaptiveScale",
+    "DynamicScale",
+    "LossScale",
+    "NoOpScale",
+    "StaticScale",
+    "check_scale",
+    "missing_measurement",
+]
 
 _F32 = jnp.float32
 T = TypeVar("T")
-
-
-class _NotATransformation:
-    """``init``/``update`` of a loss scale: an error saying how to use the scale instead.
-
-    ``optax.chain(jdls.DynamicScale(), ...)`` is a common mistake. The error is an
-    ``AttributeError``, so ``hasattr(scale, "init")`` stays False.
-    """
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    def __get__(self, obj: Any, owner: type | None = None) -> Any:
-        what = (type(obj) if obj is not None or owner is None else owner).__name__
-        instance = f"jdls.{what}" + ("" if obj is None else "(...)")
-        raise AttributeError(
-            f"{instance} is a loss scale, not an optax transformation (it has no "
-            f".{self.name}); wrap the optimizer with it instead: "
-            f"jdls.wrap(optax.adam(1e-3), jdls.{what}(...)), and put jdls.wrap(...) in "
-            "optax.chain"
-        )
-
-
-class LossScale:
-    """The interface of :class:`DynamicScale`, :class:`StaticScale` and :class:`NoOpScale`:
-    ``loss_scale`` (a float32 scalar), ``scale``, ``unscale``, ``adjust``, ``value_and_grad``.
-    """
-
-    loss_scale: jax.Array
-
-    init = _NotATransformation()
-    update = _NotATransformation()
-
-    def scale(self, tree: T) -> T:
-        """Multiply every float leaf of ``tree`` by the scale, rounding once to its dtype.
-
-        Example:
-          >>> import jax.numpy as jnp, jdls
-          >>> jdls.StaticScale(8.0).scale(jnp.float16(0.5))
-          Array(4., dtype=float16)
-        """
-        loss_scale = self.loss_scale
-
-        def scale_leaf(x: Any) -> Any:
-            if not is_float(x):
-                return x
-            x = jnp.asarray(x)
-            return (x.astype(jnp.promote_types(x.dtype, _F32)) * loss_scale).astype(x.dtype)
-
-        return jax.tree_util.tree_map(scale_leaf, tree)
-
-    def unscale(self, tree: T) -> T:
-        """Divide every float leaf by the scale; leaves narrower than float32 become float32.
-
-        Example:
-          >>> import jax.numpy as jnp, jdls
-          >>> jdls.StaticScale(1024.0).unscale(jnp.float16(2.0))
-          Array(0.00195312, dtype=float32)
-        """
-        loss_scale = self.loss_scale
-
-        def unscale_leaf(x: Any) -> Any:
-            if not is_float(x):
-                return x
-            x = jnp.asarray(x)
-            dtype = jnp.promote_types(x.dtype, _F32)
-            return x.astype(dtype) / loss_scale.astype(dtype)
-
-        return jax.tree_util.tree_map(unscale_leaf, tree)
-
-    def adjust(self, grads_finite: jax.Array | bool) -> LossScale:  # pragma: no cover
-        """The next state after a step whose gradients were finite (or not)."""
-        raise NotImplementedError
-
-    def value_and_grad(
-        self,
-        fun: Callable[..., Any],
-        argnums: int | Sequence[int] = 0,
-        has_aux: bool = False,
-        *,
-        axis_name: Any = None,
-    ) -> Callable[..., Any]:
-        """``jax.value_and_grad`` of ``fun`` with the loss scaled and the results unscaled.
-
-        The value returned is the loss ``fun`` computed (not ``scaled / scale``), so it is
-        exact even when the scaled loss overflowed.
-
-        Args:
-          fun: the loss function; returns a scalar, or ``(scalar, aux)`` with ``has_aux``.
-          argnums: positional argument(s) to differentiate, as in ``jax.value_and_grad``.
-          has_aux: whether ``fun`` returns ``(loss, aux)``.
-          axis_name: not accepted (Flax's ``DynamicScale.value_and_grad`` takes it): a
-            TypeError says what to do instead (``lax.pmean`` the gradients yourself, and pass
-            the axis to ``jdls.wrap``).
-
-        Returns:
-          A function with ``fun``'s arguments returning ``(loss, grads)``, or
-          ``((loss, aux), grads)`` with ``has_aux`` (two values: Flax's four-value unpacking
-          ``dyn_scale, is_fin, loss, grads = ...`` does not apply, see docs/migration/flax.md).
-
-        Example:
-          >>> import jax.numpy as jnp, jdls
-          >>> loss, grads = jdls.DynamicScale().value_and_grad(lambda w: jnp.sum(w**2))(jnp.ones(2))
-          >>> float(loss), grads.tolist()
-          (2.0, [2.0, 2.0])
-        """
-        reject_axis_name(axis_name)
-        return scaled_value_and_grad(
-            self,
-            fun,
-            has_aux,
-            lambda scaled: jax.value_and_grad(scaled, argnums=argnums, has_aux=True),
-        )
-
-
-def check_scale(scale: Any, what: str = "scale", wrapping: bool = False) -> LossScale:
-    """``scale`` if it is a loss scale instance, else an error saying what to pass."""
-    if isinstance(scale, LossScale):
-        return scale
-    if isinstance(scale, type) and issubclass(scale, LossScale):
-        raise TypeError(
-            f"{what} must be a loss scale instance: pass jdls.{scale.__name__}(...), not the "
-            f"class jdls.{scale.__name__}"
-        )
-    if isinstance(scale, int | float | np.number) and not isinstance(scale, bool):
-        raise TypeError(
-            f"{what} must be a jdls loss scale, got the number {scale!r}: for a fixed scale "
-            f"pass jdls.StaticScale({scale!r})"
-        )
-    if callable(getattr(scale, "init", None)) and callable(getattr(scale, "update", None)):
-        hint = (
-            "the optimizer is the first argument: jdls.wrap(optax.adam(1e-3), jdls.DynamicScale())"
-            if wrapping
-            else "pass a loss scale such as jdls.DynamicScale(...)"
-        )
-        raise TypeError(f"{what} must be a jdls loss scale, got an optax transformation; {hint}")
-    raise TypeError(
-        f"{what} must be a jdls loss scale: jdls.DynamicScale(...), a jdls.presets scale, "
-        f"jdls.StaticScale(...) or jdls.NoOpScale(); got {type(scale).__name__}"
-    )
-
-
-def _show(x: Any) -> str:
-    """A readable value for ``repr``: numbers and small arrays as lists, tracers by type."""
-    try:
-        value = np.asarray(x)
-    except Exception:  # tracers and other stand-ins
-        return type(x).__name__
-    return repr(value.item()) if value.ndim == 0 else repr(value.tolist())
-
-
-def _register(cls: type, data: tuple[str, ...], static: tuple[str, ...]) -> None:
-    """Register a scale class as a pytree: ``data`` fields are children, ``static`` aux data.
-
-    Unflattening builds the object without validation (the children may be tracers).
-    """
-
-    def flatten_with_keys(obj: Any) -> tuple[list[Any], tuple[Any, ...]]:
-        children = [(jax.tree_util.GetAttrKey(f), getattr(obj, f)) for f in data]
-        return children, tuple(getattr(obj, f) for f in static)
-
-    def unflatten(aux: tuple[Any, ...], children: Iterable[Any]) -> Any:
-        return _new(
-            cls,
-            **dict(zip(static, aux, strict=True)),
-            **dict(zip(data, list(children), strict=True)),
-        )
-
-    def flatten(obj: Any) -> tuple[list[Any], tuple[Any, ...]]:
-        return [getattr(obj, f) for f in data], tuple(getattr(obj, f) for f in static)
-
-    jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
-
-
-def _new(cls: type[T], **fields: Any) -> T:
-    """An instance of ``cls`` with these fields, unvalidated: the one way past ``__init__``."""
-    obj = object.__new__(cls)
-    for name, value in fields.items():
-        object.__setattr__(obj, name, value)
-    return obj
 
 
 class NoOpScale(LossScale):
@@ -224,6 +51,12 @@ class NoOpScale(LossScale):
 
     def __repr__(self) -> str:
         return "NoOpScale()"
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) or NotImplemented
+
+    def __hash__(self) -> int:  # type: ignore[override]
+        return hash(type(self))
 
     def scale(self, tree: T) -> T:
         """Return ``tree`` unchanged (the scale is 1)."""
@@ -255,7 +88,7 @@ class StaticScale(LossScale):
         object.__setattr__(self, "loss_scale", jnp.asarray(value, _F32))
 
     def __repr__(self) -> str:
-        return f"StaticScale({_show(self.loss_scale)})"
+        return f"StaticScale({show(self.loss_scale)})"
 
     def adjust(self, grads_finite: jax.Array | bool) -> StaticScale:
         """Return the same scale: a static scale never changes."""
@@ -353,7 +186,7 @@ class DynamicScale(LossScale):
                 f"DynamicScale.replace got unknown fields {sorted(unknown)}; fields are "
                 f"{sorted(fields)}"
             )
-        return _new(DynamicScale, **{**fields, **changes})
+        return new_scale(DynamicScale, **{**fields, **changes})
 
     def adjust(
         self, grads_finite: jax.Array | bool, grad_amax: jax.Array | float | None = None
@@ -363,9 +196,17 @@ class DynamicScale(LossScale):
         Args:
           grads_finite: boolean scalar, whether the unscaled gradients were all finite
             (:func:`all_finite`).
-          grad_amax: the largest magnitude of the step's unscaled gradients, for rules that
-            use it (``rule.observes``, e.g. :class:`jdls.rules.Adaptive`; :func:`jdls.wrap`
-            passes it to them); None, or a rule that does not use it: ignored.
+          grad_amax: the largest magnitude of the step's unscaled gradients
+            (``optax.tree_utils.tree_norm(grads, ord=jnp.inf)``), for rules that use it
+            (``rule.observes``, e.g. :class:`jdls.rules.Adaptive`: :func:`jdls.wrap`,
+            :func:`jdls.wrap_groups` and :func:`jdls.adjust_layer_scales` pass it to them);
+            ignored by a rule that does not use it.
+
+        Raises:
+          ValueError: the rule observes (``rule.observes``) and ``grad_amax`` is None, unless
+            ``grads_finite`` is the Python ``False`` (an overflow needs no measurement): the
+            rule cannot set the scale without it, and silently falling back to another rule
+            would leave the scale where it started.
 
         Example:
           >>> import jdls
@@ -374,6 +215,8 @@ class DynamicScale(LossScale):
         """
         finite = finite_flag(grads_finite)
         if grad_amax is None:
+            if self.rule.observes and not _known_overflow(grads_finite):
+                raise ValueError(missing_measurement(self.rule))
             loss_scale, state = self.rule.adjust(self.loss_scale, self.state, finite)
         else:
             amax = jnp.asarray(grad_amax, _F32)
@@ -407,13 +250,31 @@ class DynamicScale(LossScale):
 
     def __repr__(self) -> str:
         fields = getattr(self.state, "_asdict", lambda: {"state": self.state})()
-        counters = ", ".join(f"{k}={_show(v)}" for k, v in fields.items())
-        return f"DynamicScale(loss_scale={_show(self.loss_scale)}, {counters}, rule={self.rule!r})"
+        counters = ", ".join(f"{k}={show(v)}" for k, v in fields.items())
+        return f"DynamicScale(loss_scale={show(self.loss_scale)}, {counters}, rule={self.rule!r})"
 
 
-_register(StaticScale, ("loss_scale",), ())
-_register(DynamicScale, ("loss_scale", "state"), ("rule",))
-_register(NoOpScale, (), ())
+def _known_overflow(grads_finite: Any) -> bool:
+    """Whether ``grads_finite`` is a Python (or numpy) ``False``: an overflow, known on the host."""
+    return isinstance(grads_finite, bool | np.bool_) and not bool(grads_finite)
+
+
+def missing_measurement(rule: Rule) -> str:
+    """The error for adjusting a rule that observes (``rule.observes``) without a measurement."""
+    name = type(rule).__name__
+    return (
+        f"the rule {name} sets the scale from the largest magnitude of the unscaled gradients, "
+        f"and none was given: pass it, scale.adjust(finite, "
+        "grad_amax=optax.tree_utils.tree_norm(grads, ord=jnp.inf)); or let jdls measure it: "
+        "jdls.wrap, jdls.wrap_groups and jdls.TrainState do, per layer "
+        "jdls.adjust_layer_scales(scales, grads), per loss jdls.adjust_loss_scales. "
+        "(scale.adjust(False) needs no measurement: an overflow backs off.)"
+    )
+
+
+register_scale(StaticScale, ("loss_scale",), ())
+register_scale(DynamicScale, ("loss_scale", "state"), ("rule",))
+register_scale(NoOpScale, (), ())
 
 
 def AdaptiveScale(
@@ -427,8 +288,10 @@ def AdaptiveScale(
     every finite step the scale becomes the power of two that puts the largest scaled
     gradient a few bits (the adaptive margin) below the maximum of ``compute_dtype``, so it
     reaches the useful scale in a step or two from any start; an overflow backs off and
-    raises the margin. Use it with :func:`jdls.wrap` (or :class:`jdls.TrainState`), which
-    measures the gradients for it.
+    raises the margin. :func:`jdls.wrap` (and :class:`jdls.TrainState`, ``nnx.Optimizer``),
+    :func:`jdls.wrap_groups` and :func:`jdls.adjust_layer_scales` measure the gradients for
+    it; adjusted by hand, it needs the measurement: ``scale.adjust(finite, grad_amax)``
+    (``scale.adjust(True)`` alone is a ValueError).
 
     Args:
       loss_scale: initial scale (default 1: the first step measures, the second is scaled).

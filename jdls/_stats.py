@@ -42,7 +42,8 @@ class Stats(NamedTuple):
         gradient is NaN, and when it is not known (``axis_name`` without ``sharded``); 0
         before the first step (a NaN there would trip ``jax_debug_nans``).
       nonfinite: with ``track_nonfinite=True``, one bool per gradient leaf (True where the
-        leaf held an inf or NaN on the last step); None otherwise.
+        leaf held an inf or NaN on the last step; :func:`jdls.wrap_groups`: a dict of the
+        groups' flags); None otherwise.
       retries: int32, how many times the last step's gradients were recomputed at a lower
         scale (``jdls.wrap(..., retries=N)``).
       cause: int32, why the last step was skipped, a :class:`jdls.SkipCause` (0 if taken).
@@ -242,9 +243,10 @@ def keep_if_skipped(opt_state: Any, new: Any, old: Any) -> Any:
 def nonfinite_paths(opt_state: Any) -> list[str]:
     """Key paths of the gradient leaves that held an inf or NaN on the last step (host side).
 
-    Needs ``jdls.wrap(..., track_nonfinite=True)``. Reads the flags from the device, so call
-    it outside ``jit``, e.g. when ``jdls.stats(state).skipped`` is True. With ``pmap`` the
-    flags of all devices are combined.
+    Needs ``jdls.wrap(..., track_nonfinite=True)`` (or ``jdls.wrap_groups(...,
+    track_nonfinite=True)``, whose paths start with the group: ``"['disc']['w']"``). Reads the
+    flags from the device, so call it outside ``jit``, e.g. when ``jdls.stats(state).skipped``
+    is True. With ``pmap`` the flags of all devices are combined.
 
     Args:
       opt_state: an optimizer state (or Flax ``TrainState``) holding one :class:`WrapState`.
@@ -269,7 +271,8 @@ def nonfinite_paths(opt_state: Any) -> list[str]:
     if flags is None:
         raise ValueError(
             "nonfinite_paths needs per-leaf flags: build the optimizer with "
-            "jdls.wrap(..., track_nonfinite=True)"
+            "jdls.wrap(..., track_nonfinite=True) (or jdls.wrap_groups(..., "
+            "track_nonfinite=True))"
         )
     flags = jax.device_get(flags)
     found, _ = jax.tree_util.tree_flatten_with_path(flags)

@@ -102,7 +102,19 @@ steps = st.lists(
 def _check_run(rule, start, seq, jit):
     scale = jdls.DynamicScale(start, rule)
     adjust = maybe_jit(lambda s, f, a: s.adjust(f, a), jit)
-    adjust_blind = maybe_jit(lambda s, f: s.adjust(f), jit)
+    # The rule without a measurement (DynamicScale.adjust refuses a finite step without one).
+    adjust_blind = maybe_jit(
+        lambda s, f: s.replace(
+            **dict(
+                zip(
+                    ("loss_scale", "state"),
+                    s.rule.adjust(s.loss_scale, s.state, jnp.asarray(f)),
+                    strict=True,
+                )
+            )
+        ),
+        jit,
+    )
     lo = rule.min_loss_scale or 2.0**-126
     hi = rule.max_loss_scale or 2.0**127
     for k, (finite, amax) in enumerate(seq):
@@ -196,11 +208,14 @@ def test_margin_lowers_after_a_run_of_finite_steps():
     assert float(scale.loss_scale) == right_scale(1.0, 4)
 
 
-def test_without_measurements_it_is_a_classic_rule():
+def test_without_a_measurement_a_finite_step_is_refused_an_overflow_backs_off():
     scale = jdls.AdaptiveScale(1024.0, growth_interval=2)
-    assert float(scale.adjust(True).loss_scale) == 1024.0
-    assert float(scale.adjust(True).adjust(True).loss_scale) == 2048.0
+    with pytest.raises(ValueError, match=r"scale.adjust\(finite, grad_amax="):
+        scale.adjust(True)
+    with pytest.raises(ValueError, match="jdls.adjust_layer_scales"):
+        jax.jit(lambda s, f: s.adjust(f))(scale, False)  # traced: not known to be an overflow
     assert float(scale.adjust(False).loss_scale) == 512.0
+    assert scale.adjust(False) == scale.adjust(jnp.asarray(False), jnp.float32(1.0))
 
 
 def test_other_rules_ignore_the_measurement():

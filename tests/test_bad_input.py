@@ -293,6 +293,13 @@ CASES = [
         r"got a float32 value \(the loss\?\): pass jdls.all_finite\(grads\)",
     ),
     Case(
+        "adjust-observing-without-measurement",
+        lambda: jdls.AdaptiveScale().adjust(jnp.bool_(True)),
+        ValueError,
+        r"the rule Adaptive sets the scale from the largest magnitude of the unscaled gradients, "
+        r"and none was given: pass it, scale.adjust\(finite, grad_amax=",
+    ),
+    Case(
         "value-and-grad-aux-not-pair",
         lambda: jdls.DynamicScale().value_and_grad(lambda p: jnp.sum(p["w"]), has_aux=True)(PARAMS),
         TypeError,
@@ -630,7 +637,7 @@ CASES = [
         "cerebras-tolerance-negative",
         lambda: jdls.presets.cerebras(overflow_tolerance=-0.1),
         ValueError,
-        r"^tolerance must be >= 0, got -0.1",
+        r"^overflow_tolerance must be >= 0, got -0.1 \(in jdls.presets.cerebras\)",
     ),
     Case(
         "cerebras-max-gradient-norm",

@@ -179,3 +179,54 @@ def test_accessors_and_errors():
         jdls.wrap_groups({"a": optax.sgd(0.1)}, retries=1)
     with pytest.raises(ValueError, match="not made by jdls.wrap_groups"):
         jdls.group_stats(jdls.wrap(optax.sgd(0.1)).init(params))
+
+
+@with_and_without_jit
+def test_an_observing_rule_gets_the_groups_measurement(jit):
+    """``AdaptiveScale`` over groups moves as under ``jdls.wrap`` with the same gradients (it
+    used to stay at 1.0: the groups adjusted it without its measurement)."""
+    params = {"a": {"w": jnp.zeros(2)}, "b": {"w": jnp.zeros(3)}}
+    steps = [
+        {"a": {"w": jnp.array([2.0**-20, 0.0])}, "b": {"w": jnp.array([0.0, 2.0**-22, 1e-9])}},
+        {"a": {"w": jnp.array([1e-3, 0.0])}, "b": {"w": jnp.array([jnp.inf, 0.0, 0.0])}},
+        {"a": {"w": jnp.array([1e-3, 1e-5])}, "b": {"w": jnp.array([3e-4, 0.0, 1.0])}},
+    ]
+    groups = jdls.wrap_groups({"a": optax.sgd(0.1), "b": optax.sgd(0.1)}, jdls.AdaptiveScale())
+    single = jdls.wrap(optax.sgd(0.1), jdls.AdaptiveScale())
+    g_state, s_state = groups.init(params), single.init(params)
+    g_update, s_update = maybe_jit(groups.update, jit), maybe_jit(single.update, jit)
+    for grads in steps:
+        _, g_state = g_update(grads, g_state, params)
+        _, s_state = s_update(grads, s_state, params)
+        assert jdls.get_scale(g_state) == jdls.get_scale(s_state)
+    assert float(jdls.get_scale(g_state).loss_scale) != 1.0
+    # A group left out has no say: the measurement is the given group's.
+    _, g_state = g_update({"a": {"w": jnp.array([2.0**-30, 0.0])}}, g_state, params)
+    _, s_state = s_update(
+        {"a": {"w": jnp.array([2.0**-30, 0.0])}, "b": {"w": jnp.zeros(3)}}, s_state, params
+    )
+    assert jdls.get_scale(g_state) == jdls.get_scale(s_state)
+
+
+@with_and_without_jit
+def test_nonfinite_paths_names_the_group_and_the_leaf(jit):
+    tx = jdls.wrap_groups(
+        {"gen": optax.sgd(0.1), "disc": optax.sgd(0.1)}, jdls.DynamicScale(), track_nonfinite=True
+    )
+    params = {"gen": {"w": jnp.zeros(2), "b": jnp.zeros(1)}, "disc": {"w": jnp.zeros(2)}}
+    state = tx.init(params)
+    assert jdls.nonfinite_paths(state) == []
+    update = maybe_jit(tx.update, jit)
+    grads = {
+        "gen": {"w": jnp.ones(2), "b": jnp.array([jnp.nan])},
+        "disc": {"w": jnp.array([jnp.inf, 0.0])},
+    }
+    _, state = update(grads, state, params)
+    assert jdls.nonfinite_paths(state) == ["['disc']['w']", "['gen']['b']"]
+    assert bool(jdls.group_stats(state)["disc"].nonfinite["w"])
+    # Only the generator steps next: the discriminator's old flags do not linger.
+    _, state = update({"gen": {"w": jnp.ones(2), "b": jnp.ones(1)}}, state, params)
+    assert jdls.nonfinite_paths(state) == []
+    without = jdls.wrap_groups({"gen": optax.sgd(0.1)}, jdls.DynamicScale())
+    with pytest.raises(ValueError, match="track_nonfinite=True"):
+        jdls.nonfinite_paths(without.init({"gen": {"w": jnp.zeros(1)}}))

@@ -1,5 +1,5 @@
 """jdls._norm.global_norm and the skip branch (jdls._skip.cond_branches): the exactness that
-the compile-time work (issue 16) must keep.
+the work to shorten compile times must keep.
 
 * the finiteness decision is exact: a finite gradient whose sum of squares overflows is
   finite, an inf or NaN is not (float32, and float64 with x64);

@@ -1,4 +1,4 @@
-"""Peer parity of issue 12: hysteresis semantics (DeepSpeed's two settings), jmp's inputs and
+"""Peer parity: hysteresis semantics (DeepSpeed's two settings), jmp's inputs and
 ``presets.from_jmp``, and DeepSpeed's non-ZeRO fp16 optimizers (``presets.deepspeed_fp16``).
 
 Every comparison is exact: float32 bit patterns of the scale after every step.

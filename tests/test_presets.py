@@ -11,6 +11,9 @@ finite and non-finite steps: sparse, dense and bursty overflow. Every comparison
 from __future__ import annotations
 
 import functools
+import inspect
+import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -441,17 +444,17 @@ def test_cerebras_overflow_tolerance_forgives_and_can_grow_on_an_overflow_step()
         ("pytorch", {"growth_interval": 0}, "growth_interval must be >= 1, got 0"),
         ("pytorch", {"init_scale": 0.0}, "init_scale must be a finite number > 0"),
         ("flax", {"growth_interval": 0}, "growth_interval must be >= 1"),
-        ("flax", {"scale": float("nan")}, "loss_scale must be a number, got nan"),
+        ("flax", {"scale": float("nan")}, "^scale must be a number, got nan"),
         ("keras", {"dynamic_growth_steps": 0}, "dynamic_growth_steps must be >= 1"),
         ("deepspeed", {"scale_window": 0}, "scale_window must be >= 1"),
         ("deepspeed", {"delayed_shift": 0}, "delayed_shift must be >= 1"),
-        ("deepspeed", {"min_scale": 0.0}, "min_loss_scale must be a finite number > 0"),
+        ("deepspeed", {"min_scale": 0.0}, "^min_scale must be a finite number > 0"),
         ("megatron", {"hysteresis": 0}, "hysteresis must be >= 1"),
         # Megatron-LM accepts a start below min_scale, and so does the preset.
         ("megatron", {"min_scale": 4.0, "initial_scale": 1.0}, None),
         ("megatron", {"min_scale": 4.0, "initial_scale": 4.0}, None),
         ("cerebras", {"min_loss_scale": 2.0**-15}, r"min_loss_scale must be >= 2\*\*-14"),
-        ("cerebras", {"overflow_tolerance": -1.0}, "tolerance must be >= 0, got -1.0"),
+        ("cerebras", {"overflow_tolerance": -1.0}, "^overflow_tolerance must be >= 0, got -1.0"),
         ("cerebras", {"steps_per_increase": 0}, "steps_per_increase must be >= 1"),
         (
             "cerebras",
@@ -461,7 +464,7 @@ def test_cerebras_overflow_tolerance_forgives_and_can_grow_on_an_overflow_step()
         ("cerebras", {"loss_scale": "auto"}, 'loss_scale must be "dynamic"'),
         ("cerebras", {"loss_scale": -3.0}, "loss_scale must be a finite number > 0"),
         ("cerebras", {"half_dtype": "float8"}, "half_dtype must be one of"),
-        ("jmp", {"loss_scale": 4.0, "factor": 1}, "growth_factor must be > 1, got 1"),
+        ("jmp", {"loss_scale": 4.0, "factor": 1}, "^factor must be > 1, got 1"),
         ("jmp", {"loss_scale": 4.0, "period": 0}, "period must be >= 1"),
     ],
 )
@@ -471,6 +474,67 @@ def test_preset_validation(factory, kwargs, message):
         return
     with pytest.raises(ValueError, match=message):
         getattr(jdls.presets, factory)(**kwargs)
+
+
+# Every argument a preset validates, and the values that sweep its checks.
+_VALIDATED = {
+    "pytorch": {"init_scale", "growth_factor", "backoff_factor", "growth_interval"},
+    "flax": {"growth_factor", "backoff_factor", "growth_interval", "fin_steps", "scale"}
+    | {"minimum_scale"},
+    "jmp": {"loss_scale", "counter", "period", "factor", "min_loss_scale"},
+    "keras": {"initial_scale", "dynamic_growth_steps"},
+    "deepspeed": {"init_scale", "scale_factor", "scale_window", "min_scale", "delayed_shift"},
+    "deepspeed_fp16": {"init_scale", "scale_window", "min_scale"},
+    "megatron": {"initial_scale", "min_scale", "growth_factor", "backoff_factor"}
+    | {"growth_interval", "hysteresis"},
+    "cerebras": {"loss_scale", "init_scale", "steps_per_increase", "min_loss_scale"}
+    | {"max_loss_scale", "overflow_tolerance", "half_dtype", "max_gradient_norm"},
+}
+_BAD = [-1, 0, 0.5, 1, 1.5, float("nan"), float("inf"), "x", 1e39, 1e-45, 2**31 - 1, 2**24 + 1]
+# jdls's own names, which a preset whose library spells them otherwise must not show.
+_JDLS_NAMES = (
+    {"loss_scale", "min_loss_scale", "max_loss_scale", "growth_factor"}
+    | {"backoff_factor", "growth_interval", "hysteresis", "tolerance", "counter"}
+    | {"error_at_min_scale", "refill_hysteresis_on_finite", "counter_after_growth"}
+)
+
+
+@pytest.mark.parametrize("preset", sorted(_VALIDATED))
+def test_every_preset_error_names_the_argument_as_spelled(preset):
+    """Every validated argument of every preset, swept with bad values: the error starts with
+    the argument's name as the preset spells it, and names no jdls argument the preset does
+    not have (``cerebras(overflow_tolerance=-0.1)`` said ``tolerance must be >= 0``)."""
+    factory = getattr(jdls.presets, preset)
+    params = set(inspect.signature(factory).parameters)
+    required = {"loss_scale": 4.0} if preset == "jmp" else {}
+    failed = set()
+    for name in sorted(params):
+        for bad in _BAD:
+            try:
+                factory(**{**required, name: bad})
+            except (TypeError, ValueError) as e:
+                failed.add(name)
+                message = str(e)
+                assert message.startswith(f"{name} ") or message.startswith(
+                    f"presets.{preset} builds"
+                ), (name, bad, message)
+                words = set(re.findall(r"\b[a-z_]+\b", message))
+                assert not (words & _JDLS_NAMES) - params, (name, bad, message)
+    assert failed == _VALIDATED[preset]
+
+
+def test_jmp_integer_scales_are_taken_exactly_or_refused():
+    """jmp warns on integer arrays (its own ``adjust`` then fails); ``presets.jmp`` takes an
+    integer that float32 holds exactly, with no warning, and refuses one it would round."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        scale = jdls.presets.jmp(jnp.int32(2**15), min_loss_scale=np.int64(2))
+    assert scale.loss_scale.dtype == jnp.float32 and float(scale.loss_scale) == 2.0**15
+    assert scale.rule.min_loss_scale == 2.0
+    for name in ("loss_scale", "min_loss_scale"):
+        args = {"loss_scale": 4.0, name: jnp.int32(2**24 + 1)}
+        with pytest.raises(ValueError, match=f"^{name} must be a number float32 holds exactly"):
+            jdls.presets.jmp(**args)
 
 
 def test_cerebras_max_gradient_norm_belongs_to_the_wrap():

@@ -407,3 +407,38 @@ def test_rule_validation_and_initial_state_counters():
     assert float(scale.adjust(True).loss_scale) == 2.0  # the 5th counted step grows
     with pytest.raises(TypeError, match="unknown fields"):
         jdls.DynamicScale().replace(scale=1.0)
+
+
+def test_scales_compare_by_value():
+    """Value equality, as jmp's and Flax struct's scales: same kind, same rule, equal arrays
+    (they compared by identity, so a tree_map copy was unequal)."""
+    scale = jdls.DynamicScale(1024.0, growth_interval=3)
+    copy = jax.tree_util.tree_map(lambda x: x, scale)
+    assert copy is not scale and copy == scale
+    assert jax.jit(lambda s: s)(scale) == scale
+    assert scale.adjust(True) != scale  # the counter moved
+    assert scale.adjust(False) != scale  # the scale moved
+    assert scale != jdls.DynamicScale(1024.0, growth_interval=4)  # another rule
+    assert scale != jdls.StaticScale(1024.0) and scale != 1024.0
+    assert jdls.StaticScale(2.0) == jdls.StaticScale(2.0) != jdls.StaticScale(4.0)
+    assert jdls.NoOpScale() == jdls.NoOpScale() != jdls.StaticScale(1.0)
+    assert jdls.AdaptiveScale() == jdls.AdaptiveScale() != jdls.AdaptiveScale(margin=5)
+    # Same values in another dtype are another state.
+    assert scale != scale.replace(loss_scale=jnp.float16(1024.0))
+    # Batched (vmapped) scales compare element-wise, all elements at once.
+    batch = jax.vmap(lambda x: jdls.DynamicScale(2.0).replace(loss_scale=x))(jnp.ones(3))
+    assert batch == jax.tree_util.tree_map(jnp.copy, batch)
+    assert batch != jax.tree_util.tree_map(lambda x: x.at[1].add(1), batch)
+    assert batch != scale
+
+
+def test_scale_equality_under_tracing_is_an_error_and_scales_are_unhashable():
+    scale = jdls.DynamicScale(1024.0)
+    with pytest.raises(TypeError, match=r"inside a traced function.*jnp.all\(a.loss_scale"):
+        jax.jit(lambda a, b: a == b)(scale, scale)
+    with pytest.raises(TypeError, match="unhashable"):
+        hash(scale)
+    with pytest.raises(TypeError, match="unhashable"):
+        hash(jdls.StaticScale(2.0))
+    assert hash(jdls.NoOpScale()) == hash(jdls.NoOpScale())
+    assert jax.jit(lambda s: s.loss_scale * 2)(scale) == 2048.0  # pytrees need no hash

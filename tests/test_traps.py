@@ -1,4 +1,4 @@
-"""Silent traps and unclear errors of issue 12 (items 13 and 15): restoring a Flax-example
+"""Silent traps and unclear errors found by porting real training code: restoring a Flax-example
 checkpoint, lookahead, ``jax_debug_nans``, ``skip_with="select"`` on Python scalars, Flax
 habits (a ``dynamic_scale`` field, ``axis_name=``, four-value unpacking), editing
 ``inject_hyperparams`` inside the wrap, policy strings, batched reprs."""

@@ -7,9 +7,10 @@ from typing import Any
 
 import optax
 
-from jdls._checks import check_int, check_limit, check_positive_finite
+from jdls._checks import check_limit, check_positive_finite
 from jdls._scale import DynamicScale, NoOpScale, StaticScale
 from jdls._wrap import wrap
+from jdls.presets._arguments import check_interval_plus_one, spelled
 from jdls.rules import OverflowTolerance
 
 __all__ = ["CEREBRAS_MIN_LOSS_SCALE", "cerebras", "cerebras_wrap"]
@@ -80,23 +81,29 @@ def cerebras(
         return StaticScale(loss_scale)
     if min_loss_scale is None:
         min_loss_scale = CEREBRAS_MIN_LOSS_SCALE
-    min_value = check_positive_finite("min_loss_scale", min_loss_scale)
-    if min_value < CEREBRAS_MIN_LOSS_SCALE:
-        raise ValueError(
-            f"min_loss_scale must be >= 2**-14 ({CEREBRAS_MIN_LOSS_SCALE}) as in Cerebras, "
-            f"got {min_loss_scale!r}"
-        )
     if max_loss_scale is None:
         max_loss_scale = _CEREBRAS_MAX_LOSS_SCALE[half_dtype]
     if steps_per_increase is None:
         steps_per_increase = 2000
-    rule = OverflowTolerance(
-        growth_interval=check_int("steps_per_increase", steps_per_increase, 1) + 1,
-        min_loss_scale=min_value,
-        max_loss_scale=max_loss_scale,
-        tolerance=overflow_tolerance,
-    )
-    return DynamicScale(max_loss_scale if init_scale is None else init_scale, rule)
+    names = {
+        "loss_scale": "init_scale",
+        "tolerance": "overflow_tolerance",
+        "growth_interval": "steps_per_increase",
+    }
+    with spelled("cerebras", **names):
+        min_value = check_positive_finite("min_loss_scale", min_loss_scale)
+        if min_value < CEREBRAS_MIN_LOSS_SCALE:
+            raise ValueError(
+                f"min_loss_scale must be >= 2**-14 ({CEREBRAS_MIN_LOSS_SCALE}) as in Cerebras, "
+                f"got {min_loss_scale!r}"
+            )
+        rule = OverflowTolerance(
+            growth_interval=check_interval_plus_one("steps_per_increase", steps_per_increase) + 1,
+            min_loss_scale=min_value,
+            max_loss_scale=max_loss_scale,
+            tolerance=overflow_tolerance,
+        )
+        return DynamicScale(max_loss_scale if init_scale is None else init_scale, rule)
 
 
 def cerebras_wrap(

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
-
-import numpy as np
 
 from jdls._checks import (
     F32_MAX,
@@ -15,6 +12,7 @@ from jdls._checks import (
     check_positive_finite,
 )
 from jdls._scale import DynamicScale, NoOpScale
+from jdls.presets._arguments import check_interval_plus_one, exact_scale, integral, spelled
 from jdls.rules import GrowBackoff
 
 __all__ = [
@@ -61,15 +59,16 @@ def pytorch(
     """
     if not enabled:
         return NoOpScale()
-    rule = GrowBackoff(
-        growth_factor=growth_factor,
-        backoff_factor=backoff_factor,
-        growth_interval=growth_interval,
-        min_loss_scale=None,
-        max_loss_scale=None,
-        keep_scale_if_growth_overflows=True,
-    )
-    return DynamicScale(check_positive_finite("init_scale", init_scale), rule)
+    with spelled("pytorch", loss_scale="init_scale"):
+        rule = GrowBackoff(
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=growth_interval,
+            min_loss_scale=None,
+            max_loss_scale=None,
+            keep_scale_if_growth_overflows=True,
+        )
+        return DynamicScale(check_positive_finite("init_scale", init_scale), rule)
 
 
 def flax(
@@ -104,44 +103,21 @@ def flax(
       >>> float(s.adjust(True).loss_scale), float(s.adjust(True).adjust(True).loss_scale)
       (4.0, 8.0)
     """
-    interval = check_int("growth_interval", growth_interval, 1)
-    if check_int("fin_steps", fin_steps, 0) > interval:
-        raise ValueError(
-            f"fin_steps must be in [0, growth_interval] = [0, {interval}], got {fin_steps}"
+    with spelled("flax", loss_scale="scale", min_loss_scale="minimum_scale"):
+        interval = check_interval_plus_one("growth_interval", growth_interval)
+        if check_int("fin_steps", fin_steps, 0) > interval:
+            raise ValueError(
+                f"fin_steps must be in [0, growth_interval] = [0, {interval}], got {fin_steps}"
+            )
+        rule = GrowBackoff(
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=interval + 1,
+            min_loss_scale=minimum_scale,
+            max_loss_scale=F32_MAX,
+            keep_scale_if_growth_overflows=False,
         )
-    rule = GrowBackoff(
-        growth_factor=growth_factor,
-        backoff_factor=backoff_factor,
-        growth_interval=interval + 1,
-        min_loss_scale=minimum_scale,
-        max_loss_scale=F32_MAX,
-        keep_scale_if_growth_overflows=False,
-    )
-    return DynamicScale(scale, rule, state=rule.initial_state(counter=fin_steps))
-
-
-def _integral(name: str, value: Any, minimum: int) -> int:
-    """An int given as a Python or numpy int, an integral float, or a 0-d array of either.
-
-    jmp's own defaults are arrays (``counter=jnp.zeros([], jnp.int32)``) and its ``period`` may
-    be a float (``2000.0``); what jmp accepts, the preset accepts.
-    """
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    if not isinstance(value, int | np.integer):
-        try:
-            array = np.asarray(value)
-        except Exception:
-            raise TypeError(f"{name} must be an int, got {value!r}") from None
-        if array.shape != () or not (
-            np.issubdtype(array.dtype, np.integer) or np.issubdtype(array.dtype, np.floating)
-        ):
-            raise TypeError(f"{name} must be an int (or a 0-d integer array), got {value!r}")
-        number = array.item()
-        if isinstance(number, float) and not (math.isfinite(number) and number.is_integer()):
-            raise ValueError(f"{name} must be a whole number, got {number!r}")
-        value = int(number)
-    return check_int(name, value, minimum)
+        return DynamicScale(scale, rule, state=rule.initial_state(counter=fin_steps))
 
 
 def jmp(
@@ -177,27 +153,28 @@ def jmp(
       >>> print(jdls.presets.jmp(loss_scale=1.0, min_loss_scale=0.0).rule.min_loss_scale)
       None
     """
-    period = _integral("period", period, 1)
-    counter = _integral("counter", counter, 0)
-    if counter >= period:
-        raise ValueError(f"counter must be in [0, period) = [0, {period}), got {counter}")
-    minimum: float | None = None
-    if min_loss_scale is not None:
-        value = check_number("min_loss_scale", min_loss_scale)
-        if value < 0:
-            raise ValueError(f"min_loss_scale must be >= 0 (0: no floor), got {value!r}")
-        minimum = None if value == 0 else value  # jmp's max(0, s / factor): no floor
-    rule = GrowBackoff(
-        growth_factor=check_number("factor", factor),
-        backoff_factor=None,
-        growth_interval=period,
-        min_loss_scale=minimum,
-        max_loss_scale=None,
-        keep_scale_if_growth_overflows=True,
-    )
-    return DynamicScale(
-        check_number("loss_scale", loss_scale), rule, state=rule.initial_state(counter=counter)
-    )
+    with spelled("jmp", growth_factor="factor", growth_interval="period"):
+        period = integral("period", period, 1)
+        counter = integral("counter", counter, 0)
+        if counter >= period:
+            raise ValueError(f"counter must be in [0, period) = [0, {period}), got {counter}")
+        minimum: float | None = None
+        if min_loss_scale is not None:
+            value = exact_scale("min_loss_scale", min_loss_scale)
+            if value < 0:
+                raise ValueError(f"min_loss_scale must be >= 0 (0: no floor), got {value!r}")
+            minimum = None if value == 0 else value  # jmp's max(0, s / factor): no floor
+        rule = GrowBackoff(
+            growth_factor=check_number("factor", factor),
+            backoff_factor=None,
+            growth_interval=period,
+            min_loss_scale=minimum,
+            max_loss_scale=None,
+            keep_scale_if_growth_overflows=True,
+        )
+        return DynamicScale(
+            exact_scale("loss_scale", loss_scale), rule, state=rule.initial_state(counter=counter)
+        )
 
 
 def from_jmp(jmp_scale: Any) -> DynamicScale:
@@ -251,15 +228,16 @@ def keras(initial_scale: float = 2.0**15, dynamic_growth_steps: int = 2000) -> D
       >>> float(jdls.presets.keras(initial_scale=4.0).adjust(False).loss_scale)
       2.0
     """
-    rule = GrowBackoff(
-        growth_factor=2.0,
-        backoff_factor=None,
-        growth_interval=check_int("dynamic_growth_steps", dynamic_growth_steps, 1),
-        min_loss_scale=None,
-        max_loss_scale=None,
-        keep_scale_if_growth_overflows=False,
-    )
-    return DynamicScale(check_positive_finite("initial_scale", initial_scale), rule)
+    with spelled("keras", loss_scale="initial_scale", growth_interval="dynamic_growth_steps"):
+        rule = GrowBackoff(
+            growth_factor=2.0,
+            backoff_factor=None,
+            growth_interval=check_int("dynamic_growth_steps", dynamic_growth_steps, 1),
+            min_loss_scale=None,
+            max_loss_scale=None,
+            keep_scale_if_growth_overflows=False,
+        )
+        return DynamicScale(check_positive_finite("initial_scale", initial_scale), rule)
 
 
 def deepspeed(
@@ -304,20 +282,50 @@ def deepspeed(
       >>> float(s.adjust(False).loss_scale), float(s.adjust(False).adjust(False).loss_scale)
       (1024.0, 512.0)
     """
-    window = check_int("scale_window", scale_window, 1)
-    rule = GrowBackoff(
-        growth_factor=scale_factor,
-        backoff_factor=None,
-        growth_interval=window + 1,
-        counter_after_growth=1,
-        min_loss_scale=min_scale,
-        max_loss_scale=None,
-        keep_scale_if_growth_overflows=False,
-        hysteresis=check_int("delayed_shift", delayed_shift, 1),
-        refill_hysteresis_on_finite=bool(consecutive_hysteresis),
-        error_at_min_scale=bool(raise_error_at_min_scale),
+    return _deepspeed(
+        "deepspeed",
+        init_scale,
+        scale_factor,
+        scale_window,
+        min_scale,
+        delayed_shift,
+        consecutive_hysteresis,
+        raise_error_at_min_scale,
     )
-    return DynamicScale(init_scale, rule)
+
+
+def _deepspeed(
+    preset: str,
+    init_scale: float,
+    scale_factor: float,
+    scale_window: int,
+    min_scale: float,
+    delayed_shift: int,
+    consecutive_hysteresis: bool,
+    raise_error_at_min_scale: bool,
+) -> DynamicScale:
+    names = {
+        "loss_scale": "init_scale",
+        "growth_factor": "scale_factor",
+        "min_loss_scale": "min_scale",
+        "hysteresis": "delayed_shift",
+        "error_at_min_scale": "raise_error_at_min_scale",
+    }
+    with spelled(preset, **names):
+        window = check_interval_plus_one("scale_window", scale_window)
+        rule = GrowBackoff(
+            growth_factor=scale_factor,
+            backoff_factor=None,
+            growth_interval=window + 1,
+            counter_after_growth=1,
+            min_loss_scale=min_scale,
+            max_loss_scale=None,
+            keep_scale_if_growth_overflows=False,
+            hysteresis=check_int("delayed_shift", delayed_shift, 1),
+            refill_hysteresis_on_finite=bool(consecutive_hysteresis),
+            error_at_min_scale=bool(raise_error_at_min_scale),
+        )
+        return DynamicScale(init_scale, rule)
 
 
 def deepspeed_fp16(
@@ -347,15 +355,7 @@ def deepspeed_fp16(
       >>> float(s.adjust(False).loss_scale)   # no hysteresis: the first overflow halves it
       512.0
     """
-    return deepspeed(
-        init_scale=init_scale,
-        scale_factor=2.0,
-        scale_window=scale_window,
-        min_scale=min_scale,
-        delayed_shift=1,
-        consecutive_hysteresis=False,
-        raise_error_at_min_scale=False,
-    )
+    return _deepspeed("deepspeed_fp16", init_scale, 2.0, scale_window, min_scale, 1, False, False)
 
 
 def megatron(
@@ -390,13 +390,14 @@ def megatron(
       >>> float(s.adjust(False).loss_scale)
       32.0
     """
-    rule = GrowBackoff(
-        growth_factor=growth_factor,
-        backoff_factor=backoff_factor,
-        growth_interval=growth_interval,
-        min_loss_scale=min_scale,
-        max_loss_scale=None,
-        keep_scale_if_growth_overflows=False,
-        hysteresis=hysteresis,
-    )
-    return DynamicScale(initial_scale, rule)
+    with spelled("megatron", loss_scale="initial_scale", min_loss_scale="min_scale"):
+        rule = GrowBackoff(
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=growth_interval,
+            min_loss_scale=min_scale,
+            max_loss_scale=None,
+            keep_scale_if_growth_overflows=False,
+            hysteresis=hysteresis,
+        )
+        return DynamicScale(initial_scale, rule)

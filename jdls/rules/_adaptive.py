@@ -57,8 +57,10 @@ class Adaptive(Rule):
     the margin by one bit (at most ``max_margin``); every ``margin_interval`` finite steps in
     a row lower it by one bit (at least ``min_margin``).
 
-    Without a measurement (``scale.adjust(finite)``) it behaves as a classic rule: back off
-    as above, double after ``growth_interval`` finite steps in a row.
+    Without a measurement, :meth:`jdls.DynamicScale.adjust` refuses a finite step (a
+    ValueError that says how to give one) and backs off on an overflow (``adjust(False)``).
+    (The rule's own :meth:`adjust`, which only :meth:`jdls.DynamicScale.adjust` calls, then
+    and only then, doubles after ``growth_interval`` finite steps in a row.)
 
     The scale always stays within ``[min_loss_scale, max_loss_scale]`` and within the normal
     powers of two of float32 (``2**-126`` to ``2**127``).

@@ -36,7 +36,8 @@ class Rule:
     min_loss_scale: float | None = None
     max_loss_scale: float | None = None
     #: Whether the rule uses the largest magnitude of the gradients (:meth:`observe`):
-    #: :func:`jdls.wrap` measures it only for rules that set this.
+    #: every jdls path that adjusts a scale measures it for rules that set this, and
+    #: :meth:`jdls.DynamicScale.adjust` refuses a finite step of such a rule without it.
     observes: ClassVar[bool] = False
 
     @property

@@ -1,4 +1,4 @@
-"""The compatibility matrix of issue 12: every setup a JAX user has, with inf/NaN steps.
+"""The compatibility matrix: every setup a JAX user has, with inf/NaN steps.
 
 Axes: parameter dtype x sharding x optimizer x skip mechanism. Each combination trains a small
 model for a few steps twice, from the same gradients: once clean, once with an inf step and a
