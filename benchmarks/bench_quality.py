@@ -5,7 +5,7 @@ Rules: the default rules of PyTorch (``presets.pytorch()``), Flax (``presets.fla
 scaling (``jdls.NoOpScale()`` in float16) and float32 (no scaling, float32 compute). Every
 float16 run computes its forward and backward passes in float16 on float32 master weights
 (Flax layers with ``dtype=float16``), with ``jdls.wrap(optax.adam(...))`` and
-``jdls.TrainState``; a whole run is one ``lax.scan``.
+``jdls.linen.TrainState``; a whole run is one ``lax.scan``.
 
 Tasks:
 
@@ -317,8 +317,8 @@ def tasks(quick: bool) -> list[Task]:
 # --------------------------------------------------------------------------------------------
 
 
-class State(jdls.TrainState):
-    """``jdls.TrainState`` with Flax ``batch_stats`` (empty for models without BatchNorm)."""
+class State(jdls.linen.TrainState):
+    """``jdls.linen.TrainState`` with Flax ``batch_stats`` (empty for models without BatchNorm)."""
 
     batch_stats: Any = None
 
@@ -401,7 +401,7 @@ def settle_step(scales: np.ndarray) -> int:
 
 def step_cost(task: Task, rounds: int) -> list[dict[str, Any]]:
     """Time one jitted step: PyTorch's rule, AdaptiveScale, and AdaptiveScale with every
-    linen module probed (``jdls.probe_linen``, ``jdls.probed_value_and_grad``)."""
+    linen module probed (``jdls.linen.probes``, ``jdls.probed_value_and_grad``)."""
     model = task.make_model(F16)
     variables = model.init(jax.random.key(0), task.sample)
     idx = jnp.asarray(task.batches["idx"][0])
@@ -410,7 +410,7 @@ def step_cost(task: Task, rounds: int) -> list[dict[str, Any]]:
         return task.loss(model, {"params": params}, idx, jnp.int32(1), True)
 
     def probed_loss(params: Any) -> tuple[jax.Array, Any]:
-        with jdls.probe_linen():
+        with jdls.linen.probes():
             return loss_fn(params)
 
     variants = (

@@ -92,7 +92,7 @@ def train(name: str, args: argparse.Namespace, data: tuple, batches: np.ndarray)
     policy = jdls.get_policy(f"params=float32,compute={compute},output=float32")
     model = MLP(policy)
     x_train, x_test, y_train, y_test = (jnp.asarray(a) for a in data)
-    state = jdls.TrainState.create(
+    state = jdls.linen.TrainState.create(
         apply_fn=model.apply,
         params=model.init(jax.random.key(args.seed), x_train[:1])["params"],
         tx=jdls.wrap(optax.adam(optax.cosine_decay_schedule(1e-3, args.steps)), make_scale()),
@@ -104,7 +104,7 @@ def train(name: str, args: argparse.Namespace, data: tuple, batches: np.ndarray)
         return args.loss_weight * cross_entropy
 
     @jax.jit
-    def train_step(state: jdls.TrainState, idx: jax.Array) -> tuple:
+    def train_step(state: jdls.linen.TrainState, idx: jax.Array) -> tuple:
         _, grads = state.value_and_grad(loss_fn)(state.params, x_train[idx], y_train[idx])
         leaves = jax.tree.leaves(grads)
         zeros = sum(jnp.sum(g == 0) for g in leaves) / sum(g.size for g in leaves)

@@ -77,18 +77,18 @@ def make_data(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     return x, np.argmax(x @ directions, axis=1).astype(np.int32)
 
 
-def make_state(mode: str, seed: int, learning_rate: float) -> jdls.TrainState:
+def make_state(mode: str, seed: int, learning_rate: float) -> jdls.linen.TrainState:
     params = MODEL.init(jax.random.key(seed), jnp.zeros((1, 16)))["params"]
     axis_name = "data" if mode == "shard_map" else None
     tx = jdls.wrap(optax.adam(learning_rate), jdls.DynamicScale(), axis_name=axis_name)
-    return jdls.TrainState.create(apply_fn=MODEL.apply, params=params, tx=tx)
+    return jdls.linen.TrainState.create(apply_fn=MODEL.apply, params=params, tx=tx)
 
 
 def jit_step(mesh: jax.sharding.Mesh) -> Any:
     """The train step for ``jax.jit`` with shardings (global view)."""
     replicated = NamedSharding(mesh, P())
 
-    def step(state: jdls.TrainState, x: jax.Array, y: jax.Array) -> tuple:
+    def step(state: jdls.linen.TrainState, x: jax.Array, y: jax.Array) -> tuple:
         loss, grads = state.value_and_grad(loss_fn)(state.params, x, y)
         state = state.apply_gradients(grads=grads)  # skips if not finite, adjusts the scale
         return state, loss
@@ -99,7 +99,7 @@ def jit_step(mesh: jax.sharding.Mesh) -> Any:
 def shard_map_step(mesh: jax.sharding.Mesh) -> Any:
     """The train step for ``shard_map`` (per-device view, explicit all-reduce)."""
 
-    def step(state: jdls.TrainState, x: jax.Array, y: jax.Array) -> tuple:
+    def step(state: jdls.linen.TrainState, x: jax.Array, y: jax.Array) -> tuple:
         loss, grads = state.value_and_grad(loss_fn)(state.params, x, y)  # this device's part
         grads = jax.lax.pmean(grads, "data")
         state = state.apply_gradients(grads=grads)  # wrap(axis_name="data"): one decision

@@ -12,7 +12,7 @@ The NNX pieces of jdls:
 * ``nnx.Optimizer(model, jdls.wrap(optax.adamw(...)), wrt=nnx.Param)``: ``optimizer.update``
   skips a step whose gradients are not finite and adjusts the loss scale;
 * ``jdls.get_scale(optimizer)`` finds the scale in the optimizer state;
-* ``jdls.nnx_value_and_grad(loss_fn, scale)`` is ``nnx.value_and_grad`` with the loss scaled
+* ``jdls.nnx.value_and_grad(loss_fn, scale)`` is ``nnx.value_and_grad`` with the loss scaled
   and the gradients unscaled: it differentiates only the ``nnx.Param`` variables, so the
   dropout RNG state of the model is no obstacle;
 * ``jdls.get_scale`` and ``jdls.stats`` of ``nnx.as_pure(optimizer.opt_state)`` read the scale
@@ -105,7 +105,7 @@ def loss_fn(model: CharTransformer, batch: jax.Array) -> jax.Array:
 @nnx.jit
 def train_step(model: CharTransformer, optimizer: nnx.Optimizer, batch: jax.Array) -> tuple:
     scale = jdls.get_scale(optimizer)
-    loss, grads = jdls.nnx_value_and_grad(loss_fn, scale)(model, batch)
+    loss, grads = jdls.nnx.value_and_grad(loss_fn, scale)(model, batch)
     optimizer.update(model, grads)  # skipped if a gradient is inf/NaN; adjusts the scale
     opt_state = nnx.as_pure(optimizer.opt_state)
     return loss, jdls.get_scale(opt_state).loss_scale, jdls.stats(opt_state).skipped_steps

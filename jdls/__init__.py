@@ -1,29 +1,24 @@
 """jdls: dynamic loss scaling for mixed-precision training in JAX and optax."""
 
-from jdls import presets, rules
+from jdls import linen, nnx, presets, rules
 from jdls._accumulate import AccumulateInfo, accumulate
 from jdls._checks import all_finite
 from jdls._clip import clip
 from jdls._finfo import FormatInfo
-from jdls._flax import TrainState, from_flax_train_state, nnx_value_and_grad, set_nnx_scale
 from jdls._formats import FloatFormat, cbfloat16, compress, decompress, finfo
 from jdls._groups import GroupState, group_stats, wrap_groups
 from jdls._layer_scales import (
     adjust_layer_scales,
-    layer_boundaries_linen,
     layer_boundary,
     layer_scaled_value_and_grad,
     rescale_boundary,
 )
-from jdls._layer_scales_nnx import layer_boundaries_nnx, nnx_layer_scaled_value_and_grad
 from jdls._multi_loss import multi_loss_value_and_grad
 from jdls._policy import Policy, get_policy
 from jdls._probe import (
     Telemetry,
     plot_headroom,
     probe,
-    probe_linen,
-    probe_nnx,
     probed_value_and_grad,
 )
 from jdls._retry import SkipCause
@@ -57,7 +52,6 @@ __all__ = [
     "StaticScale",
     "Stats",
     "Telemetry",
-    "TrainState",
     "WrapState",
     "accumulate",
     "adjust_layer_scales",
@@ -67,28 +61,22 @@ __all__ = [
     "compress",
     "decompress",
     "finfo",
-    "from_flax_train_state",
     "get_policy",
     "get_scale",
     "group_stats",
     "keep_if_skipped",
-    "layer_boundaries_linen",
-    "layer_boundaries_nnx",
     "layer_boundary",
     "layer_scaled_value_and_grad",
+    "linen",
     "multi_loss_value_and_grad",
-    "nnx_layer_scaled_value_and_grad",
-    "nnx_value_and_grad",
+    "nnx",
     "nonfinite_paths",
     "plot_headroom",
     "presets",
     "probe",
-    "probe_linen",
-    "probe_nnx",
     "probed_value_and_grad",
     "rescale_boundary",
     "rules",
-    "set_nnx_scale",
     "set_scale",
     "stats",
     "wrap",

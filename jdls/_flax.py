@@ -6,7 +6,7 @@
   ``apply_gradients`` checks the gradients, skips the update on inf/NaN and adjusts the scale.
   :class:`TrainState` adds only reading the scale and a ``value_and_grad`` that uses it.
 * NNX: ``nnx.Optimizer(model, jdls.wrap(optax.adam(...)), wrt=nnx.Param)``, with
-  :func:`nnx_value_and_grad` (the scaled ``nnx.value_and_grad``) and :func:`set_nnx_scale`
+  :func:`jdls.nnx.value_and_grad` (the scaled ``nnx.value_and_grad``) and :func:`jdls.nnx.set_scale`
   (replace the scale, its rule included).
 
 It is also the one module that imports flax: it registers the loss scales with
@@ -55,7 +55,7 @@ class TrainState(train_state.TrainState):
       >>> import flax.linen as nn
       >>> model = nn.Dense(1)
       >>> x, y = jnp.ones((4, 3)), jnp.ones((4, 1))
-      >>> state = jdls.TrainState.create(
+      >>> state = jdls.linen.TrainState.create(
       ...     apply_fn=model.apply,
       ...     params=model.init(jax.random.key(0), x)["params"],
       ...     tx=jdls.wrap(optax.sgd(0.1), jdls.DynamicScale(1024.0)),
@@ -76,7 +76,7 @@ class TrainState(train_state.TrainState):
         if clash:
             raise TypeError(
                 f"{cls.__name__} declares the field(s) {clash}, which would hide the property "
-                f"of jdls.TrainState of that name (the loss scale, read from opt_state). Rename "
+                f"of jdls.linen.TrainState of that name (the loss scale, read from opt_state). Rename "
                 "the field; a Flax-style dynamic_scale field is fine but not needed: the scale "
                 "lives in opt_state (see docs/migration/flax.md)"
             )
@@ -134,7 +134,7 @@ class TrainState(train_state.TrainState):
 
         Example:
           >>> import jax.numpy as jnp, optax, jdls
-          >>> state = jdls.TrainState.create(apply_fn=None, params={"w": jnp.ones(2)},
+          >>> state = jdls.linen.TrainState.create(apply_fn=None, params={"w": jnp.ones(2)},
           ...                                tx=jdls.wrap(optax.sgd(0.1)))
           >>> loss, grads = state.value_and_grad(lambda p: jnp.sum(p["w"] ** 2))(state.params)
           >>> float(loss), grads["w"].tolist()
@@ -171,7 +171,7 @@ def from_flax_train_state(
         ``minimum_scale``; default Flax's defaults). Read from the object otherwise.
 
     Returns:
-      A :class:`jdls.TrainState` with the old step, parameters, optimizer state and scale.
+      A :class:`jdls.linen.TrainState` with the old step, parameters, optimizer state and scale.
 
     Raises:
       ValueError: ``tx`` is not a wrap at the root, or the old optimizer state does not match
@@ -186,7 +186,7 @@ def from_flax_train_state(
       >>> tx = optax.sgd(0.1, momentum=0.9)
       >>> old = FlaxState.create(apply_fn=None, params={"w": jnp.ones(2)}, tx=tx,
       ...                        dynamic_scale=dynamic_scale.DynamicScale(scale=1024.0))
-      >>> new = jdls.from_flax_train_state(old, jdls.wrap(tx))
+      >>> new = jdls.linen.from_train_state(old, jdls.wrap(tx))
       >>> float(new.loss_scale), new.scale.rule == jdls.presets.flax().rule
       (1024.0, True)
     """
@@ -196,7 +196,7 @@ def from_flax_train_state(
     expected = {"step", "params", "opt_state"}
     if not expected <= set(state_dict):
         raise ValueError(
-            f"from_flax_train_state expects a Flax TrainState or its state dict, with keys "
+            f"jdls.linen.from_train_state expects a Flax TrainState or its state dict, with keys "
             f"{sorted(expected)} (and dynamic_scale); got {sorted(state_dict)}"
         )
     params = state_dict["params"] if isinstance(old, dict) else old.params
@@ -206,7 +206,7 @@ def from_flax_train_state(
     wrap_state = new.opt_state
     if not isinstance(wrap_state, WrapState):
         raise ValueError(
-            "from_flax_train_state needs tx = jdls.wrap(inner) with inner the old optimizer, "
+            "jdls.linen.from_train_state needs tx = jdls.wrap(inner) with inner the old optimizer, "
             f"got a transformation whose state is a {type(wrap_state).__name__}; wrap the whole "
             "old optimizer once"
         )
@@ -286,7 +286,7 @@ def nnx_value_and_grad(
       >>> optimizer = nnx.Optimizer(model, jdls.wrap(optax.sgd(0.1)), wrt=nnx.Param)
       >>> loss_fn = lambda m: jnp.mean(m(jnp.ones((4, 2)).astype(jnp.float16)) ** 2)
       >>> scale = jdls.get_scale(optimizer)
-      >>> loss, grads = jdls.nnx_value_and_grad(loss_fn, scale)(model)
+      >>> loss, grads = jdls.nnx.value_and_grad(loss_fn, scale)(model)
       >>> _ = optimizer.update(model, grads)
       >>> grads["kernel"].dtype, int(jdls.stats(optimizer).skipped_steps)
       (dtype('float32'), 0)
@@ -330,7 +330,7 @@ def set_nnx_scale(optimizer: Any, scale: LossScale) -> None:
       >>> from flax import nnx
       >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
       >>> optimizer = nnx.Optimizer(model, jdls.wrap(optax.sgd(0.1)), wrt=nnx.Param)
-      >>> jdls.set_nnx_scale(optimizer, jdls.presets.pytorch(init_scale=8.0))
+      >>> jdls.nnx.set_scale(optimizer, jdls.presets.pytorch(init_scale=8.0))
       >>> scale = jdls.get_scale(optimizer)
       >>> float(scale.loss_scale), scale.rule.min_loss_scale
       (8.0, None)

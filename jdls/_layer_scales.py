@@ -138,7 +138,7 @@ def layer_boundaries_linen() -> Iterator[None]:
       >>> model = nn.Sequential([nn.Dense(4), nn.tanh, nn.Dense(1)])
       >>> params = model.init(jax.random.key(0), jnp.ones((1, 3)))["params"]
       >>> def loss(p, x):
-      ...     with jdls.layer_boundaries_linen():
+      ...     with jdls.linen.layer_boundaries():
       ...         return jnp.sum(model.apply({"params": p}, x))
       >>> scales = {"layers_0": jdls.StaticScale(2.0**12), "layers_2": jdls.StaticScale(2.0)}
       >>> _, grads, _ = jdls.layer_scaled_value_and_grad(loss, scales)(params, jnp.ones((2, 3)))
@@ -301,7 +301,7 @@ def adjust_layer_scales(scales: Mapping[str, LossScale], grads: Any) -> dict[str
     Args:
       scales: the per-layer scales (``jdls.AdaptiveScale()`` per layer, say).
       grads: the unscaled gradients of :func:`layer_scaled_value_and_grad` (a dict by layer)
-        or of :func:`jdls.nnx_layer_scaled_value_and_grad` (an ``nnx.State``, whose paths
+        or of :func:`jdls.nnx.layer_scaled_value_and_grad` (an ``nnx.State``, whose paths
         under ``layers/0`` belong to the layer ``"layers/0"``).
 
     Returns:

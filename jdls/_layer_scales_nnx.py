@@ -5,7 +5,7 @@ A *layer* is a direct child module of the model holding an ``nnx.Param``: for
 ``nnx.Sequential`` its ``layers/0``, ``layers/1``, ...; for a custom module its attribute
 submodules, also inside ``nnx.List`` / ``nnx.Dict`` or a list. Its name is its path joined by
 ``/``, as the paths of ``nnx.state(model)`` print. The boundaries come from the class swap of
-``_nnx_hooks`` (shared with ``jdls.probe_nnx``); the differentiation is
+``_nnx_hooks`` (shared with ``jdls.nnx.probes``); the differentiation is
 ``jdls.layer_scaled_value_and_grad`` over the parameters split by layer and merged back.
 """
 
@@ -56,15 +56,15 @@ def layer_boundaries_nnx(model: Any) -> Iterator[None]:
 
     The children must form a chain (each one's output is the next one's input); a residual
     block is one child. The classes of the children are swapped while the context is open
-    and restored on exit, as :func:`jdls.probe_nnx` does (the two nest).
-    :func:`jdls.nnx_layer_scaled_value_and_grad` opens it for you.
+    and restored on exit, as :func:`jdls.nnx.probes` does (the two nest).
+    :func:`jdls.nnx.layer_scaled_value_and_grad` opens it for you.
 
     Example:
       >>> import jax.numpy as jnp, jdls
       >>> from flax import nnx
       >>> model = nnx.Sequential(nnx.Linear(3, 4, rngs=nnx.Rngs(0)), nnx.tanh,
       ...                        nnx.Linear(4, 1, rngs=nnx.Rngs(1)))
-      >>> with jdls.layer_boundaries_nnx(model):  # outside a per-layer differentiation
+      >>> with jdls.nnx.layer_boundaries(model):  # outside a per-layer differentiation
       ...     y = model(jnp.ones((2, 3)))             # the boundaries are the identity
       >>> y.shape, type(model.layers[0]) is nnx.Linear  # the class is restored
       ((2, 1), True)
@@ -88,7 +88,7 @@ def nnx_layer_scaled_value_and_grad(
 
     ``loss_fn(model, *args)`` is an ordinary NNX loss. The model's ``nnx.Param`` state is
     split by layer, merged back into a copy of the model inside the differentiation, and
-    ``loss_fn`` runs on the copy inside :func:`jdls.layer_boundaries_nnx`; updates of the
+    ``loss_fn`` runs on the copy inside :func:`jdls.nnx.layer_boundaries`; updates of the
     other variables (batch statistics, RNG counts) are written back to ``model``. The
     gradients are an ``nnx.State`` of the parameters, as ``nnx.grad`` returns: pass them to
     ``optimizer.update(model, grads)`` and to :func:`jdls.adjust_layer_scales`. Exact where
@@ -115,7 +115,7 @@ def nnx_layer_scaled_value_and_grad(
       ...                        nnx.Linear(4, 1, rngs=nnx.Rngs(1)))
       >>> scales = {"layers/0": jdls.StaticScale(2.0**12), "layers/2": jdls.StaticScale(2.0)}
       >>> loss_fn = lambda m, x: jnp.mean(m(x) ** 2)
-      >>> fn = jdls.nnx_layer_scaled_value_and_grad(loss_fn, scales)
+      >>> fn = jdls.nnx.layer_scaled_value_and_grad(loss_fn, scales)
       >>> value, grads, finite = fn(model, jnp.ones((2, 3)))
       >>> grads["layers"][0]["kernel"].shape, bool(finite["layers/0"])
       ((3, 4), True)

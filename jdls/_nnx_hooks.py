@@ -1,5 +1,5 @@
 """Hooks on the outputs of NNX modules without model edits: the class swap shared by
-``jdls.probe_nnx`` and ``jdls.layer_boundaries_nnx``.
+``jdls.nnx.probes`` and ``jdls.nnx.layer_boundaries``.
 
 While :func:`hook_outputs` is open, each given module's class is swapped for a cached
 subclass whose ``__call__`` passes the output through the hook that every open context (of

@@ -292,7 +292,7 @@ def probe_linen() -> Iterator[None]:
       >>> model = nn.Sequential([nn.Dense(4), nn.relu, nn.Dense(1)])
       >>> params = model.init(jax.random.key(0), jnp.ones((1, 3)))
       >>> def loss(p):
-      ...     with jdls.probe_linen():
+      ...     with jdls.linen.probes():
       ...         return jnp.sum(model.apply(p, jnp.ones((2, 3))))
       >>> _, _, t = jdls.probed_value_and_grad(loss, jdls.StaticScale(8.0))(params)
       >>> t.names
@@ -316,8 +316,8 @@ def probe_nnx(model: Any) -> Iterator[None]:
     model itself) is probed, named by its path (``"blocks/0/up"``).
 
     The modules' classes are swapped for probing subclasses while the context is open, and
-    restored on exit (as :func:`jdls.layer_boundaries_nnx` does; the two nest); use it inside
-    the loss function given to :func:`probed_value_and_grad` (or ``jdls.nnx_value_and_grad``'s
+    restored on exit (as :func:`jdls.nnx.layer_boundaries` does; the two nest); use it inside
+    the loss function given to :func:`probed_value_and_grad` (or ``jdls.nnx.value_and_grad``'s
     function), around the model call.
 
     Example:
@@ -325,7 +325,7 @@ def probe_nnx(model: Any) -> Iterator[None]:
       >>> from flax import nnx
       >>> model = nnx.Sequential(nnx.Linear(3, 4, rngs=nnx.Rngs(0)), nnx.Linear(4, 1, rngs=nnx.Rngs(1)))
       >>> def loss(x):
-      ...     with jdls.probe_nnx(model):
+      ...     with jdls.nnx.probes(model):
       ...         return jnp.sum(model(x))
       >>> _, _, t = jdls.probed_value_and_grad(loss, jdls.StaticScale(8.0))(jnp.ones((2, 3)))
       >>> t.names

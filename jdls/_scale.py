@@ -266,7 +266,7 @@ def missing_measurement(rule: Rule) -> str:
         f"the rule {name} sets the scale from the largest magnitude of the unscaled gradients, "
         f"and none was given: pass it, scale.adjust(finite, "
         "grad_amax=optax.tree_utils.tree_norm(grads, ord=jnp.inf)); or let jdls measure it: "
-        "jdls.wrap, jdls.wrap_groups and jdls.TrainState do, per layer "
+        "jdls.wrap, jdls.wrap_groups and jdls.linen.TrainState do, per layer "
         "jdls.adjust_layer_scales(scales, grads), per loss jdls.adjust_loss_scales. "
         "(scale.adjust(False) needs no measurement: an overflow backs off.)"
     )
@@ -288,7 +288,7 @@ def AdaptiveScale(
     every finite step the scale becomes the power of two that puts the largest scaled
     gradient a few bits (the adaptive margin) below the maximum of ``compute_dtype``, so it
     reaches the useful scale in a step or two from any start; an overflow backs off and
-    raises the margin. :func:`jdls.wrap` (and :class:`jdls.TrainState`, ``nnx.Optimizer``),
+    raises the margin. :func:`jdls.wrap` (and :class:`jdls.linen.TrainState`, ``nnx.Optimizer``),
     :func:`jdls.wrap_groups` and :func:`jdls.adjust_layer_scales` measure the gradients for
     it; adjusted by hand, it needs the measurement: ``scale.adjust(finite, grad_amax)``
     (``scale.adjust(True)`` alone is a ValueError).

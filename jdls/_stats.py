@@ -68,7 +68,7 @@ class Stats(NamedTuple):
         if name == "loss_scale":
             raise AttributeError(
                 "jdls.Stats has no loss_scale: the scale is jdls.get_scale(opt_state).loss_scale "
-                "(state.loss_scale on a jdls.TrainState)"
+                "(state.loss_scale on a jdls.linen.TrainState)"
             )
         raise AttributeError(f"jdls.Stats has no attribute {name!r}")
 

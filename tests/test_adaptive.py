@@ -283,7 +283,7 @@ def test_train_state_on_a_float16_model_reaches_the_scale_in_two_steps():
     def loss_fn(p):
         return 1e-9 * jnp.sum(model.apply({"params": p}, x).astype(jnp.float32) ** 2)
 
-    state = jdls.TrainState.create(
+    state = jdls.linen.TrainState.create(
         apply_fn=model.apply, params=params, tx=jdls.wrap(optax.adam(1e-3), jdls.AdaptiveScale())
     )
 

@@ -3,7 +3,7 @@
 Scale kinds: ``NoOpScale``, ``StaticScale``, ``DynamicScale`` with each rule of
 ``jdls.rules``, every scale preset of ``jdls.presets``, ``AdaptiveScale``. Paths: ``jdls.wrap``
 (jitted and eager), ``jdls.wrap`` with retries, ``jdls.wrap_groups``, ``jdls.accumulate``,
-``jdls.TrainState.apply_gradients``, an ``nnx.Optimizer`` (with ``set_nnx_scale`` and
+``jdls.linen.TrainState.apply_gradients``, an ``nnx.Optimizer`` (with ``set_nnx_scale`` and
 ``nnx_value_and_grad``), ``jdls.adjust_layer_scales``, per-loss scales adjusted by hand, and
 ``presets.cerebras_wrap``. After a few steps mixing finite and overflowing gradients, each
 path's scale must equal (value equality: same rule, bit-identical arrays) what ``jdls.wrap``
@@ -177,7 +177,7 @@ def test_wrap_groups(kind, jit):
 
 @kinds
 def test_train_state_apply_gradients(kind):
-    state = jdls.TrainState.create(
+    state = jdls.linen.TrainState.create(
         apply_fn=None, params=PARAMS, tx=jdls.wrap(optax.sgd(0.1), KINDS[kind]())
     )
     apply, got = jax.jit(lambda s, g: s.apply_gradients(grads=g)), []
@@ -304,11 +304,11 @@ def test_nnx_optimizer(kind, jit):
     """``set_nnx_scale``, then ``nnx_value_and_grad`` and ``optimizer.update`` each step."""
     model = _Model()
     optimizer = nnx.Optimizer(model, jdls.wrap(optax.sgd(0.1), jdls.DynamicScale()), wrt=nnx.Param)
-    jdls.set_nnx_scale(optimizer, KINDS[kind]())
+    jdls.nnx.set_scale(optimizer, KINDS[kind]())
 
     def train(model, optimizer, x):
         loss = lambda m: jnp.sum(m.a * x["a"]["w"]) + jnp.sum(m.b * x["b"]["w"])  # noqa: E731
-        _, grads = jdls.nnx_value_and_grad(loss, jdls.get_scale(optimizer))(model)
+        _, grads = jdls.nnx.value_and_grad(loss, jdls.get_scale(optimizer))(model)
         optimizer.update(model, grads)
         return grads
 

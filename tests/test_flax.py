@@ -1,4 +1,4 @@
-"""Flax integration: linen TrainState (plain and jdls.TrainState) and the NNX Optimizer."""
+"""Flax integration: linen TrainState (plain and jdls.linen.TrainState) and the NNX Optimizer."""
 
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def test_linen_trainstate_nonfinite_step_is_skipped_exactly(bad):
 
 
 def test_jdls_trainstate_properties_match_the_functions():
-    state, _ = make_linen(jdls.TrainState)
+    state, _ = make_linen(jdls.linen.TrainState)
     assert isinstance(state, train_state.TrainState)
     assert isinstance(state.scale, jdls.DynamicScale)
     assert float(state.loss_scale) == 1024.0
@@ -83,14 +83,14 @@ def test_jdls_trainstate_properties_match_the_functions():
     assert int(state.stats.skipped_steps) == 0
     grads = jax.grad(linen_loss(state))(state.params)
     state = state.apply_gradients(grads=grads)
-    assert isinstance(state, jdls.TrainState)  # replace keeps the class
+    assert isinstance(state, jdls.linen.TrainState)  # replace keeps the class
     assert float(state.loss_scale) == float(jdls.get_scale(state.opt_state).loss_scale)
     assert float(state.loss_scale) == 2048.0
     assert state.stats == jdls.stats(state.opt_state)
 
 
 def test_jdls_trainstate_value_and_grad_is_exact_in_float32():
-    state, _ = make_linen(jdls.TrainState)
+    state, _ = make_linen(jdls.linen.TrainState)
     loss_fn = linen_loss(state)
     loss, grads = jax.jit(lambda s: s.value_and_grad(loss_fn)(s.params))(state)
     ref_loss, ref_grads = jax.value_and_grad(loss_fn)(state.params)
@@ -99,7 +99,7 @@ def test_jdls_trainstate_value_and_grad_is_exact_in_float32():
 
 
 def test_jdls_trainstate_value_and_grad_has_aux_and_argnums():
-    state, _ = make_linen(jdls.TrainState)
+    state, _ = make_linen(jdls.linen.TrainState)
 
     def loss_fn(params, x):
         pred = state.apply_fn({"params": params}, x)
@@ -129,7 +129,7 @@ def test_jdls_trainstate_rescues_float16_underflow():
 
     unscaled = jax.grad(loss_fn)(params)["w"]
     assert unscaled.tolist() == [0.0, 0.0, 0.0]
-    state = jdls.TrainState.create(
+    state = jdls.linen.TrainState.create(
         apply_fn=None, params=params, tx=jdls.wrap(optax.sgd(1.0), jdls.DynamicScale(2.0**15))
     )
     _, grads = state.value_and_grad(loss_fn)(state.params)
@@ -138,11 +138,13 @@ def test_jdls_trainstate_rescues_float16_underflow():
 
 
 def test_jdls_trainstate_serialization_round_trip():
-    state, _ = make_linen(jdls.TrainState, scale=jdls.DynamicScale(64.0, growth_interval=1))
+    state, _ = make_linen(jdls.linen.TrainState, scale=jdls.DynamicScale(64.0, growth_interval=1))
     state = state.apply_gradients(grads=jax.grad(linen_loss(state))(state.params))
-    template, _ = make_linen(jdls.TrainState, scale=jdls.DynamicScale(64.0, growth_interval=1))
+    template, _ = make_linen(
+        jdls.linen.TrainState, scale=jdls.DynamicScale(64.0, growth_interval=1)
+    )
     restored = serialization.from_bytes(template, serialization.to_bytes(state))
-    assert isinstance(restored, jdls.TrainState)
+    assert isinstance(restored, jdls.linen.TrainState)
     assert float(restored.loss_scale) == 128.0
     assert restored.scale.rule == state.scale.rule
     assert_bitwise_equal(restored.params, state.params)
@@ -155,7 +157,7 @@ class BNDense(nn.Module):
         return nn.BatchNorm(use_running_average=False, momentum=0.5)(nn.Dense(2)(x))
 
 
-class BNTrainState(jdls.TrainState):
+class BNTrainState(jdls.linen.TrainState):
     batch_stats: Any
 
 
@@ -185,7 +187,7 @@ class PlainBNTrainState(train_state.TrainState):
 
 
 def bn_step_apply_gradients(state, x):
-    """``jdls.TrainState.apply_gradients(grads=..., batch_stats=...)`` keeps them on a skip."""
+    """``jdls.linen.TrainState.apply_gradients(grads=..., batch_stats=...)`` keeps them on a skip."""
     (_, new_bs), grads = state.value_and_grad(bn_loss(state, x), has_aux=True)(state.params)
     return state.apply_gradients(grads=grads, batch_stats=new_bs), new_bs
 
@@ -238,7 +240,9 @@ def test_batch_stats_are_kept_on_a_skipped_step(state_cls, step, jit):
 
 
 def test_trainstate_without_wrap_says_what_to_do():
-    state = jdls.TrainState.create(apply_fn=None, params={"w": jnp.ones(2)}, tx=optax.sgd(0.1))
+    state = jdls.linen.TrainState.create(
+        apply_fn=None, params={"w": jnp.ones(2)}, tx=optax.sgd(0.1)
+    )
     with pytest.raises(ValueError, match=r"jdls\.wrap"):
         _ = state.loss_scale
 
@@ -296,7 +300,7 @@ def test_nnx_optimizer_finite_step_is_the_inner_update(jit):
 
     def step(model, optimizer):
         scale = jdls.get_scale(optimizer)
-        loss, grads = jdls.nnx_value_and_grad(nnx_loss, scale)(model)
+        loss, grads = jdls.nnx.value_and_grad(nnx_loss, scale)(model)
         optimizer.update(model, grads)
         return loss, grads
 
@@ -316,7 +320,7 @@ def test_nnx_optimizer_finite_step_is_the_inner_update(jit):
 def test_nnx_value_and_grad_is_exact_in_float32():
     model, optimizer = make_nnx()
     scale = jdls.get_scale(optimizer)
-    loss, grads = jdls.nnx_value_and_grad(nnx_loss, scale)(model)
+    loss, grads = jdls.nnx.value_and_grad(nnx_loss, scale)(model)
     ref_loss, ref_grads = nnx.value_and_grad(nnx_loss)(model)
     assert float(loss) == float(ref_loss)
     assert_bitwise_equal(nnx.as_pure(grads), nnx.as_pure(ref_grads))
@@ -325,14 +329,14 @@ def test_nnx_value_and_grad_is_exact_in_float32():
 def test_nnx_optimizer_nonfinite_step_is_skipped_exactly():
     model, optimizer = make_nnx(inner=optax.adam(0.1))
     scale = jdls.get_scale(optimizer)
-    _, grads = jdls.nnx_value_and_grad(nnx_loss, scale)(model)
+    _, grads = jdls.nnx.value_and_grad(nnx_loss, scale)(model)
     optimizer.update(model, grads)  # one real step first
     params = params_of(model)
     opt_state = nnx.as_pure(optimizer.opt_state)
 
     bad_x = X.at[0, 0].set(jnp.inf)
     scale = jdls.get_scale(optimizer)
-    _, grads = jdls.nnx_value_and_grad(lambda m: nnx_loss(m, bad_x), scale)(model)
+    _, grads = jdls.nnx.value_and_grad(lambda m: nnx_loss(m, bad_x), scale)(model)
     assert not bool(jdls.all_finite(nnx.as_pure(grads)))
     optimizer.update(model, grads)
 
@@ -352,7 +356,7 @@ def test_nnx_stats_and_scale_are_snapshots():
     scale = jdls.get_scale(optimizer)
     assert not isinstance(scale.loss_scale, nnx.Variable)
     assert not isinstance(before.consecutive_skips, nnx.Variable)
-    _, grads = jdls.nnx_value_and_grad(nnx_loss, scale)(model)
+    _, grads = jdls.nnx.value_and_grad(nnx_loss, scale)(model)
     optimizer.update(model, grads)
     # Values taken before the update do not follow the optimizer's Variables.
     assert float(pure.loss_scale) == 1024.0
@@ -368,7 +372,7 @@ def test_nnx_value_and_grad_with_rngs_and_batch_stats():
     with pytest.raises(TypeError, match="grad requires real"):  # why the helper exists
         scale.value_and_grad(nnx_loss)(model)
     mean_before = np.asarray(model.norm.mean[...])
-    loss, grads = jdls.nnx_value_and_grad(nnx_loss, scale)(model)
+    loss, grads = jdls.nnx.value_and_grad(nnx_loss, scale)(model)
     assert np.isfinite(float(loss))
     assert not np.array_equal(np.asarray(model.norm.mean[...]), mean_before)  # BN updated
     assert set(nnx.to_pure_dict(grads)) == {"dense", "norm"}
@@ -387,7 +391,7 @@ def test_nnx_value_and_grad_has_aux_argnums_and_float16():
         pred = model(x)  # float16
         return 1e-8 * jnp.sum(pred.astype(jnp.float32)), pred
 
-    (loss, pred), (g_model, g_x) = jdls.nnx_value_and_grad(
+    (loss, pred), (g_model, g_x) = jdls.nnx.value_and_grad(
         loss_fn, scale, argnums=(0, 1), has_aux=True
     )(model, X)
     assert pred.dtype == jnp.float16
@@ -406,12 +410,12 @@ def test_nnx_value_and_grad_has_aux_argnums_and_float16():
 
 def test_nnx_value_and_grad_rejects_a_non_scale():
     with pytest.raises(TypeError, match="jdls loss scale"):
-        jdls.nnx_value_and_grad(nnx_loss, 1024.0)
+        jdls.nnx.value_and_grad(nnx_loss, 1024.0)
 
 
 def test_set_nnx_scale_replaces_value_and_rule_then_trains():
     model, optimizer = make_nnx()
-    jdls.set_nnx_scale(optimizer, jdls.presets.pytorch(init_scale=8.0, growth_interval=1))
+    jdls.nnx.set_scale(optimizer, jdls.presets.pytorch(init_scale=8.0, growth_interval=1))
     scale = jdls.get_scale(nnx.as_pure(optimizer.opt_state))
     assert float(scale.loss_scale) == 8.0
     assert scale.rule == jdls.presets.pytorch(growth_interval=1).rule
@@ -419,7 +423,7 @@ def test_set_nnx_scale_replaces_value_and_rule_then_trains():
     @nnx.jit
     def step(model, optimizer):
         scale = jdls.get_scale(optimizer)
-        _, grads = jdls.nnx_value_and_grad(nnx_loss, scale)(model)
+        _, grads = jdls.nnx.value_and_grad(nnx_loss, scale)(model)
         optimizer.update(model, grads)
 
     step(model, optimizer)
@@ -431,10 +435,10 @@ def test_set_nnx_scale_replaces_value_and_rule_then_trains():
 def test_set_nnx_scale_errors():
     _, optimizer = make_nnx()
     with pytest.raises(TypeError, match="jdls loss scale"):
-        jdls.set_nnx_scale(optimizer, 8.0)
+        jdls.nnx.set_scale(optimizer, 8.0)
     with pytest.raises(TypeError, match="nnx.Optimizer"):
-        jdls.set_nnx_scale({"w": 1}, jdls.DynamicScale())
+        jdls.nnx.set_scale({"w": 1}, jdls.DynamicScale())
     model = Net(nnx.Rngs(0))
     plain = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
     with pytest.raises(ValueError, match=r"jdls\.wrap"):
-        jdls.set_nnx_scale(plain, jdls.DynamicScale())
+        jdls.nnx.set_scale(plain, jdls.DynamicScale())

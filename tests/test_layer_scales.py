@@ -173,7 +173,7 @@ def test_linen_model_without_edits_equals_float32_gradients(jit: bool) -> None:
     params = model.init(jax.random.key(0), x)["params"]
 
     def loss(p: dict, x: jax.Array) -> jax.Array:
-        with jdls.layer_boundaries_linen():
+        with jdls.linen.layer_boundaries():
             return jnp.mean(model.apply({"params": p}, x) ** 2)
 
     scales = {

@@ -1,5 +1,5 @@
-"""Per-layer scales of NNX models without model edits: jdls.layer_boundaries_nnx and
-jdls.nnx_layer_scaled_value_and_grad."""
+"""Per-layer scales of NNX models without model edits: jdls.nnx.layer_boundaries and
+jdls.nnx.layer_scaled_value_and_grad."""
 
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def test_nnx_per_layer_grads_equal_float32_grads(jit: bool) -> None:
     graphdef, state = nnx.split(model)
 
     def ours(scales: dict, state: nnx.State, x: jax.Array) -> tuple:
-        fn = jdls.nnx_layer_scaled_value_and_grad(mse, scales)
+        fn = jdls.nnx.layer_scaled_value_and_grad(mse, scales)
         return fn(nnx.merge(graphdef, state), x)
 
     def reference(state: nnx.State, x: jax.Array) -> tuple:
@@ -132,7 +132,7 @@ def test_nnx_jit_model_argument_and_custom_module_with_lists() -> None:
 
     @nnx.jit
     def fn(model: nnx.Module, scales: dict, x: jax.Array) -> tuple:
-        return jdls.nnx_layer_scaled_value_and_grad(mse, scales)(model, x)
+        return jdls.nnx.layer_scaled_value_and_grad(mse, scales)(model, x)
 
     reference = nnx.jit(nnx.value_and_grad(mse))
     for _ in range(2):  # the second call sees the advanced RNG
@@ -185,11 +185,11 @@ def test_nnx_per_layer_scales_recover_the_deep_layers_flushed_gradients() -> Non
     expected = by_layer(nnx.grad(small)(model32, x))
     amax = {k: max(float(np.max(np.abs(a))) for a in v) for k, v in expected.items()}
     one = jdls.StaticScale(best_scale(max(amax.values())))
-    _, global_grads, _ = jdls.nnx_layer_scaled_value_and_grad(small, dict.fromkeys(names, one))(
+    _, global_grads, _ = jdls.nnx.layer_scaled_value_and_grad(small, dict.fromkeys(names, one))(
         model, x
     )
     own = {k: jdls.StaticScale(best_scale(a)) for k, a in amax.items()}
-    _, layer_grads, finite = jdls.nnx_layer_scaled_value_and_grad(small, own)(model, x)
+    _, layer_grads, finite = jdls.nnx.layer_scaled_value_and_grad(small, own)(model, x)
     assert all(bool(f) for f in finite.values())
     global_grads, layer_grads = by_layer(global_grads), by_layer(layer_grads)
     flushed_global = np.mean([flushed_fraction(global_grads[k], expected[k]) for k in names])
@@ -212,7 +212,7 @@ def test_nnx_train_step_with_optimizer_and_adjusted_scales() -> None:
 
     @nnx.jit
     def train_step(model: nnx.Module, optimizer: nnx.Optimizer, scales: dict, x: jax.Array):
-        value, grads, _ = jdls.nnx_layer_scaled_value_and_grad(mse, scales)(model, x)
+        value, grads, _ = jdls.nnx.layer_scaled_value_and_grad(mse, scales)(model, x)
         optimizer.update(model, grads)
         return value, jdls.adjust_layer_scales(scales, grads)
 
@@ -248,20 +248,20 @@ def test_nnx_errors_say_what_to_do() -> None:
             return self.dense(x) * self.gain
 
     x = jnp.ones((2, 3))
-    fn = jdls.nnx_layer_scaled_value_and_grad(mse, {"dense": jdls.NoOpScale()})
+    fn = jdls.nnx.layer_scaled_value_and_grad(mse, {"dense": jdls.NoOpScale()})
     with pytest.raises(ValueError, match=r"outside every child: \['gain'\]"):
         fn(Gained(nnx.Rngs(0)), x)
     model = tanh_mlp(depth=1)
     with pytest.raises(ValueError, match=r"without a scale \['layers/2'\], scales of no layer"):
-        jdls.nnx_layer_scaled_value_and_grad(mse, {"layers/0": jdls.NoOpScale()})(
+        jdls.nnx.layer_scaled_value_and_grad(mse, {"layers/0": jdls.NoOpScale()})(
             model, jnp.ones((2, 16))
         )
     with pytest.raises(ValueError, match=r"scales of no layer \['layers/1'\]"):
-        jdls.nnx_layer_scaled_value_and_grad(
+        jdls.nnx.layer_scaled_value_and_grad(
             mse, dict.fromkeys(["layers/0", "layers/1", "layers/2"], jdls.NoOpScale())
         )(model, jnp.ones((2, 16)))
     with pytest.raises(TypeError, match="dict of jdls loss scales"):
-        jdls.nnx_layer_scaled_value_and_grad(mse, [jdls.NoOpScale()])  # type: ignore[arg-type]
+        jdls.nnx.layer_scaled_value_and_grad(mse, [jdls.NoOpScale()])  # type: ignore[arg-type]
 
 
 def test_nnx_boundaries_and_probes_nest() -> None:
@@ -270,8 +270,8 @@ def test_nnx_boundaries_and_probes_nest() -> None:
     model = tanh_mlp(depth=1)
     x = jnp.ones((2, 16))
     for outer, inner in [
-        (jdls.layer_boundaries_nnx, jdls.probe_nnx),
-        (jdls.probe_nnx, jdls.layer_boundaries_nnx),
+        (jdls.nnx.layer_boundaries, jdls.nnx.probes),
+        (jdls.nnx.probes, jdls.nnx.layer_boundaries),
     ]:
 
         def loss(x: jax.Array, outer=outer, inner=inner) -> jax.Array:
@@ -284,9 +284,9 @@ def test_nnx_boundaries_and_probes_nest() -> None:
     scales = {"layers/0": jdls.StaticScale(2.0**30), "layers/2": jdls.StaticScale(1.0)}
 
     def probed(model: nnx.Module, x: jax.Array) -> jax.Array:
-        with jdls.probe_nnx(model):  # inside the boundaries' context
+        with jdls.nnx.probes(model):  # inside the boundaries' context
             return mse(model, x)
 
-    _, grads, _ = jdls.nnx_layer_scaled_value_and_grad(probed, scales)(model, x)
-    _, plain, _ = jdls.nnx_layer_scaled_value_and_grad(mse, scales)(model, x)
+    _, grads, _ = jdls.nnx.layer_scaled_value_and_grad(probed, scales)(model, x)
+    _, plain, _ = jdls.nnx.layer_scaled_value_and_grad(mse, scales)(model, x)
     assert_bitwise_equal(nnx.as_pure(grads), nnx.as_pure(plain))

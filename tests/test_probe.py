@@ -102,7 +102,7 @@ def test_every_linen_module_is_probed_without_editing_the_model(jit):
     params = model.init(jax.random.key(0), jnp.ones((1, 4)))
 
     def loss(p):
-        with jdls.probe_linen():
+        with jdls.linen.probes():
             return jnp.mean(model.apply(p, jnp.ones((3, 4))) ** 2)
 
     fn = maybe_jit(jdls.probed_value_and_grad(loss, jdls.StaticScale(1024.0)), jit)
@@ -128,7 +128,7 @@ def test_every_nnx_module_is_probed_and_restored():
     model = Model(nnx.Rngs(0))
 
     def loss(x):
-        with jdls.probe_nnx(model):
+        with jdls.nnx.probes(model):
             return jnp.sum(model(x))
 
     _, _, t = jdls.probed_value_and_grad(loss, jdls.StaticScale(8.0))(jnp.ones((2, 4)))

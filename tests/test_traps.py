@@ -61,10 +61,10 @@ def test_from_flax_train_state_keeps_momentum_and_scale(source):
     else:
         given = serialization.msgpack_restore(serialization.to_bytes(old))
     options = {"growth_interval": 3}
-    new = jdls.from_flax_train_state(
+    new = jdls.linen.from_train_state(
         given, jdls.wrap(tx), flax_scale_options=None if source == "object" else options
     )
-    assert isinstance(new, jdls.TrainState)
+    assert isinstance(new, jdls.linen.TrainState)
     assert_bitwise_equal(new.params, old.params)
     assert_bitwise_equal(new.opt_state.inner_state, old.opt_state)  # momentum, exactly
     assert int(new.step) == int(old.step) == 3
@@ -81,7 +81,7 @@ def test_from_flax_train_state_keeps_momentum_and_scale(source):
 
 def test_restoring_a_flax_checkpoint_into_a_jdls_state_is_loud():
     tx, old = _trained_flax_state()
-    target = jdls.TrainState.create(apply_fn=None, params=old.params, tx=jdls.wrap(tx))
+    target = jdls.linen.TrainState.create(apply_fn=None, params=old.params, tx=jdls.wrap(tx))
     with pytest.raises(ValueError, match="inner_state") as info:
         serialization.from_state_dict(
             target, {**serialization.to_state_dict(old), "dynamic_scale": None}
@@ -94,9 +94,9 @@ def test_restoring_a_flax_checkpoint_into_a_jdls_state_is_loud():
 def test_from_flax_train_state_names_a_mismatch():
     tx, old = _trained_flax_state()
     with pytest.raises(ValueError, match="does not match jdls.wrap"):
-        jdls.from_flax_train_state(old, jdls.wrap(optax.adam(1e-3)))
+        jdls.linen.from_train_state(old, jdls.wrap(optax.adam(1e-3)))
     with pytest.raises(ValueError, match="wrap the whole"):
-        jdls.from_flax_train_state(old, optax.chain(jdls.clip(1.0), jdls.wrap(tx)))
+        jdls.linen.from_train_state(old, optax.chain(jdls.clip(1.0), jdls.wrap(tx)))
 
 
 # --------------------------------------------------------------------------------------------
@@ -148,7 +148,7 @@ def test_init_and_finite_steps_under_debug_nans(debug_nans):
     assert float(jdls.stats(state).grad_norm) == 0.0  # 0 before the first step, not NaN
     _, state = jax.jit(tx.update)({"w": jnp.ones(3)}, state, params)
     assert float(jdls.stats(state).grad_norm) == pytest.approx(3**0.5)
-    s = jdls.TrainState.create(apply_fn=None, params=params, tx=tx)
+    s = jdls.linen.TrainState.create(apply_fn=None, params=params, tx=tx)
     assert int(s.stats.skipped_steps) == 0
 
 
@@ -189,7 +189,7 @@ def test_python_scalars_in_the_inner_state(skip_with):
 
 
 def test_train_state_subclass_fields():
-    class WithDynamicScale(jdls.TrainState):
+    class WithDynamicScale(jdls.linen.TrainState):
         dynamic_scale: Any = None
 
     tx = jdls.wrap(optax.sgd(0.1), jdls.DynamicScale(64.0))
@@ -200,7 +200,7 @@ def test_train_state_subclass_fields():
 
     for name in ("scale", "loss_scale", "stats"):
         with pytest.raises(TypeError, match=f"declares the field\\(s\\) \\['{name}'\\]"):
-            type("Bad", (jdls.TrainState,), {"__annotations__": {name: Any}, name: None})
+            type("Bad", (jdls.linen.TrainState,), {"__annotations__": {name: Any}, name: None})
 
 
 def test_value_and_grad_axis_name_points_to_wrap():
@@ -208,7 +208,7 @@ def test_value_and_grad_axis_name_points_to_wrap():
     with pytest.raises(TypeError, match=r"jdls.wrap\(inner, axis_name='batch'\)") as info:
         scale.value_and_grad(lambda w: jnp.sum(w), axis_name="batch")
     assert "docs/migration/flax.md" in str(info.value)
-    state = jdls.TrainState.create(
+    state = jdls.linen.TrainState.create(
         apply_fn=None, params={"w": jnp.ones(2)}, tx=jdls.wrap(optax.sgd(0.1))
     )
     with pytest.raises(TypeError, match="lax.pmean"):

@@ -1,0 +1,33 @@
+"""jdls for Flax linen: every linen entry point in one place.
+
+``jdls.wrap`` is an optax transformation, so a plain ``flax.training.train_state.TrainState``
+already works with it. This module adds what is specific to linen:
+
+* :class:`TrainState`: the Flax ``TrainState`` with the loss scale at hand;
+* :func:`from_train_state`: migrate a Flax-example ``TrainState`` that holds a
+  ``dynamic_scale`` field;
+* :func:`layer_boundaries`: a per-layer scale boundary after every submodule, for
+  :func:`jdls.layer_scaled_value_and_grad`;
+* :func:`probes`: a backward-pass probe after every submodule, for
+  :func:`jdls.probed_value_and_grad`.
+
+Example:
+  >>> import jax, jax.numpy as jnp, optax, jdls
+  >>> import flax.linen as nn
+  >>> model = nn.Dense(1)
+  >>> x = jnp.ones((4, 3))
+  >>> state = jdls.linen.TrainState.create(
+  ...     apply_fn=model.apply,
+  ...     params=model.init(jax.random.key(0), x)["params"],
+  ...     tx=jdls.wrap(optax.sgd(0.1), jdls.DynamicScale()),
+  ... )
+  >>> float(state.loss_scale)
+  32768.0
+"""
+
+from jdls._flax import TrainState
+from jdls._flax import from_flax_train_state as from_train_state
+from jdls._layer_scales import layer_boundaries_linen as layer_boundaries
+from jdls._probe import probe_linen as probes
+
+__all__ = ["TrainState", "from_train_state", "layer_boundaries", "probes"]

@@ -1,0 +1,38 @@
+"""jdls for Flax NNX: every NNX entry point in one place.
+
+``jdls.wrap`` is an optax transformation, so ``nnx.Optimizer(model, jdls.wrap(tx),
+wrt=nnx.Param)`` already checks the gradients, skips a non-finite step and adjusts the scale.
+This module adds what is specific to NNX:
+
+* :func:`value_and_grad`: ``nnx.value_and_grad`` with the loss scaled and the gradients
+  unscaled;
+* :func:`set_scale`: replace the loss scale of an ``nnx.Optimizer`` (its rule included);
+* :func:`layer_boundaries` and :func:`layer_scaled_value_and_grad`: per-layer scales;
+* :func:`probes`: a backward-pass probe after every submodule, for
+  :func:`jdls.probed_value_and_grad`.
+
+Example:
+  >>> import jax.numpy as jnp, optax, jdls
+  >>> from flax import nnx
+  >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+  >>> optimizer = nnx.Optimizer(model, jdls.wrap(optax.sgd(0.1)), wrt=nnx.Param)
+  >>> loss_fn = lambda m: jnp.mean(m(jnp.ones((4, 2))) ** 2)
+  >>> loss, grads = jdls.nnx.value_and_grad(loss_fn, jdls.get_scale(optimizer))(model)
+  >>> _ = optimizer.update(model, grads)
+  >>> int(jdls.stats(optimizer).skipped_steps)
+  0
+"""
+
+from jdls._flax import nnx_value_and_grad as value_and_grad
+from jdls._flax import set_nnx_scale as set_scale
+from jdls._layer_scales_nnx import layer_boundaries_nnx as layer_boundaries
+from jdls._layer_scales_nnx import nnx_layer_scaled_value_and_grad as layer_scaled_value_and_grad
+from jdls._probe import probe_nnx as probes
+
+__all__ = [
+    "layer_boundaries",
+    "layer_scaled_value_and_grad",
+    "probes",
+    "set_scale",
+    "value_and_grad",
+]
