@@ -1,0 +1,48 @@
+"""The public API: the core at the top level, every framework's entry points in one module."""
+
+from __future__ import annotations
+
+import re
+
+import jdls
+
+
+def test_framework_modules_hold_their_entry_points() -> None:
+    """Each framework module exports its entry points without a framework suffix."""
+    assert sorted(jdls.linen.__all__) == [
+        "TrainState",
+        "from_train_state",
+        "layer_boundaries",
+        "probes",
+    ]
+    assert sorted(jdls.nnx.__all__) == [
+        "layer_boundaries",
+        "layer_scaled_value_and_grad",
+        "probes",
+        "set_scale",
+        "value_and_grad",
+    ]
+    for module in (jdls.linen, jdls.nnx):
+        for name in module.__all__:
+            assert callable(getattr(module, name)), (module.__name__, name)
+
+
+def test_top_level_names_carry_no_framework_suffix() -> None:
+    """No top-level name is a linen/NNX variant: those live in jdls.linen and jdls.nnx."""
+    names = [n for n in jdls.__all__ if n not in ("linen", "nnx")]
+    suffixed = [n for n in names if re.search(r"(^|_)(linen|nnx|flax)(_|$)", n)]
+    assert suffixed == []
+    assert not hasattr(jdls, "TrainState")
+
+
+def test_no_two_public_names_are_the_same_object() -> None:
+    """One name for one thing, across the top level and the framework modules."""
+    seen: dict[int, str] = {}
+    for module in (jdls, jdls.linen, jdls.nnx):
+        for name in module.__all__:
+            obj = getattr(module, name)
+            if isinstance(obj, type(jdls)):
+                continue  # the submodules themselves
+            key = id(obj)
+            assert key not in seen, f"{module.__name__}.{name} is also {seen[key]}"
+            seen[key] = f"{module.__name__}.{name}"
