@@ -25,6 +25,7 @@ import numpy as np
 from jdls._context import ContextStack, current_trace, refuse_changed, refuse_nested
 from jdls._formats import FloatFormat, finfo
 from jdls._nnx_hooks import hook_outputs, module_name
+from jdls._norm import vary_like
 from jdls._scale import LossScale
 
 __all__ = [
@@ -94,13 +95,14 @@ def _probe_op(x: jax.Array, dummy: jax.Array, compute_dtype: Any) -> jax.Array:
     return x
 
 
-def _probe_fwd(x: jax.Array, dummy: jax.Array, compute_dtype: Any) -> tuple[jax.Array, None]:
-    del dummy
-    return x, None
+def _probe_fwd(x: jax.Array, dummy: jax.Array, compute_dtype: Any) -> tuple[jax.Array, jax.Array]:
+    return x, dummy
 
 
-def _probe_bwd(compute_dtype: Any, _: None, g: jax.Array) -> tuple[jax.Array, jax.Array]:
-    return g, _statistics(g, compute_dtype)
+def _probe_bwd(compute_dtype: Any, dummy: jax.Array, g: jax.Array) -> tuple[jax.Array, jax.Array]:
+    # Inside shard_map the dummy varies over every manual axis (each device measures its own
+    # cotangents); a cotangent that does not vary is marked as varying, never summed.
+    return g, vary_like(_statistics(g, compute_dtype), dummy)
 
 
 _probe_op.defvjp(_probe_fwd, _probe_bwd)
@@ -298,6 +300,9 @@ def probed_value_and_grad(
         jax.eval_shape(discover, *(args[n] for n in nums))
         names = tuple(found)
         dummies = {n: jnp.zeros((_FIELDS,), _F32) for n in names}
+        manual = tuple(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
+        if manual:  # inside shard_map: each device measures its own cotangents
+            dummies = {n: jax.lax.pcast(d, manual, to="varying") for n, d in dummies.items()}
         (_, (loss, aux)), (stats, *grads) = grad_fn(found, dummies, *args, **kwargs)
         grads = scale.unscale(grads[0] if isinstance(argnums, int) else tuple(grads))
         table = jnp.stack([stats[n] for n in names]) if names else jnp.zeros((0, _FIELDS), _F32)

@@ -255,3 +255,50 @@ def test_positional_python_arguments_pass_through_probed():
     assert float(value) == float(ref_value)
     _assert_tree_equal(grads, ref_grads)
     assert float(t.amax[0]) == 8.0  # the cotangent of h: 2 * the scale 4
+
+
+# ---- NNX: transformations call copies of the hooked modules ----------------------------------
+
+
+@pytest.mark.parametrize("transform", ["jit", "remat"])
+def test_nnx_transformations_inside_the_loss_are_refused(transform):
+    model = nnx.Sequential(nnx.Linear(3, 3, rngs=nnx.Rngs(0)), nnx.Linear(3, 1, rngs=nnx.Rngs(1)))
+    scales = {"layers/0": jdls.StaticScale(2.0**10), "layers/1": jdls.StaticScale(2.0**4)}
+    wrap = {"jit": nnx.jit, "remat": nnx.remat}[transform]
+
+    def loss_fn(m, x):
+        return jnp.sum(wrap(lambda m, x: m(x))(m, x))
+
+    with pytest.raises(ValueError, match="a copy of an NNX module"):
+        jdls.nnx_layer_scaled_value_and_grad(loss_fn, scales)(model, X)
+
+    def probed(x):
+        with jdls.probe_nnx(model):
+            return loss_fn(model, x)
+
+    with pytest.raises(ValueError, match="a copy of an NNX module"):
+        jdls.probed_value_and_grad(probed, jdls.StaticScale(4.0))(X)
+
+
+# ---- shard_map: each device measures its own cotangents ---------------------------------------
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_probes_under_shard_map_measure_each_device(check_vma):
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((2,), ("d",), devices=jax.devices()[:2])
+    x = jax.device_put(jnp.array([[1.0], [2.0]]), NamedSharding(mesh, P("d")))
+
+    def loss(w, x):
+        return jnp.sum(jdls.probe(x * w, "h") * x)  # the cotangent of h is x
+
+    def per_device(w, x):
+        _, _, t = jdls.probed_value_and_grad(loss, jdls.StaticScale(4.0))(w, x)
+        return t.amax[None]
+
+    run = jax.shard_map(
+        per_device, mesh=mesh, in_specs=(P(), P("d")), out_specs=P("d"), check_vma=check_vma
+    )
+    assert np.asarray(jax.jit(run)(jnp.float32(1.0), x)).tolist() == [[4.0], [8.0]]
