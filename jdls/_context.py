@@ -42,3 +42,43 @@ class ContextStack(Generic[T]):
             yield item
         finally:
             stack.pop()
+
+
+def current_trace() -> object:
+    """The JAX trace that the code running now records into (an evaluation trace outside
+    any transformation). A boundary or a probe compares it with the one its collector was
+    opened in: the same object, or the boundary sits in a nested transformation."""
+    from jax._src import core
+
+    return core.trace_ctx.trace
+
+
+_NESTED = (
+    "jax.jit / nn.jit / nnx.jit, jax.checkpoint / nn.remat, lax.scan / fori_loop / "
+    "while_loop / nn.scan, lax.cond / switch, jax.vmap / nn.vmap, shard_map, pmap"
+)
+
+
+def refuse_nested(what: str, owner: str, move: str) -> None:
+    """Raise the error for ``what`` (``"jdls.probe('h')"``) reached inside a nested JAX
+    transformation of the function given to ``owner``."""
+    raise ValueError(
+        f"{what} was traced inside a nested JAX transformation ({_NESTED}) within the "
+        f"function given to {owner}. JAX traces, caches and batches that inner function on "
+        "its own, so its result would not be right (it could reuse a trace made without "
+        f"the scales, or add up the statistics of every iteration). {move} Or transform the "
+        f"whole {owner}(...) call instead (jax.jit, jax.vmap, shard_map and pmap around it "
+        "are supported), or leave the inner transformation out."
+    )
+
+
+def refuse_changed(kind: str, owner: str, first: list[str], second: list[str]) -> None:
+    """Raise the error for a trace whose boundaries or probes differ from the first one's."""
+    raise ValueError(
+        f"{owner} traced the function twice (once to find the {kind}, once to "
+        f"differentiate) and reached different {kind}: {first} then {second}. Either the "
+        "function's Python code takes a different path from call to call, or JAX reused a "
+        f"trace it had cached (a jitted or checkpointed function traced before without the "
+        f"{kind}). Make the {kind} depend on nothing but the arguments, and place them "
+        "outside jitted or checkpointed inner functions."
+    )

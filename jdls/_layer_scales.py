@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jdls._checks import all_finite, is_float
-from jdls._context import ContextStack
+from jdls._context import ContextStack, current_trace, refuse_changed, refuse_nested
 from jdls._scale import DynamicScale, LossScale, check_scale
 
 __all__ = [
@@ -82,12 +82,14 @@ def rescale_boundary(x: Any, ratio: float | jax.Array) -> Any:
 
 
 class _Layers:
-    """The boundaries of one differentiation: names in forward order, and the ratios (None
-    while the names are being discovered)."""
+    """The boundaries of one differentiation: names in forward order, the ratios (None
+    while the names are being discovered), and the trace the differentiated function runs in
+    (a boundary reached in any other trace is refused)."""
 
     def __init__(self, ratios: dict[str, jax.Array] | None) -> None:
         self.ratios = ratios
         self.names: list[str] = []
+        self.trace = current_trace()
 
 
 _LAYERS: ContextStack[_Layers] = ContextStack()
@@ -113,6 +115,13 @@ def layer_boundary(x: Any, name: str) -> Any:
     layers = _LAYERS.current()
     if layers is None:
         return x
+    if current_trace() is not layers.trace:
+        refuse_nested(
+            f"jdls.layer_boundary({name!r})",
+            "jdls.layer_scaled_value_and_grad",
+            "Mark the layer outputs outside it (around the transformed call); a layer whose "
+            "parameters are used inside the transformation then ends at the call's output.",
+        )
     if name in layers.names:
         raise ValueError(
             f"layer_boundary({name!r}) was reached twice: mark each layer's output once, "
@@ -209,16 +218,26 @@ def layer_scaled_value_and_grad(
                 f"each with a scale; scales has {sorted(scales)}, got "
                 + (f"{sorted(params)}" if isinstance(params, Mapping) else type(params).__name__)
             )
-        with _LAYERS.push(_Layers(None)) as discovery:
-            jax.eval_shape(lambda p, *a: [fun(p, *a, **kwargs), None][1], params, *args)
-        names = discovery.names
+        names: list[str] = []
+
+        def discover(p: Any) -> None:
+            # The other arguments pass through as themselves (Python values stay Python
+            # values, as with jax.value_and_grad); only the parameters are abstract.
+            with _LAYERS.push(_Layers(None)) as discovery:
+                fun(p, *args, **kwargs)
+            names.extend(discovery.names)
+
+        jax.eval_shape(discover, params)
         missing = sorted(set(params) - set(names))
         unknown = sorted(set(names) - set(scales))
         if missing or unknown or not names:
             raise ValueError(
                 "every layer with parameters must mark its output with "
                 "jdls.layer_boundary(x, name), and every name needs a scale: "
-                f"layers without a boundary {missing}, boundaries without a scale {unknown}"
+                f"layers without a boundary {missing}, boundaries without a scale {unknown}. "
+                "A boundary inside a jitted or checkpointed function that JAX traced and cached "
+                "before (without the boundaries) is not reached: JAX reuses the cached trace; "
+                "mark the layer outputs outside such a function"
             )
         level = {n: scales[n].loss_scale for n in names}
         ratios = {a: level[a] / level[b] for a, b in itertools.pairwise(names)}
@@ -226,8 +245,12 @@ def layer_scaled_value_and_grad(
         last = scales[names[-1]]
 
         def scaled(p: Any) -> Any:
-            with _LAYERS.push(_Layers(ratios)):
+            with _LAYERS.push(_Layers(ratios)) as reached:
                 out = fun(p, *args, **kwargs)
+            if reached.names != names:
+                refuse_changed(
+                    "boundaries", "jdls.layer_scaled_value_and_grad", names, reached.names
+                )
             loss, aux = out if has_aux else (out, None)
             return last.scale(loss), (loss, aux)
 

@@ -39,6 +39,18 @@ def _has_call(cls: type) -> bool:
     return any("__call__" in vars(c) for c in cls.__mro__ if c is not object)
 
 
+def _refuse_copy(cls: type) -> None:
+    raise ValueError(
+        f"a copy of an NNX module ({cls.__name__}) that jdls.probe_nnx or "
+        "jdls.layer_boundaries_nnx hooks was called while the hooks were open. NNX "
+        "transformations (nnx.jit, nnx.remat, nnx.scan, nnx.vmap) and JAX transformations of a "
+        "split model call copies of the modules inside a nested trace of their own, where a "
+        "probe cannot measure and a boundary cannot rescale. Call the model outside such a "
+        "transformation (transform the whole jdls call instead: jax.jit, jax.vmap, shard_map "
+        "and pmap around it are supported)."
+    )
+
+
 @functools.cache
 def _hooked_class(cls: type) -> type:
     original = cls.__call__
@@ -46,10 +58,15 @@ def _hooked_class(cls: type) -> type:
     @functools.wraps(original)  # the signature NNX inspects (``rngs``) stays the original's
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
         out = original(self, *args, **kwargs)
-        for hooks in _HOOKS.all():
+        contexts = _HOOKS.all()
+        found = False
+        for hooks in contexts:
             hook = hooks.get(id(self))
             if hook is not None:
+                found = True
                 out = hook(out)
+        if contexts and not found:
+            _refuse_copy(cls)
         return out
 
     namespace = {"__call__": __call__, "__module__": cls.__module__, _ORIGINAL: cls}

@@ -22,9 +22,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jdls._context import ContextStack
+from jdls._context import ContextStack, current_trace, refuse_changed, refuse_nested
 from jdls._formats import FloatFormat, finfo
 from jdls._nnx_hooks import hook_outputs, module_name
+from jdls._norm import vary_like
 from jdls._scale import LossScale
 
 __all__ = [
@@ -41,13 +42,15 @@ _FIELDS = 4  # amax, flushed fraction, zero fraction, non-finite
 
 
 class _Collector:
-    """The probes of one differentiation: their names in forward order, and their dummies
-    (None while the names are being discovered)."""
+    """The probes of one differentiation: their names in forward order, their dummies (None
+    while the names are being discovered), and the trace the differentiated function runs in
+    (a probe reached in any other trace is refused)."""
 
     def __init__(self, compute_dtype: Any, dummies: dict[str, jax.Array] | None) -> None:
         self.compute_dtype = compute_dtype
         self.dummies = dummies
         self.names: list[str] = []
+        self.trace = current_trace()
 
     def key(self, name: str) -> str:
         key, k = name, 1
@@ -92,13 +95,14 @@ def _probe_op(x: jax.Array, dummy: jax.Array, compute_dtype: Any) -> jax.Array:
     return x
 
 
-def _probe_fwd(x: jax.Array, dummy: jax.Array, compute_dtype: Any) -> tuple[jax.Array, None]:
-    del dummy
-    return x, None
+def _probe_fwd(x: jax.Array, dummy: jax.Array, compute_dtype: Any) -> tuple[jax.Array, jax.Array]:
+    return x, dummy
 
 
-def _probe_bwd(compute_dtype: Any, _: None, g: jax.Array) -> tuple[jax.Array, jax.Array]:
-    return g, _statistics(g, compute_dtype)
+def _probe_bwd(compute_dtype: Any, dummy: jax.Array, g: jax.Array) -> tuple[jax.Array, jax.Array]:
+    # Inside shard_map the dummy varies over every manual axis (each device measures its own
+    # cotangents); a cotangent that does not vary is marked as varying, never summed.
+    return g, vary_like(_statistics(g, compute_dtype), dummy)
 
 
 _probe_op.defvjp(_probe_fwd, _probe_bwd)
@@ -131,6 +135,13 @@ def probe(x: Any, name: str) -> Any:
     collector = _COLLECTORS.current()
     if collector is None:
         return x
+    if current_trace() is not collector.trace:
+        refuse_nested(
+            f"jdls.probe({name!r})",
+            "jdls.probed_value_and_grad",
+            "Probe the value outside it (the transformed call's output), with "
+            "jdls.probe by hand where jdls.probe_linen / jdls.probe_nnx reach inside.",
+        )
     leaves, treedef = jax.tree_util.tree_flatten(x)
     out = []
     for i, leaf in enumerate(leaves):
@@ -256,20 +267,43 @@ def probed_value_and_grad(
     finfo(compute_dtype)  # a clear error for a bad format
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
 
-    def with_dummies(dummies: dict[str, jax.Array], *args: Any, **kwargs: Any) -> Any:
-        with _COLLECTORS.push(_Collector(compute_dtype, dummies)):
+    def with_dummies(
+        names: list[str], dummies: dict[str, jax.Array], *args: Any, **kwargs: Any
+    ) -> Any:
+        with _COLLECTORS.push(_Collector(compute_dtype, dummies)) as reached:
             out = fun(*args, **kwargs)
+        if reached.names != names:
+            refuse_changed("probes", "jdls.probed_value_and_grad", names, reached.names)
         loss, aux = out if has_aux else (out, None)
         return scale.scale(loss), (loss, aux)
 
-    grad_fn = jax.value_and_grad(with_dummies, argnums=(0, *(n + 1 for n in nums)), has_aux=True)
+    grad_fn = jax.value_and_grad(with_dummies, argnums=(1, *(n + 2 for n in nums)), has_aux=True)
 
     def value_and_grad_fn(*args: Any, **kwargs: Any) -> tuple[Any, Any, Telemetry]:
-        with _COLLECTORS.push(_Collector(compute_dtype, None)) as discovery:
-            jax.eval_shape(lambda *a: [fun(*a, **kwargs), None][1], *args)  # names only
-        names = tuple(discovery.names)
+        found: list[str] = []
+
+        def discover(*diff: Any) -> None:
+            # The names only. The arguments not differentiated pass through as themselves
+            # (Python values stay Python values, as with jax.value_and_grad).
+            full = list(args)
+            for n, d in zip(nums, diff, strict=True):
+                full[n] = d
+            with _COLLECTORS.push(_Collector(compute_dtype, None)) as discovery:
+                fun(*full, **kwargs)
+            found.extend(discovery.names)
+
+        if any(n >= len(args) or n < -len(args) for n in nums):
+            raise ValueError(
+                f"argnums {argnums} asks for an argument that the call does not have: it was "
+                f"given {len(args)} positional arguments"
+            )
+        jax.eval_shape(discover, *(args[n] for n in nums))
+        names = tuple(found)
         dummies = {n: jnp.zeros((_FIELDS,), _F32) for n in names}
-        (_, (loss, aux)), (stats, *grads) = grad_fn(dummies, *args, **kwargs)
+        manual = tuple(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
+        if manual:  # inside shard_map: each device measures its own cotangents
+            dummies = {n: jax.lax.pcast(d, manual, to="varying") for n, d in dummies.items()}
+        (_, (loss, aux)), (stats, *grads) = grad_fn(found, dummies, *args, **kwargs)
         grads = scale.unscale(grads[0] if isinstance(argnums, int) else tuple(grads))
         table = jnp.stack([stats[n] for n in names]) if names else jnp.zeros((0, _FIELDS), _F32)
         telemetry = Telemetry(names, *(table[:, i] for i in range(_FIELDS)))
