@@ -41,8 +41,8 @@ def _has_call(cls: type) -> bool:
 
 def _refuse_copy(cls: type) -> None:
     raise ValueError(
-        f"a copy of an NNX module ({cls.__name__}) that jdls.probe_nnx or "
-        "jdls.layer_boundaries_nnx hooks was called while the hooks were open. NNX "
+        f"a copy of an NNX module ({cls.__name__}) that jdls.nnx.probes or "
+        "jdls.nnx.layer_boundaries hooks was called while the hooks were open. NNX "
         "transformations (nnx.jit, nnx.remat, nnx.scan, nnx.vmap) and JAX transformations of a "
         "split model call copies of the modules inside a nested trace of their own, where a "
         "probe cannot measure and a boundary cannot rescale. Call the model outside such a "

@@ -140,7 +140,7 @@ def probe(x: Any, name: str) -> Any:
             f"jdls.probe({name!r})",
             "jdls.probed_value_and_grad",
             "Probe the value outside it (the transformed call's output), with "
-            "jdls.probe by hand where jdls.probe_linen / jdls.probe_nnx reach inside.",
+            "jdls.probe by hand where jdls.linen.probes / jdls.nnx.probes reach inside.",
         )
     leaves, treedef = jax.tree_util.tree_flatten(x)
     out = []

@@ -87,7 +87,7 @@ def test_a_jitted_linen_apply_is_refused():
     scales = {"layers_0": jdls.StaticScale(2.0**10), "layers_1": jdls.StaticScale(2.0**4)}
 
     def loss(p, x):
-        with jdls.layer_boundaries_linen():
+        with jdls.linen.layer_boundaries():
             return jnp.sum(apply({"params": p}, x))
 
     with pytest.raises(ValueError, match=f"layer_boundary\\('layers_0'\\).*{NESTED}"):
@@ -120,7 +120,7 @@ def test_probe_linen_around_a_jitted_apply_is_refused():
     apply = jax.jit(model.apply)
 
     def loss(p):
-        with jdls.probe_linen():
+        with jdls.linen.probes():
             return jnp.sum(apply(p, X))
 
     with pytest.raises(ValueError, match=f"jdls.probe\\('Dense_1'\\).*{NESTED}"):
@@ -183,7 +183,7 @@ def test_probe_linen_inside_nn_scan_is_refused():
     params = model.init(jax.random.key(0), X, None)
 
     def loss(p):
-        with jdls.probe_linen():
+        with jdls.linen.probes():
             return jnp.sum(model.apply(p, X, None)[0])
 
     with pytest.raises(ValueError, match=NESTED):
@@ -233,7 +233,7 @@ def test_positional_python_arguments_pass_through_nnx_layer_scaled():
         y = jnp.sum(y) if train else jnp.mean(y)
         return y * 2.0 if mode == "double" else y
 
-    fn = jdls.nnx_layer_scaled_value_and_grad(loss_fn, scales)
+    fn = jdls.nnx.layer_scaled_value_and_grad(loss_fn, scales)
     value, grads, _ = fn(model, X, True, "double", jnp.tanh)
     ref_value, ref_grads = nnx.value_and_grad(loss_fn)(model, X, True, "double", jnp.tanh)
     assert float(value) == float(ref_value)
@@ -270,10 +270,10 @@ def test_nnx_transformations_inside_the_loss_are_refused(transform):
         return jnp.sum(wrap(lambda m, x: m(x))(m, x))
 
     with pytest.raises(ValueError, match="a copy of an NNX module"):
-        jdls.nnx_layer_scaled_value_and_grad(loss_fn, scales)(model, X)
+        jdls.nnx.layer_scaled_value_and_grad(loss_fn, scales)(model, X)
 
     def probed(x):
-        with jdls.probe_nnx(model):
+        with jdls.nnx.probes(model):
             return loss_fn(model, x)
 
     with pytest.raises(ValueError, match="a copy of an NNX module"):

@@ -353,7 +353,7 @@ def _linen(cap, comp, dtype, leaves):
         scales = {n: jdls.StaticScale(s) for n, s in zip(names, LAYER_SCALES, strict=False)}
 
         def loss(p, x, *statics):
-            with jdls.layer_boundaries_linen():
+            with jdls.linen.layer_boundaries():
                 return plain(p, x, *statics)
 
         actual = jdls.layer_scaled_value_and_grad(loss, scales, has_aux=has_aux)
@@ -361,7 +361,7 @@ def _linen(cap, comp, dtype, leaves):
     else:
 
         def probed(p, x, *statics):
-            with jdls.probe_linen():
+            with jdls.linen.probes():
                 return plain(p, x, *statics)
 
         actual = _telemetry_table(
@@ -434,7 +434,7 @@ def _nnx(cap, comp, dtype, leaves):
 
     if cap == "nnx_layers":
         scales = {f"layers/{i}": jdls.StaticScale(s) for i, s in enumerate(LAYER_SCALES)}
-        fn = jdls.nnx_layer_scaled_value_and_grad(loss_fn, scales, has_aux=has_aux)
+        fn = jdls.nnx.layer_scaled_value_and_grad(loss_fn, scales, has_aux=has_aux)
 
         def actual(pr, x, *statics):
             value, grads, finite = fn(nnx.merge(graphdef, *pr), x, *statics)
@@ -452,7 +452,7 @@ def _nnx(cap, comp, dtype, leaves):
 
         def probed(p, r, x, *statics):
             m = nnx.merge(graphdef, p, r)
-            with jdls.probe_nnx(m):
+            with jdls.nnx.probes(m):
                 return loss_fn(m, x, *statics)
 
         probed_fn = _telemetry_table(
