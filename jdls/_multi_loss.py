@@ -223,6 +223,25 @@ def _add(a: Any, b: Any) -> Any:
     return a + b if is_float(a) else a
 
 
+def _dependence(
+    forward: Callable[..., Any], primals: list[Any], keys: list[Any], has_aux: bool
+) -> list[frozenset[int]]:
+    """Per leaf of ``primals`` (flattened), the losses (indices into ``keys``) depending on it."""
+    flat, in_tree = jax.tree_util.tree_flatten(primals)
+    order: list[int] = []
+
+    def traced(*leaves: Any) -> list[Any]:
+        out = forward(*jax.tree_util.tree_unflatten(in_tree, leaves))
+        losses = out[0] if has_aux else out
+        loss_keys, found = _loss_order(losses, keys)
+        order[:] = found
+        return [losses[k] for k in loss_keys]
+
+    closed = jax.make_jaxpr(traced)(*flat)
+    scope = _loss_sets.analyze(closed, [True] * len(flat), [frozenset({i}) for i in order])
+    return [_loss_sets.var_set(scope, v) for v in closed.jaxpr.invars]
+
+
 def _per_loss(
     forward: Callable[..., Any],
     primals: list[Any],
@@ -237,6 +256,7 @@ def _per_loss(
     else:
         (losses, vjp_fn), aux = jax.vjp(forward, *primals), None
     loss_keys, _ = _loss_order(losses, keys)
+    depends = _dependence(forward, primals, keys, has_aux)
     total: Any = None
     finite: list[jax.Array] = []
     amaxes: list[jax.Array] = []
@@ -248,10 +268,17 @@ def _per_loss(
                 for k in loss_keys
             ],
         )
-        grads = scale.unscale(vjp_fn(cotangent))
-        finite.append(all_finite(grads))
-        amaxes.append(_amax(grads))
-        grads = _weighted(grads, weight_list[i])
+        leaves, tree = jax.tree_util.tree_flatten(scale.unscale(vjp_fn(cotangent)))
+        # A leaf loss ``i`` does not depend on gets zeros, as jax.grad's symbolic zero: not the
+        # zero cotangent times another loss's values (0 * inf is NaN).
+        leaves = [
+            g if i in on or not is_float(g) else jnp.zeros_like(g)
+            for g, on in zip(leaves, depends, strict=True)
+        ]
+        own = [g for g, on in zip(leaves, depends, strict=True) if i in on]
+        finite.append(all_finite(own))
+        amaxes.append(_amax(own))
+        grads = _weighted(jax.tree_util.tree_unflatten(tree, leaves), weight_list[i])
         total = grads if total is None else jax.tree_util.tree_map(_add, total, grads)
     return losses, aux, total, finite, amaxes
 
