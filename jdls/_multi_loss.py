@@ -137,7 +137,8 @@ def multi_loss_value_and_grad(
       skipped as with ``"per_loss"``. Its ``grad_amax`` is the largest unscaled value computed
       at its scale: the gradients of its own parameters (before its weight), the cotangents
       leaving its own region (with several exits, their sum bounds it), and the combined
-      gradients of the shared regions whose smallest scale is its own.
+      gradients of the shared regions whose smallest scale is its own (of several losses
+      with that scale, the one whose cotangent entered largest: tied scales part).
 
     Example:
       >>> import jax.numpy as jnp, jdls
@@ -359,9 +360,10 @@ def _one_pass(
         nonfinite = bad[levels.index[s]] > 0
         if s in by_set:
             nonfinite = nonfinite | ~all_finite(by_set[s])
-            setters = levels.setters(s)
+            # measured by those it would blame: of tied scales, the largest cotangent's
+            culprits = levels.culprits(s, size)
             a = _amax(by_set[s])
-            measured = jnp.maximum(measured, jnp.where((setters > 0) & jnp.isfinite(a), a, 0.0))
+            measured = jnp.maximum(measured, jnp.where((culprits > 0) & jnp.isfinite(a), a, 0.0))
         blamed = blamed + nonfinite.astype(_F32) * levels.culprits(s, size)
     finite = [blamed[i] == 0 for i in range(len(keys))]
     # a non-finite measurement where the loss is flagged (as jdls.wrap measures an overflow)

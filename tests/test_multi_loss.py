@@ -714,3 +714,49 @@ def test_weights_with_integer_and_none_leaves(backward: str, jit: bool) -> None:
     assert grads["v"].tolist() == [2.0, 2.0]
     assert grads["n"].dtype == jax.dtypes.float0 and grads["none"] is None
     assert all(bool(f) for f in finite.values())
+
+
+@both_backwards
+@with_and_without_jit
+def test_adjust_loss_scales_gives_each_observing_rule_its_measurement(
+    backward: str, jit: bool
+) -> None:
+    """``with_amax=True``: each loss's largest unscaled gradient (before its weight); an
+    ``AdaptiveScale`` per loss moves to its own headroom, as ``jdls.wrap`` fed that loss's
+    gradients would; a dict, tuple or list of scales alike (a static scale stays)."""
+
+    def losses(p: dict) -> dict:
+        return {"big": jnp.sum(p["a"] ** 2), "small": 1e-6 * jnp.sum(p["b"] * p["a"])}
+
+    def step(scales: dict, p: dict) -> tuple:
+        fn = jdls.multi_loss_value_and_grad(
+            losses, scales, {"big": 1.0, "small": 4.0}, backward=backward, with_amax=True
+        )
+        _, _, finite, amax = fn(p)
+        return amax, jdls.adjust_loss_scales(scales, finite, amax)
+
+    scales = {"big": jdls.AdaptiveScale(), "small": jdls.AdaptiveScale()}
+    amax, new = maybe_jit(step, jit)(scales, {"a": jnp.ones(2), "b": jnp.full(2, 2.0)})
+    # per_loss: big's own gradients (2a), small's (1e-6 b, 1e-6 a). One pass, both scales 1:
+    # the shared parameter a's combined gradient is measured by the loss whose cotangent
+    # entered largest (big); small gets its own region's, where its cotangent leaves it
+    # (1e-6 b = 2e-6) and its parameter b (1e-6): the tied scales part.
+    big = 2.0 if backward == "per_loss" else float(jnp.float32(2.0) + jnp.float32(8e-6))
+    assert float(amax["big"]) == big
+    np.testing.assert_allclose(float(amax["small"]), 2e-6, rtol=1e-6)
+    assert float(new["big"].loss_scale) == 2.0**8  # float16 max 2**16, margin 6, amax 2
+    assert float(new["small"].loss_scale) == best_scale(2e-6, 6)
+    pair = jdls.adjust_loss_scales((jdls.DynamicScale(8.0), jdls.StaticScale(2.0)), [False, True])
+    assert [float(s.loss_scale) for s in pair] == [4.0, 2.0]
+
+
+def test_adjust_loss_scales_errors_say_what_to_pass() -> None:
+    scales = {"a": jdls.AdaptiveScale(), "b": jdls.DynamicScale()}
+    with pytest.raises(ValueError, match=r"scales\['a'\].*with_amax=True"):
+        jdls.adjust_loss_scales(scales, {"a": True, "b": True})
+    with pytest.raises(ValueError, match="finite must have the keys of scales"):
+        jdls.adjust_loss_scales(scales, {"a": True})
+    with pytest.raises(TypeError, match="StaticScale"):
+        jdls.adjust_loss_scales({"a": 2.0}, {"a": True})
+    with pytest.raises(TypeError, match="with_amax must be True or False"):
+        jdls.multi_loss_value_and_grad(lambda w: (w,), (jdls.NoOpScale(),), with_amax=1)
