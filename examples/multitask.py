@@ -11,11 +11,12 @@ subnormals: rounded to a few ulps or to zero, and the classifier learns about ha
 as in float32. ``jdls.multi_loss_value_and_grad`` gives each loss its own scale, in one
 backward pass: the classifier's head computes at its own scale and its accuracy is float32's.
 
-Four runs from the same initialisation and batches: float32, float16 with one global scale
+Five runs from the same initialisation and batches: float32, float16 with one global scale
 (``jdls.wrap(adam)`` with PyTorch's rule), float16 with per-loss scales (PyTorch's rule per
-loss), and float16 without scaling. Run::
+loss; then ``jdls.AdaptiveScale()`` per loss, given each loss's measurement by
+``jdls.adjust_loss_scales``), and float16 without scaling. Run::
 
-    python examples/multitask.py             # about 20 s on 2 CPU cores
+    python examples/multitask.py             # about 25 s on 2 CPU cores
     python examples/multitask.py --steps 500
 """
 
@@ -35,7 +36,13 @@ import optax
 import jdls
 
 AUX_WEIGHT = 1e-4
-RUNS = ("float32", "float16, one global scale", "float16, per-loss scales", "float16, no scaling")
+RUNS = (
+    "float32",
+    "float16, one global scale",
+    "float16, per-loss scales",
+    "float16, per-loss Adaptive",
+    "float16, no scaling",
+)
 
 
 class Autoencoder(nn.Module):
@@ -89,17 +96,19 @@ def train(run: str, steps: int, batch: int, seed: int) -> Result:
     def total(p: Any, x: jax.Array, y: jax.Array) -> jax.Array:
         return sum(losses(p, x, y).values())
 
-    per_loss = run == "float16, per-loss scales"
+    per_loss = run.startswith("float16, per-loss")
     # one global scale in the optimizer state; the per-loss scales live beside it
     scale = jdls.presets.pytorch() if run == "float16, one global scale" else jdls.NoOpScale()
     tx = jdls.wrap(optax.adam(optax.cosine_decay_schedule(1e-3, steps)), scale)
-    scales = {"reconstruction": jdls.presets.pytorch(), "classifier": jdls.presets.pytorch()}
+    per_loss_scale = jdls.AdaptiveScale if run.endswith("Adaptive") else jdls.presets.pytorch
+    scales = {"reconstruction": per_loss_scale(), "classifier": per_loss_scale()}
 
     @jax.jit
     def step(params: Any, opt: Any, scales: dict, x: jax.Array, y: jax.Array) -> tuple:
         if per_loss:
-            _, grads, finite = jdls.multi_loss_value_and_grad(losses, scales)(params, x, y)
-            scales = {k: s.adjust(finite[k]) for k, s in scales.items()}
+            fn = jdls.multi_loss_value_and_grad(losses, scales, with_amax=True)
+            _, grads, finite, amax = fn(params, x, y)
+            scales = jdls.adjust_loss_scales(scales, finite, amax)  # each by its own gradients
         else:
             _, grads = jdls.get_scale(opt).value_and_grad(total)(params, x, y)
         updates, opt = tx.update(grads, opt, params)

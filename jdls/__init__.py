@@ -13,7 +13,7 @@ from jdls._layer_scales import (
     layer_scaled_value_and_grad,
     rescale_boundary,
 )
-from jdls._multi_loss import multi_loss_value_and_grad
+from jdls._multi_loss import adjust_loss_scales, multi_loss_value_and_grad
 from jdls._policy import Policy, get_policy
 from jdls._probe import (
     Telemetry,
@@ -55,6 +55,7 @@ __all__ = [
     "WrapState",
     "accumulate",
     "adjust_layer_scales",
+    "adjust_loss_scales",
     "all_finite",
     "cbfloat16",
     "clip",

@@ -9,7 +9,11 @@ an edge of the jaxpr (a value used by an equation of a smaller set, an equation'
 fewer losses), :func:`jdls.rescale_boundary` converts the cotangent from the consumer's level to
 the producer's. Each boundary also measures, backward, whether the cotangent it converts is
 finite, and blames the losses that set the level of the region that made it: the finite flag
-of a loss then covers its own region even where it has no parameters of its own.
+of a loss then covers its own region even where it has no parameters of its own. A non-finite
+cotangent does not cross a boundary (zeros go on into the producer's region, and the boundary
+records that it reached that region): each region's overflows are its own, so an overflow in
+one loss's head does not blame the losses of the trunk it feeds, and the caller makes the
+gradients the cotangent would have reached NaN, so that the step is still skipped.
 
 The cotangent of a value of a one-loss set ``{i}`` is ``s_i`` times loss ``i``'s own gradient,
 without its weight; that of a value of a several-loss set ``S`` is ``min(s_j, j in S)`` times
@@ -171,36 +175,40 @@ def analyze(
     return scope
 
 
+Sinks = tuple[jax.Array, jax.Array, jax.Array, jax.Array]
+
+
 @jax.custom_vjp
-def _measured_rescale(
-    x: jax.Array,
-    ratio: jax.Array,
-    sinks: tuple[jax.Array, jax.Array],
-    marks: tuple[jax.Array, jax.Array],
-) -> jax.Array:
+def _measured_rescale(x: jax.Array, ratio: jax.Array, sinks: Sinks, marks: Sinks) -> jax.Array:
     del ratio, sinks, marks
     return x
 
 
 def _measured_fwd(
-    x: jax.Array,
-    ratio: jax.Array,
-    sinks: tuple[jax.Array, jax.Array],
-    marks: tuple[jax.Array, jax.Array],
+    x: jax.Array, ratio: jax.Array, sinks: Sinks, marks: Sinks
 ) -> tuple[jax.Array, Any]:
     return x, (ratio, marks, jax.tree_util.tree_map(jnp.zeros_like, sinks))
 
 
 def _measured_bwd(res: Any, g: jax.Array) -> tuple[Any, ...]:
-    ratio, (region, own), (bad_zeros, size_zeros) = res
+    ratio, (region, entered, own, inverse_level), zero_sinks = res
     dtype = jnp.promote_types(g.dtype, _F32)
     out = (g.astype(dtype) * ratio.astype(dtype)).astype(g.dtype)
+    # A non-finite value made in the consumer's region is blamed there; it does not enter the
+    # producer's region, whose own overflows stay its own (the caller poisons the gradients
+    # it reaches, so that a skipped step stays skipped).
+    out = jnp.where(jnp.isfinite(g), out, jnp.zeros_like(out))
     amax = jnp.max(jnp.abs(g)).astype(_F32) if g.size else jnp.zeros((), _F32)
     finite = jnp.isfinite(amax)  # the cotangent as the consumer's region made it
-    bad = vary_like((~finite).astype(_F32) * region, bad_zeros)  # per device under shard_map
-    size = vary_like(jnp.where(finite, amax * jnp.abs(ratio), 0.0) * own, size_zeros)
-    zeros = jax.tree_util.tree_map(jnp.zeros_like, (region, own))
-    return out, jnp.zeros_like(ratio), (bad, size), zeros
+    flags = (
+        (~finite).astype(_F32) * region,
+        (~finite).astype(_F32) * entered,
+        jnp.where(finite, amax * jnp.abs(ratio), 0.0) * own,
+        jnp.where(finite, amax * inverse_level, 0.0) * own,
+    )
+    sinks = tuple(vary_like(f, z) for f, z in zip(flags, zero_sinks, strict=True))
+    zeros = jax.tree_util.tree_map(jnp.zeros_like, (region, entered, own, inverse_level))
+    return out, jnp.zeros_like(ratio), sinks, zeros
 
 
 _measured_rescale.defvjp(_measured_fwd, _measured_bwd)
@@ -224,11 +232,14 @@ class Levels:
         self._setters: dict[LossSet, jax.Array] = {}
         #: The loss sets whose regions the boundaries report on, by position in ``sinks[0]``.
         self.index: dict[LossSet, int] = {}
-        #: Set by the caller before evaluating: float32 zeros, one per set of ``index`` and one
-        #: per loss. Backward, each boundary adds to the first whether the cotangent it
-        #: converted (made in its consumer's region) was non-finite, and, where that region is
-        #: one loss's own, to the second the largest magnitude it passed on (converted).
-        self.sinks: tuple[jax.Array, jax.Array] | None = None
+        #: Set by the caller before evaluating: float32 zeros, two of one per set of ``index``
+        #: and two of one per loss. Backward, each boundary adds to the first whether the
+        #: cotangent it converted (made in its consumer's region) was non-finite, to the second
+        #: the same at its producer's set (a non-finite value reached that region: it is
+        #: replaced by zeros there, the gradients it reaches are poisoned by the caller), and,
+        #: where the consumer's region is one loss's own, to the third the largest magnitude it
+        #: passed on (converted) and to the fourth that magnitude unscaled.
+        self.sinks: Sinks | None = None
 
     def level(self, s: LossSet) -> jax.Array:
         """``s_i`` for ``{i}``; the smallest scale of the set for several losses."""
@@ -281,10 +292,12 @@ class Levels:
         if self.sinks is None:
             raise RuntimeError("Levels.sinks must be set before evaluating")
         region = jnp.zeros(self.sinks[0].shape, _F32).at[self.index[consumer]].set(1.0)
-        own = jnp.zeros(self.sinks[1].shape, _F32)
+        entered = jnp.zeros(self.sinks[1].shape, _F32).at[self.index[producer]].set(1.0)
+        own = jnp.zeros(self.sinks[2].shape, _F32)
         if len(consumer) == 1:
             own = own.at[next(iter(consumer))].set(1.0)
-        return _measured_rescale(x, self.ratio(producer, consumer), self.sinks, (region, own))
+        marks = (region, entered, own, 1.0 / self.level(consumer))
+        return _measured_rescale(x, self.ratio(producer, consumer), self.sinks, marks)
 
     def culprits(self, s: LossSet, size: jax.Array) -> jax.Array:
         """Per loss (float32 0 or 1), whom a non-finite value in ``s``'s region blames: the

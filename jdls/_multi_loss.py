@@ -14,6 +14,7 @@ that loss's scale, for one backward pass per loss.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -22,9 +23,10 @@ import jax.numpy as jnp
 
 from jdls import _loss_sets
 from jdls._checks import all_finite, is_float
-from jdls._scale import LossScale, check_scale
+from jdls._norm import amax
+from jdls._scale import DynamicScale, LossScale, check_scale
 
-__all__ = ["multi_loss_value_and_grad"]
+__all__ = ["adjust_loss_scales", "multi_loss_value_and_grad"]
 
 _BACKWARDS = ("one", "per_loss")
 _F32 = jnp.float32
@@ -73,7 +75,8 @@ def multi_loss_value_and_grad(
     has_aux: bool = False,
     *,
     backward: str = "one",
-) -> Callable[..., tuple[Any, Any, Any]]:
+    with_amax: bool = False,
+) -> Callable[..., tuple[Any, ...]]:
     """Gradients of several losses, each scaled by its own scale, combined after unscaling.
 
     ``fun`` returns its losses as a dict, tuple or list shaped like ``scales`` (one scalar
@@ -110,17 +113,32 @@ def multi_loss_value_and_grad(
       argnums: positional argument(s) to differentiate, as in ``jax.value_and_grad``.
       has_aux: whether ``fun`` returns ``(losses, aux)``.
       backward: ``"one"`` or ``"per_loss"``, see above.
+      with_amax: also return, per loss, the largest magnitude of its unscaled gradients (the
+        measurement an observing rule such as :func:`jdls.AdaptiveScale` needs; give both to
+        :func:`jdls.adjust_loss_scales`).
 
     Returns:
       A function of ``fun``'s arguments returning ``(losses, grads, finite)`` (or
-      ``((losses, aux), grads, finite)``): the losses as ``fun`` computed them, the combined
-      unscaled gradients, and per loss a boolean scalar, whether that loss's gradients were
-      finite (adjust each scale with it: ``scales[i].adjust(finite[i])``; under
-      ``shard_map`` combine it over the devices first, ``jax.lax.pmin``, see
-      ``docs/per-layer.md``). With ``"one"``, loss ``i`` is non-finite when a region of the
-      backward pass running at its scale made a non-finite value: its own region (measured
-      where its cotangent leaves it), or a shared region whose smallest scale is its own (of
-      several losses with that scale, those whose cotangents entered it largest).
+      ``((losses, aux), grads, finite)``; with ``with_amax`` a fourth entry, ``grad_amax``):
+      the losses as ``fun`` computed them, the combined unscaled gradients, and per loss a
+      boolean scalar, whether that loss's gradients were finite (adjust the scales with it:
+      ``jdls.adjust_loss_scales(scales, finite, grad_amax)``; under ``shard_map`` combine it
+      over the devices first, ``jax.lax.pmin``, and ``grad_amax`` with ``jax.lax.pmax``, see
+      ``docs/per-layer.md``). With ``"per_loss"``, loss ``i``'s flag and ``grad_amax`` are
+      those of its own unscaled gradients (before its weight). With ``"one"``, loss ``i`` is
+      non-finite when a region of the backward pass running at its scale made a non-finite
+      value: its own region (measured where its cotangent leaves it), or a shared region whose
+      smallest scale is its own (of several losses with that scale, those whose cotangents
+      entered it largest). A non-finite cotangent leaving a region flags that region's losses
+      and is replaced by zeros where it enters the next region, so that the next region's own
+      overflows, and only they, flag its losses (an overflow in the small loss's head flags
+      the small loss only, as ``"per_loss"`` does); the gradients that cotangent reaches (the
+      parameters of every region it would have entered) come back NaN, so that the step is
+      skipped as with ``"per_loss"``. Its ``grad_amax`` is the largest unscaled value computed
+      at its scale: the gradients of its own parameters (before its weight), the cotangents
+      leaving its own region (with several exits, their sum bounds it), and the combined
+      gradients of the shared regions whose smallest scale is its own (of several losses
+      with that scale, the one whose cotangent entered largest: tied scales part).
 
     Example:
       >>> import jax.numpy as jnp, jdls
@@ -138,6 +156,8 @@ def multi_loss_value_and_grad(
       >>> bool(jnp.all(per_loss["a"] == grads["a"]))
       True
     """
+    if not isinstance(with_amax, bool):
+        raise TypeError(f"with_amax must be True or False, got {with_amax!r}")
     if backward not in _BACKWARDS:
         raise ValueError(
             f"backward must be 'one' (one backward pass, each loss's own region at its scale) "
@@ -163,7 +183,7 @@ def multi_loss_value_and_grad(
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
     run = _one_pass if backward == "one" else _per_loss
 
-    def value_and_grad_fn(*args: Any, **kwargs: Any) -> tuple[Any, Any, Any]:
+    def value_and_grad_fn(*args: Any, **kwargs: Any) -> tuple[Any, ...]:
         def forward(*diff: Any) -> Any:
             full = list(args)
             for n, value in zip(nums, diff, strict=True):
@@ -171,23 +191,56 @@ def multi_loss_value_and_grad(
             return fun(*full, **kwargs)
 
         primals = [args[n] for n in nums]
-        losses, aux, total, finite = run(forward, primals, keys, scale_list, weight_list, has_aux)
+        losses, aux, total, finite, measured = run(
+            forward, primals, keys, scale_list, weight_list, has_aux
+        )
         grads = total[0] if isinstance(argnums, int) else tuple(total)
         value = (losses, aux) if has_aux else losses
+        if with_amax:
+            return value, grads, _rebuild(scales, finite), _rebuild(scales, measured)
         return value, grads, _rebuild(scales, finite)
 
     return value_and_grad_fn
 
 
 def _weighted(grads: Any, weight: Any) -> Any:
+    """``grads`` times ``weight`` (in their dtype); an integer argument's ``float0`` gradient
+    stays as it is."""
     if weight is None:
         return grads
-    return jax.tree_util.tree_map(lambda g: g * jnp.asarray(weight, g.dtype), grads)
+    return jax.tree_util.tree_map(
+        lambda g: g * jnp.asarray(weight, g.dtype) if is_float(g) else g, grads
+    )
+
+
+def _amax(tree: Any) -> jax.Array:
+    """The largest magnitude over the float leaves of ``tree`` (float32; 0 for none; NaN or
+    inf when any element is), as :func:`jdls.wrap` measures it for an observing rule."""
+    return amax([x for x in jax.tree_util.tree_leaves(tree) if is_float(x)])
 
 
 def _add(a: Any, b: Any) -> Any:
     """``a + b``; an integer argument's ``float0`` gradient stays as it is."""
     return a + b if is_float(a) else a
+
+
+def _dependence(
+    forward: Callable[..., Any], primals: list[Any], keys: list[Any], has_aux: bool
+) -> list[frozenset[int]]:
+    """Per leaf of ``primals`` (flattened), the losses (indices into ``keys``) depending on it."""
+    flat, in_tree = jax.tree_util.tree_flatten(primals)
+    order: list[int] = []
+
+    def traced(*leaves: Any) -> list[Any]:
+        out = forward(*jax.tree_util.tree_unflatten(in_tree, leaves))
+        losses = out[0] if has_aux else out
+        loss_keys, found = _loss_order(losses, keys)
+        order[:] = found
+        return [losses[k] for k in loss_keys]
+
+    closed = jax.make_jaxpr(traced)(*flat)
+    scope = _loss_sets.analyze(closed, [True] * len(flat), [frozenset({i}) for i in order])
+    return [_loss_sets.var_set(scope, v) for v in closed.jaxpr.invars]
 
 
 def _per_loss(
@@ -197,15 +250,17 @@ def _per_loss(
     scale_list: list[LossScale],
     weight_list: list[Any],
     has_aux: bool,
-) -> tuple[Any, Any, list[Any], list[jax.Array]]:
+) -> tuple[Any, Any, list[Any], list[jax.Array], list[jax.Array]]:
     """One forward pass, one backward pass per loss, summed after unscaling."""
     if has_aux:
         losses, vjp_fn, aux = jax.vjp(forward, *primals, has_aux=True)
     else:
         (losses, vjp_fn), aux = jax.vjp(forward, *primals), None
     loss_keys, _ = _loss_order(losses, keys)
+    depends = _dependence(forward, primals, keys, has_aux)
     total: Any = None
-    finite = []
+    finite: list[jax.Array] = []
+    amaxes: list[jax.Array] = []
     for i, scale in enumerate(scale_list):
         cotangent = _rebuild(
             losses,
@@ -214,11 +269,19 @@ def _per_loss(
                 for k in loss_keys
             ],
         )
-        grads = scale.unscale(vjp_fn(cotangent))
-        finite.append(all_finite(grads))
-        grads = _weighted(grads, weight_list[i])
+        leaves, tree = jax.tree_util.tree_flatten(scale.unscale(vjp_fn(cotangent)))
+        # A leaf loss ``i`` does not depend on gets zeros, as jax.grad's symbolic zero: not the
+        # zero cotangent times another loss's values (0 * inf is NaN).
+        leaves = [
+            g if i in on or not is_float(g) else jnp.zeros_like(g)
+            for g, on in zip(leaves, depends, strict=True)
+        ]
+        own = [g for g, on in zip(leaves, depends, strict=True) if i in on]
+        finite.append(all_finite(own))
+        amaxes.append(_amax(own))
+        grads = _weighted(jax.tree_util.tree_unflatten(tree, leaves), weight_list[i])
         total = grads if total is None else jax.tree_util.tree_map(_add, total, grads)
-    return losses, aux, total, finite
+    return losses, aux, total, finite, amaxes
 
 
 def _one_pass(
@@ -228,7 +291,7 @@ def _one_pass(
     scale_list: list[LossScale],
     weight_list: list[Any],
     has_aux: bool,
-) -> tuple[Any, Any, list[Any], list[jax.Array]]:
+) -> tuple[Any, Any, list[Any], list[jax.Array], list[jax.Array]]:
     """One backward pass, each value's cotangent at the scale of the losses depending on it."""
     flat, in_tree = jax.tree_util.tree_flatten(primals)
     found: dict[str, Any] = {}
@@ -258,12 +321,12 @@ def _one_pass(
     levels.index = {s: k for k, s in enumerate(sets)}
 
     def interpreted(*args: Any) -> tuple[list[Any], list[Any]]:
-        *leaves, bad, size = args
-        levels.sinks = (bad, size)
+        *leaves, bad, entered, size, exits = args
+        levels.sinks = (bad, entered, size, exits)
         outs = _loss_sets.evaluate(scope, levels, closed.consts, leaves)
         return outs[:n], outs[n:]
 
-    sinks = [jnp.zeros((len(sets),), _F32), jnp.zeros((len(keys),), _F32)]
+    sinks = [jnp.zeros((len(sets),), _F32)] * 2 + [jnp.zeros((len(keys),), _F32)] * 2
     manual = tuple(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
     if manual:  # inside shard_map: each device blames its own overflows
         sinks = [jax.lax.pcast(x, manual, to="varying") for x in sinks]
@@ -273,10 +336,10 @@ def _one_pass(
         jnp.ones_like(v) * levels.seed(_loss_sets.var_set(scope, ov), i).astype(jnp.result_type(v))
         for v, ov, i in zip(loss_values, outvars[:n], order, strict=True)
     ]
-    *cotangents, bad, size = vjp_fn(seeds)
+    *cotangents, bad, entered, size, exits = vjp_fn(seeds)
 
     grads: list[Any] = []
-    finite_by_set: dict[frozenset[int], list[Any]] = {}
+    by_set: dict[frozenset[int], list[Any]] = {}
     for g, v in zip(cotangents, closed.jaxpr.invars, strict=True):
         s = _loss_sets.var_set(scope, v)
         if not s:
@@ -285,17 +348,39 @@ def _one_pass(
             )
             continue
         g = _unscale(g, levels.level(s))
-        finite_by_set.setdefault(s, []).append(g)
-        grads.append(_weighted(g, weight_list[next(iter(s))]) if len(s) == 1 else g)
+        by_set.setdefault(s, []).append(g)
+        grads.append((g, s))
     # A region is non-finite where a boundary out of it saw a non-finite cotangent, or where
-    # the gradients of its parameters are; each such region blames its culprits.
+    # the gradients of its parameters are; each such region blames its culprits. A non-finite
+    # cotangent does not enter the next region (it is replaced by zeros there), so that
+    # region's overflows are its own; the gradients it would have reached are poisoned below.
     blamed = jnp.zeros((len(keys),), _F32)
+    measured = exits  # per loss, the largest unscaled cotangent out of its own region
     for s in sets:
         nonfinite = bad[levels.index[s]] > 0
-        if s in finite_by_set:
-            nonfinite = nonfinite | ~all_finite(finite_by_set[s])
+        if s in by_set:
+            nonfinite = nonfinite | ~all_finite(by_set[s])
+            # measured by those it would blame: of tied scales, the largest cotangent's
+            culprits = levels.culprits(s, size)
+            a = _amax(by_set[s])
+            measured = jnp.maximum(measured, jnp.where((culprits > 0) & jnp.isfinite(a), a, 0.0))
         blamed = blamed + nonfinite.astype(_F32) * levels.culprits(s, size)
     finite = [blamed[i] == 0 for i in range(len(keys))]
+    # a non-finite measurement where the loss is flagged (as jdls.wrap measures an overflow)
+    measured = jnp.where(blamed > 0, jnp.inf, measured)
+    reached = {
+        s: functools.reduce(jnp.logical_or, [entered[levels.index[r]] > 0 for r in sets if r <= s])
+        for s in by_set
+    }
+    out: list[Any] = []
+    for g in grads:
+        if not isinstance(g, tuple):
+            out.append(g)
+            continue
+        g, s = g
+        g = jnp.where(reached[s], g + jnp.asarray(jnp.nan, g.dtype), g)
+        out.append(_weighted(g, weight_list[next(iter(s))]) if len(s) == 1 else g)
+    grads = out
 
     aux_iter = iter(traced_aux)
     aux_leaves = [
@@ -304,4 +389,80 @@ def _one_pass(
     ]
     aux = jax.tree_util.tree_unflatten(found["aux_tree"], aux_leaves)
     losses = _rebuild(found["losses"], list(loss_values))
-    return losses, aux if has_aux else None, jax.tree_util.tree_unflatten(in_tree, grads), finite
+    total = jax.tree_util.tree_unflatten(in_tree, grads)
+    return losses, aux if has_aux else None, total, finite, [measured[i] for i in range(len(keys))]
+
+
+def adjust_loss_scales(
+    scales: Mapping[Any, LossScale] | Sequence[LossScale],
+    finite: Mapping[Any, Any] | Sequence[Any],
+    grad_amax: Mapping[Any, Any] | Sequence[Any] | None = None,
+) -> Any:
+    """The next per-loss scales after a step: each loss's scale adjusted by its own flag.
+
+    Each scale moves as :func:`jdls.wrap` would move it fed that loss's gradients: backs off
+    where ``finite[k]`` is False, follows its rule where it is True. A rule that observes
+    (:func:`jdls.AdaptiveScale`, ``rule.observes``) gets ``grad_amax[k]``, the largest
+    magnitude of loss ``k``'s unscaled gradients: ask
+    :func:`jdls.multi_loss_value_and_grad` for it with ``with_amax=True``. No global skip:
+    a loss whose gradients were finite moves even when another's overflowed (skipping the
+    step is the optimizer's business: ``jdls.wrap`` with a ``jdls.NoOpScale()`` skips a step
+    whose combined gradients are not finite). Pure and traceable: jit it with the step.
+
+    Args:
+      scales: one jdls loss scale per loss (a dict, tuple or list).
+      finite: per loss, a boolean scalar (the third output of
+        :func:`jdls.multi_loss_value_and_grad`), in the container of ``scales``.
+      grad_amax: per loss, a float scalar (its fourth output with ``with_amax=True``); needed
+        when a scale's rule observes, ignored by the others.
+
+    Returns:
+      The new scales, in the container of ``scales``.
+
+    Raises:
+      ValueError: the keys differ, or a rule observes and ``grad_amax`` is None.
+
+    Example:
+      >>> import jax.numpy as jnp, jdls
+      >>> def losses(p):
+      ...     return {"big": jnp.sum(p["a"] ** 2), "small": 1e-6 * jnp.sum(p["b"])}
+      >>> scales = {"big": jdls.AdaptiveScale(), "small": jdls.AdaptiveScale()}
+      >>> fn = jdls.multi_loss_value_and_grad(losses, scales, with_amax=True)
+      >>> _, grads, finite, amax = fn({"a": jnp.ones(2), "b": jnp.ones(2)})
+      >>> scales = jdls.adjust_loss_scales(scales, finite, amax)
+      >>> float(scales["big"].loss_scale), float(scales["small"].loss_scale) == 2.0**29
+      (256.0, True)
+    """
+    keys, scale_list = _items(scales, "scales")
+    flags = _matching(finite, keys, "finite")
+    amaxes = None if grad_amax is None else _matching(grad_amax, keys, "grad_amax")
+    out = []
+    for i, (key, scale) in enumerate(zip(keys, scale_list, strict=True)):
+        check_scale(scale, f"scales[{key!r}]")
+        observes = isinstance(scale, DynamicScale) and scale.rule.observes
+        if not observes:
+            out.append(scale.adjust(flags[i]))
+        elif amaxes is None:
+            raise ValueError(
+                f"scales[{key!r}]'s rule {type(scale.rule).__name__} sets the scale from the "
+                "largest magnitude of that loss's unscaled gradients, and grad_amax was not "
+                "given: build the function with jdls.multi_loss_value_and_grad(..., "
+                "with_amax=True) and pass its fourth output, "
+                "jdls.adjust_loss_scales(scales, finite, grad_amax)"
+            )
+        else:
+            out.append(scale.adjust(flags[i], amaxes[i]))
+    return _rebuild(scales, out)
+
+
+def _matching(tree: Any, keys: list[Any], what: str) -> list[Any]:
+    """The values of ``tree`` in the order of ``keys`` (a dict by key, a sequence by position)."""
+    got, values = _items(tree, what)
+    if isinstance(tree, Mapping) and set(got) == set(keys):
+        return [tree[k] for k in keys]
+    if got != keys:
+        raise ValueError(
+            f"{what} must have the keys of scales, {keys}, got {got}: pass the outputs of "
+            "jdls.multi_loss_value_and_grad built with these scales"
+        )
+    return values

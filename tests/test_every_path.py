@@ -331,19 +331,39 @@ def test_cerebras_wrap_is_wrap_with_the_cerebras_scale():
     assert_same_scales(got, reference("preset-cerebras", STEPS))
 
 
-# --- Per-loss scales: EXTEND HERE. ------------------------------------------------------------
-# ``jdls.multi_loss_value_and_grad`` returns per-loss finite flags; a scale per loss is adjusted
-# by hand. A rule that observes needs each loss's measurement: the per-loss adjustment
-# (``jdls.adjust_loss_scales``) gives it; until then, adjusting it by hand is a clear error.
-# Add the per-loss adjustment to PER_LOSS_PATHS as ``(name, fn)`` with
-# ``fn(scales, losses, params, x) -> new_scales``: ``test_per_loss_adjustment`` walks it for
-# every kind against ``jdls.wrap`` fed each loss's own gradients (adapt ``reference_per_loss``
-# if the adjustment documents other semantics, e.g. a global skip as per layer).
-PER_LOSS_PATHS: list[tuple[str, Callable[..., dict[str, Any]]]] = []
-
-
+# --- Per-loss scales. ------------------------------------------------------------------------
+# ``jdls.multi_loss_value_and_grad`` returns per-loss finite flags (and, with ``with_amax``,
+# each loss's measurement); ``jdls.adjust_loss_scales`` adjusts a scale per loss with them.
+# Adjusting an observing rule by hand with the flag alone is a clear error. Each entry of
+# PER_LOSS_PATHS is ``(name, fn)`` with ``fn(scales, losses, params, x) -> new_scales``:
+# ``test_per_loss_adjustment`` walks it for every kind against ``jdls.wrap`` fed each loss's
+# own gradients (no global skip: each loss's scale follows its own gradients).
 def _losses(p, x):
     return {"a": jnp.sum(p["a"]["w"] * x["a"]["w"]), "b": jnp.sum(p["b"]["w"] * x["b"]["w"])}
+
+
+def _adjust_loss_scales(backward: str, jit: bool) -> Callable[..., dict[str, Any]]:
+    """``jdls.adjust_loss_scales`` fed ``multi_loss_value_and_grad(..., with_amax=True)``."""
+
+    def step(scales, losses, params, x):
+        fn = jdls.multi_loss_value_and_grad(losses, scales, backward=backward, with_amax=True)
+        _, _, finite, amax = fn(params, x)
+        return jdls.adjust_loss_scales(scales, finite, amax)
+
+    if not jit:
+        return step
+    jitted = jax.jit(step, static_argnums=1)
+    return lambda scales, losses, params, x: jitted(scales, losses, params, x)
+
+
+PER_LOSS_PATHS: list[tuple[str, Callable[..., dict[str, Any]]]] = [
+    (
+        f"adjust_loss_scales-{backward}-{'jit' if jit else 'eager'}",
+        _adjust_loss_scales(backward, jit),
+    )
+    for backward in ("one", "per_loss")
+    for jit in (True, False)
+]
 
 
 @kinds
@@ -386,11 +406,7 @@ def reference_per_loss(kind: str, losses: Any, x: Any) -> dict[str, list[Any]]:
 
 
 @kinds
-@pytest.mark.parametrize(
-    "path",
-    PER_LOSS_PATHS
-    or [pytest.param(None, marks=pytest.mark.skip(reason="no per-loss adjustment yet"))],
-)
+@pytest.mark.parametrize("path", PER_LOSS_PATHS, ids=[name for name, _ in PER_LOSS_PATHS])
 def test_per_loss_adjustment(kind, path):
     _, adjust = path
     scales = {"a": KINDS[kind](), "b": KINDS[kind]()}
@@ -437,8 +453,6 @@ def test_the_error_names_only_functions_that_exist():
         jdls.AdaptiveScale().adjust(True)
     message = str(info.value)
     for name in re.findall(r"jdls\.(\w+)", message):
-        if name == "adjust_loss_scales" and not hasattr(jdls, name):
-            pytest.xfail("jdls.adjust_loss_scales is added by the per-loss work")
         assert hasattr(jdls, name), name
 
 

@@ -452,18 +452,19 @@ def test_per_loss_finiteness_adjusts_each_scale(backward: str) -> None:
 @both_backwards
 def test_a_shared_parameters_overflow_flags_per_mode(backward: str) -> None:
     """One parameter, used by both losses, whose gradient overflows only in the first loss's
-    backward: one pass per loss flags that loss only; the one pass sums both losses'
-    cotangents into the parameter's gradient and flags both."""
+    backward (in its float16 region, before the cast back to the shared float32 parameter):
+    both modes flag that loss only (the one pass does not carry the inf into the shared
+    region), and the parameter's gradient is not finite."""
 
     def losses(w: jax.Array) -> tuple:
         return jnp.sum(w.astype(jnp.float16) ** 2).astype(jnp.float32), jnp.sum(w)
 
     scales = (jdls.DynamicScale(2.0**15), jdls.DynamicScale(2.0**15))
-    _, _, finite = jdls.multi_loss_value_and_grad(losses, scales, backward=backward)(
+    _, grads, finite = jdls.multi_loss_value_and_grad(losses, scales, backward=backward)(
         jnp.full(2, 4.0)
     )
-    expected = (False, True) if backward == "per_loss" else (False, False)
-    assert (bool(finite[0]), bool(finite[1])) == expected
+    assert (bool(finite[0]), bool(finite[1])) == (False, True)
+    assert not bool(jdls.all_finite(grads))
 
 
 def overflow_losses(p: dict, x: jax.Array) -> dict:
@@ -631,9 +632,10 @@ def test_under_shard_map_on_8_devices_the_per_loss_scales_agree(backward: str) -
 def test_overflow_in_a_loss_region_without_parameters_flags_that_loss(jit: bool) -> None:
     """One pass: loss ``b`` (a float16 square of shared logits, no parameters of its own, as
     an auxiliary z-loss) overflows in its own region at its large scale; the boundary where
-    its cotangent enters the shared region sees the inf and flags ``b`` (the shared region,
-    whose level ``a`` sets, turns non-finite too and flags ``a``). Without the boundary's
-    measurement ``b`` would never back off."""
+    its cotangent enters the shared region sees the inf and flags ``b`` only (the inf does
+    not enter the shared region, whose level ``a`` sets: ``a`` is not flagged, as with one
+    backward pass per loss), and the gradients it reaches are not finite. Without the
+    boundary's measurement ``b`` would never back off."""
 
     def losses(w: jax.Array, x: jax.Array) -> dict:
         logits = x.astype(jnp.float16) @ w.astype(jnp.float16)
@@ -649,7 +651,7 @@ def test_overflow_in_a_loss_region_without_parameters_flags_that_loss(jit: bool)
     assert bool(finite["a"]) and bool(finite["b"]) and bool(jdls.all_finite(grads))
     big = {"a": jdls.StaticScale(1.0), "b": jdls.StaticScale(2.0**20)}  # 2 * 2 * 2**20 > 65504
     _, grads, finite = fn(big, w, x)
-    assert not bool(finite["b"])
+    assert {k: bool(f) for k, f in finite.items()} == {"a": True, "b": False}
     assert not bool(jdls.all_finite(grads))
 
 
@@ -669,3 +671,92 @@ def test_tied_scales_blame_the_loss_whose_cotangent_entered_the_trunk_largest(ji
     _, grads, finite = fn(scales, params, jnp.full((64, 16), 100.0))
     assert not bool(jdls.all_finite(grads["trunk"]))
     assert (bool(finite["big"]), bool(finite["small"])) == (False, True)
+
+
+@both_backwards
+@with_and_without_jit
+def test_an_overflow_in_the_small_heads_cotangent_flags_the_small_loss_only(
+    backward: str, jit: bool
+) -> None:
+    """float16. The small head's cotangent into the trunk (``2**10 * 100`` per element)
+    overflows in its own region; the trunk, at the big loss's scale, makes nothing
+    non-finite itself. Both modes flag the small loss only (the one pass does not carry the
+    inf into the trunk's region, where it would blame the big loss); the trunk's gradients,
+    which the inf reaches, are not finite, so that the step is skipped."""
+    fn = lambda s, p, x: jdls.multi_loss_value_and_grad(overflow_losses, s, backward=backward)(p, x)  # noqa: E731
+    fn = maybe_jit(fn, jit)
+    params = {
+        "trunk": jnp.full((16, 8), 0.25),
+        "big": jnp.full((8, 1), 1e-3),
+        "small": jnp.full((8, 1), 100.0),
+    }
+    scales = {"big": jdls.StaticScale(1.0), "small": jdls.StaticScale(2.0**10)}
+    _, grads, finite = fn(scales, params, jnp.ones((64, 16)))
+    assert {k: bool(f) for k, f in finite.items()} == {"big": True, "small": False}
+    assert not bool(jdls.all_finite(grads["trunk"]))
+    assert not bool(jdls.all_finite(grads["small"]))
+    assert grads["big"].tolist() == [[64.0 * 4.0]] * 8  # the big head's own: untouched
+
+
+@both_backwards
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_weights_with_integer_and_none_leaves(backward: str, jit: bool) -> None:
+    """An integer leaf gets its ``float0`` gradient and a None leaf stays None, with weights."""
+
+    def losses(p: dict) -> dict:
+        return {"a": jnp.sum(p["w"] ** 2) * p["n"], "b": jnp.sum(p["w"] * p["v"])}
+
+    scales = {"a": jdls.StaticScale(2.0), "b": jdls.StaticScale(4.0)}
+    fn = jdls.multi_loss_value_and_grad(losses, scales, {"a": 0.5, "b": 2.0}, backward=backward)
+    params = {"w": jnp.ones(2), "v": jnp.full(2, 3.0), "n": jnp.int32(3), "none": None}
+    _, grads, finite = maybe_jit(fn, jit)(params)
+    assert grads["w"].tolist() == [0.5 * 6.0 + 2.0 * 3.0] * 2
+    assert grads["v"].tolist() == [2.0, 2.0]
+    assert grads["n"].dtype == jax.dtypes.float0 and grads["none"] is None
+    assert all(bool(f) for f in finite.values())
+
+
+@both_backwards
+@with_and_without_jit
+def test_adjust_loss_scales_gives_each_observing_rule_its_measurement(
+    backward: str, jit: bool
+) -> None:
+    """``with_amax=True``: each loss's largest unscaled gradient (before its weight); an
+    ``AdaptiveScale`` per loss moves to its own headroom, as ``jdls.wrap`` fed that loss's
+    gradients would; a dict, tuple or list of scales alike (a static scale stays)."""
+
+    def losses(p: dict) -> dict:
+        return {"big": jnp.sum(p["a"] ** 2), "small": 1e-6 * jnp.sum(p["b"] * p["a"])}
+
+    def step(scales: dict, p: dict) -> tuple:
+        fn = jdls.multi_loss_value_and_grad(
+            losses, scales, {"big": 1.0, "small": 4.0}, backward=backward, with_amax=True
+        )
+        _, _, finite, amax = fn(p)
+        return amax, jdls.adjust_loss_scales(scales, finite, amax)
+
+    scales = {"big": jdls.AdaptiveScale(), "small": jdls.AdaptiveScale()}
+    amax, new = maybe_jit(step, jit)(scales, {"a": jnp.ones(2), "b": jnp.full(2, 2.0)})
+    # per_loss: big's own gradients (2a), small's (1e-6 b, 1e-6 a). One pass, both scales 1:
+    # the shared parameter a's combined gradient is measured by the loss whose cotangent
+    # entered largest (big); small gets its own region's, where its cotangent leaves it
+    # (1e-6 b = 2e-6) and its parameter b (1e-6): the tied scales part.
+    big = 2.0 if backward == "per_loss" else float(jnp.float32(2.0) + jnp.float32(8e-6))
+    assert float(amax["big"]) == big
+    np.testing.assert_allclose(float(amax["small"]), 2e-6, rtol=1e-6)
+    assert float(new["big"].loss_scale) == 2.0**8  # float16 max 2**16, margin 6, amax 2
+    assert float(new["small"].loss_scale) == best_scale(2e-6, 6)
+    pair = jdls.adjust_loss_scales((jdls.DynamicScale(8.0), jdls.StaticScale(2.0)), [False, True])
+    assert [float(s.loss_scale) for s in pair] == [4.0, 2.0]
+
+
+def test_adjust_loss_scales_errors_say_what_to_pass() -> None:
+    scales = {"a": jdls.AdaptiveScale(), "b": jdls.DynamicScale()}
+    with pytest.raises(ValueError, match=r"scales\['a'\].*with_amax=True"):
+        jdls.adjust_loss_scales(scales, {"a": True, "b": True})
+    with pytest.raises(ValueError, match="finite must have the keys of scales"):
+        jdls.adjust_loss_scales(scales, {"a": True})
+    with pytest.raises(TypeError, match="StaticScale"):
+        jdls.adjust_loss_scales({"a": 2.0}, {"a": True})
+    with pytest.raises(TypeError, match="with_amax must be True or False"):
+        jdls.multi_loss_value_and_grad(lambda w: (w,), (jdls.NoOpScale(),), with_amax=1)
