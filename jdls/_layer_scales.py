@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from jdls._checks import all_finite, is_float
 from jdls._context import ContextStack
+from jdls._filter import filtered_eval_shape, filtered_value_and_grad
 from jdls._scale import DynamicScale, LossScale, check_scale
 
 __all__ = [
@@ -210,7 +211,7 @@ def layer_scaled_value_and_grad(
                 + (f"{sorted(params)}" if isinstance(params, Mapping) else type(params).__name__)
             )
         with _LAYERS.push(_Layers(None)) as discovery:
-            jax.eval_shape(lambda p, *a: [fun(p, *a, **kwargs), None][1], params, *args)
+            filtered_eval_shape(lambda p, *a: [fun(p, *a, **kwargs), None][1], params, *args)
         names = discovery.names
         missing = sorted(set(params) - set(names))
         unknown = sorted(set(names) - set(scales))
@@ -231,7 +232,9 @@ def layer_scaled_value_and_grad(
             loss, aux = out if has_aux else (out, None)
             return last.scale(loss), (loss, aux)
 
-        (_, (loss, aux)), grads = jax.value_and_grad(scaled, has_aux=True)(params)
+        (_, (loss, aux)), grads = filtered_value_and_grad(
+            scaled, 0, True, "layer_scaled_value_and_grad"
+        )(params)
         grads = {k: scales[k].unscale(g) for k, g in grads.items()}
         finite = {k: all_finite(g) for k, g in grads.items()}
         return ((loss, aux) if has_aux else loss), grads, finite

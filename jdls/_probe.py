@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jdls._context import ContextStack
+from jdls._filter import filtered_eval_shape, filtered_value_and_grad
 from jdls._formats import FloatFormat, finfo
 from jdls._nnx_hooks import hook_outputs, module_name
 from jdls._scale import LossScale
@@ -262,11 +263,13 @@ def probed_value_and_grad(
         loss, aux = out if has_aux else (out, None)
         return scale.scale(loss), (loss, aux)
 
-    grad_fn = jax.value_and_grad(with_dummies, argnums=(0, *(n + 1 for n in nums)), has_aux=True)
+    grad_fn = filtered_value_and_grad(
+        with_dummies, (0, *(n + 1 for n in nums)), True, "probed_value_and_grad"
+    )
 
     def value_and_grad_fn(*args: Any, **kwargs: Any) -> tuple[Any, Any, Telemetry]:
         with _COLLECTORS.push(_Collector(compute_dtype, None)) as discovery:
-            jax.eval_shape(lambda *a: [fun(*a, **kwargs), None][1], *args)  # names only
+            filtered_eval_shape(lambda *a: [fun(*a, **kwargs), None][1], *args)  # names only
         names = tuple(discovery.names)
         dummies = {n: jnp.zeros((_FIELDS,), _F32) for n in names}
         (_, (loss, aux)), (stats, *grads) = grad_fn(dummies, *args, **kwargs)
