@@ -11,6 +11,10 @@ Equinox's gradients. A train step::
     updates, opt_state = tx.update(grads, opt_state, eqx.filter(model, eqx.is_array))
     model = eqx.apply_updates(model, updates)
 
+:func:`apply_updates` is ``eqx.apply_updates`` that keeps each parameter's dtype, as
+``optax.apply_updates`` does: with bfloat16 or float16 parameters, ``eqx.apply_updates``
+adds jdls's float32 updates and so turns the parameters into float32.
+
 :func:`value_and_grad` is for code that wants Equinox's own differentiation, exactly: it is
 ``eqx.filter_value_and_grad`` with the loss scaled and the gradients unscaled.
 
@@ -23,11 +27,13 @@ from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
+import jax
+import jax.numpy as jnp
 
 from jdls._grad import scaled_value_and_grad
 from jdls._scale import LossScale, check_scale
 
-__all__ = ["value_and_grad"]
+__all__ = ["apply_updates", "value_and_grad"]
 
 
 def value_and_grad(
@@ -66,3 +72,38 @@ def value_and_grad(
     return scaled_value_and_grad(
         scale, fun, has_aux, lambda scaled: eqx.filter_value_and_grad(scaled, has_aux=True)
     )
+
+
+def apply_updates(model: Any, updates: Any) -> Any:
+    """``eqx.apply_updates(model, updates)`` with every parameter kept in its own dtype.
+
+    Leaves whose update is ``None`` (the non-array leaves of an Equinox model, and the arrays
+    that were not differentiated) are kept as they are; every other parameter becomes
+    ``(p + u).astype(p.dtype)``, as in ``optax.apply_updates``. ``eqx.apply_updates`` computes
+    ``p + u``, so float32 updates (what ``jdls.wrap`` returns for 16-bit gradients) would turn
+    bfloat16 or float16 parameters into float32, and ``eqx.filter_jit`` would compile the step
+    again for the new dtype. With float32 parameters both functions give the same model.
+
+    Args:
+      model: the model (any pytree, non-array leaves included).
+      updates: the updates from ``tx.update``, ``None`` where ``model`` has no update.
+
+    Returns:
+      The updated model, each array in its dtype before the update.
+
+    Example:
+      >>> import equinox as eqx, jax, jax.numpy as jnp, jdls.equinox
+      >>> model = eqx.nn.Linear(2, 1, key=jax.random.key(0), dtype=jnp.float16)
+      >>> updates = jax.tree_util.tree_map(lambda p: jnp.ones(p.shape, jnp.float32), model)
+      >>> jdls.equinox.apply_updates(model, updates).weight.dtype
+      dtype('float16')
+      >>> eqx.apply_updates(model, updates).weight.dtype
+      dtype('float32')
+    """
+
+    def apply(u: Any, p: Any) -> Any:
+        if u is None:
+            return p
+        return jnp.asarray(p + u).astype(jnp.asarray(p).dtype)
+
+    return jax.tree_util.tree_map(apply, updates, model, is_leaf=lambda x: x is None)
