@@ -1,7 +1,8 @@
 """The compatibility matrix: every setup a JAX user has, with inf/NaN steps.
 
 Axes: parameter dtype x sharding x optimizer x skip mechanism, and the model kind that holds
-the parameters: a dict, Flax linen's variables, Equinox's arrays (an ``eqx.Module`` filtered
+the parameters: a dict, Flax linen's variables, an NNX ``nnx.State`` of ``nnx.Param``,
+Equinox's arrays (an ``eqx.Module`` filtered
 with ``eqx.filter(model, eqx.is_array)``: ``None`` where the model holds a function). Each combination trains a small
 model for a few steps twice, from the same gradients: once clean, once with an inf step and a
 NaN step inserted. The inserted steps must be skipped and leave no trace: the two runs end
@@ -45,7 +46,7 @@ OPTIMIZERS = (
     "inject_hyperparams",
 )
 SKIPS = ("cond", "select")
-MODEL_KINDS = ("dict", "linen", "equinox")
+MODEL_KINDS = ("dict", "linen", "nnx", "equinox")
 
 SAMPLE_SIZE = 40
 N_DEVICES = 2
@@ -131,6 +132,10 @@ def _as_kind(kind, tree):
         return tree
     if kind == "linen":
         return {"params": {"Dense_0": {"kernel": tree["w"], "bias": tree["b"]}}}
+    if kind == "nnx":  # nnx.state(model, nnx.Param) of an nnx.Linear
+        from flax import nnx
+
+        return nnx.State({"kernel": nnx.Param(tree["w"]), "bias": nnx.Param(tree["b"])})
     if kind == "equinox":
         return _equinox_model()(tree["w"], tree["b"], None)
     raise ValueError(kind)
@@ -138,8 +143,7 @@ def _as_kind(kind, tree):
 
 def _is_w(path):
     """Whether a key path leads to ``w`` (a linen ``kernel``), in any model kind."""
-    last = path[-1] if path else None
-    return getattr(last, "key", getattr(last, "name", None)) in ("w", "kernel")
+    return any(getattr(k, "key", getattr(k, "name", None)) in ("w", "kernel") for k in path)
 
 
 # --------------------------------------------------------------------------------------------
