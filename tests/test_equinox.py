@@ -265,6 +265,39 @@ def test_layer_scales_take_a_dict_of_equinox_layers():
     assert grads["hidden"].layers[1].fn is None and bool(finite["hidden"])
 
 
+def test_retries_value_fn_with_an_equinox_model():
+    """In float16 at 2**24 the gradients overflow and the loss does not: the wrap recomputes
+    them at backed-off scales inside the step, ``value_fn`` rebuilding the model from the
+    arrays it is given (``eqx.combine``)."""
+    model, (x, y) = make_model(jnp.float16), data()
+    params, static = eqx.partition(model, eqx.is_array)
+    tx = jdls.wrap(optax.sgd(0.1), jdls.DynamicScale(2.0**24), retries=12)
+
+    @eqx.filter_jit
+    def step(model, opt_state):
+        scale = jdls.get_scale(opt_state)
+        _, grads = scale.value_and_grad(loss_fn)(model, x, y)
+        updates, opt_state = tx.update(
+            grads,
+            opt_state,
+            eqx.filter(model, eqx.is_array),
+            value_fn=lambda p: loss_fn(eqx.combine(p, static), x, y),
+        )
+        return jdls.equinox.apply_updates(model, updates), opt_state
+
+    new, opt_state = step(model, tx.init(params))
+    stats = jdls.stats(opt_state)
+    assert not bool(stats.skipped) and int(stats.retries) > 0
+    _, ref = jdls.get_scale(opt_state).value_and_grad(loss_fn)(model, x, y)
+    ref_new = jdls.equinox.apply_updates(model, jax.tree_util.tree_map(lambda g: -0.1 * g, ref))
+    for a, b in zip(
+        jax.tree_util.tree_leaves(eqx.filter(new, eqx.is_array)),
+        jax.tree_util.tree_leaves(eqx.filter(ref_new, eqx.is_array)),
+        strict=True,
+    ):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=2e-3)
+
+
 # --------------------------------------------------------------------------------------------
 # The train step: wrap, clip, stats, nonfinite_paths.
 # --------------------------------------------------------------------------------------------
