@@ -48,6 +48,11 @@ def _differentiable(x: Any) -> bool:
     return is_inexact_array(x) or (isinstance(x, float | complex) and not isinstance(x, bool))
 
 
+def _is_nnx(x: Any) -> bool:
+    """Whether ``x`` is a Flax NNX object (module, variable), without importing Flax."""
+    return any(c.__module__.startswith("flax.nnx") for c in type(x).__mro__)
+
+
 def _describe(leaves: list[Any]) -> str:
     kinds = []
     for x in leaves:
@@ -112,6 +117,14 @@ def split_arguments(
     as_is = _differentiable if as_is is None else as_is
     if all(as_is(x) for leaves, _ in flat for x in leaves):
         return None
+    for n, value in zip(nums, values, strict=True):
+        if any(map(_is_nnx, jax.tree_util.tree_leaves(value, is_leaf=_is_nnx))):
+            raise TypeError(
+                f"{who} got a Flax NNX object in argument {n} (argnums), whose leaves include "
+                "non-float arrays (RNG keys and counts): differentiate an NNX model with "
+                "jdls.nnx_value_and_grad(fun, scale)(model), which follows nnx.value_and_grad "
+                "(gradients of the nnx.Param only, the model's state updates kept)"
+            )
     masks = []
     for n, (leaves, _) in zip(nums, flat, strict=True):
         mask = tuple(is_inexact_array(x) for x in leaves)
