@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from jdls._checks import all_finite, is_float
 from jdls._context import ContextStack, current_trace, refuse_changed, refuse_nested
+from jdls._filter import filtered_eval_shape, filtered_value_and_grad
 from jdls._scale import DynamicScale, LossScale, check_scale
 
 __all__ = [
@@ -227,7 +228,7 @@ def layer_scaled_value_and_grad(
                 fun(p, *args, **kwargs)
             names.extend(discovery.names)
 
-        jax.eval_shape(discover, params)
+        filtered_eval_shape(discover, params)
         missing = sorted(set(params) - set(names))
         unknown = sorted(set(names) - set(scales))
         if missing or unknown or not names:
@@ -254,7 +255,9 @@ def layer_scaled_value_and_grad(
             loss, aux = out if has_aux else (out, None)
             return last.scale(loss), (loss, aux)
 
-        (_, (loss, aux)), grads = jax.value_and_grad(scaled, has_aux=True)(params)
+        (_, (loss, aux)), grads = filtered_value_and_grad(
+            scaled, 0, True, "layer_scaled_value_and_grad"
+        )(params)
         grads = {k: scales[k].unscale(g) for k, g in grads.items()}
         finite = {k: all_finite(g) for k, g in grads.items()}
         return ((loss, aux) if has_aux else loss), grads, finite

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 from jdls import _loss_sets
 from jdls._checks import all_finite, is_float
+from jdls._filter import Split, is_jax_type, split_arguments
 from jdls._norm import amax
 from jdls._scale import DynamicScale, LossScale, check_scale
 
@@ -191,9 +192,14 @@ def multi_loss_value_and_grad(
             return fun(*full, **kwargs)
 
         primals = [args[n] for n in nums]
+        split = split_arguments(primals, nums, "multi_loss_value_and_grad", is_jax_type)
+        if split is not None:  # non-array leaves (an Equinox model): held fixed, None gradients
+            forward, primals = _combined(forward, split), split.diff()
         losses, aux, total, finite, measured = run(
             forward, primals, keys, scale_list, weight_list, has_aux
         )
+        if split is not None:
+            total = split.grads(total)
         grads = total[0] if isinstance(argnums, int) else tuple(total)
         value = (losses, aux) if has_aux else losses
         if with_amax:
@@ -201,6 +207,10 @@ def multi_loss_value_and_grad(
         return value, grads, _rebuild(scales, finite)
 
     return value_and_grad_fn
+
+
+def _combined(forward: Callable[..., Any], split: Split) -> Callable[..., Any]:
+    return lambda *diffs: forward(*split.combine(diffs))
 
 
 def _weighted(grads: Any, weight: Any) -> Any:

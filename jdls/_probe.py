@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jdls._context import ContextStack, current_trace, refuse_changed, refuse_nested
+from jdls._filter import filtered_eval_shape, filtered_value_and_grad
 from jdls._formats import FloatFormat, finfo
 from jdls._nnx_hooks import hook_outputs, module_name
 from jdls._norm import vary_like
@@ -277,7 +278,9 @@ def probed_value_and_grad(
         loss, aux = out if has_aux else (out, None)
         return scale.scale(loss), (loss, aux)
 
-    grad_fn = jax.value_and_grad(with_dummies, argnums=(1, *(n + 2 for n in nums)), has_aux=True)
+    grad_fn = filtered_value_and_grad(
+        with_dummies, (1, *(n + 2 for n in nums)), True, "probed_value_and_grad"
+    )
 
     def value_and_grad_fn(*args: Any, **kwargs: Any) -> tuple[Any, Any, Telemetry]:
         found: list[str] = []
@@ -297,7 +300,7 @@ def probed_value_and_grad(
                 f"argnums {argnums} asks for an argument that the call does not have: it was "
                 f"given {len(args)} positional arguments"
             )
-        jax.eval_shape(discover, *(args[n] for n in nums))
+        filtered_eval_shape(discover, *(args[n] for n in nums))
         names = tuple(found)
         dummies = {n: jnp.zeros((_FIELDS,), _F32) for n in names}
         manual = tuple(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))

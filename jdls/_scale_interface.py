@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jdls._checks import is_float
+from jdls._filter import filtered_value_and_grad
 from jdls._grad import reject_axis_name, scaled_value_and_grad
 
 __all__ = ["LossScale", "check_scale", "new_scale", "register_scale", "show"]
@@ -140,6 +141,13 @@ class LossScale:
         The value returned is the loss ``fun`` computed (not ``scaled / scale``), so it is
         exact even when the scaled loss overflowed.
 
+        Pytrees with non-array leaves (an Equinox model, with its activation functions and
+        static fields) are differentiated as ``eqx.filter_value_and_grad`` does: the
+        floating-point arrays get gradients, every other leaf (functions, integer and boolean
+        arrays, Python numbers) gets ``None``. An argument whose leaves are all floating-point
+        arrays or Python floats is differentiated by ``jax.value_and_grad`` as it is; one with
+        no floating-point array at all is a TypeError that says what to do.
+
         Args:
           fun: the loss function; returns a scalar, or ``(scalar, aux)`` with ``has_aux``.
           argnums: positional argument(s) to differentiate, as in ``jax.value_and_grad``.
@@ -158,13 +166,21 @@ class LossScale:
           >>> loss, grads = jdls.DynamicScale().value_and_grad(lambda w: jnp.sum(w**2))(jnp.ones(2))
           >>> float(loss), grads.tolist()
           (2.0, [2.0, 2.0])
+          >>> import jax
+          >>> model = {"w": jnp.ones(2), "activation": jax.nn.relu}  # a non-array leaf
+          >>> loss_fn = lambda m: jnp.sum(m["activation"](m["w"]))
+          >>> loss, grads = jdls.DynamicScale().value_and_grad(loss_fn)(model)
+          >>> grads["w"].tolist(), grads["activation"]
+          ([1.0, 1.0], None)
         """
         reject_axis_name(axis_name)
         return scaled_value_and_grad(
             self,
             fun,
             has_aux,
-            lambda scaled: jax.value_and_grad(scaled, argnums=argnums, has_aux=True),
+            lambda scaled: filtered_value_and_grad(
+                scaled, argnums, has_aux=True, who=f"{type(self).__name__}.value_and_grad"
+            ),
         )
 
 

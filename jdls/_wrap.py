@@ -26,6 +26,7 @@ import optax
 from jax import lax
 
 from jdls._checks import all_finite, check_int, check_limit
+from jdls._filter import non_array_hint
 from jdls._norm import (
     AxisName,
     FloatLeaves,
@@ -160,6 +161,9 @@ def wrap(
             raise TypeError(f"{name} must be a bool, got {flag!r}")
 
     def init_fn(params: Any) -> WrapState:
+        hint = non_array_hint(params, "jdls.wrap: the params given to tx.init")
+        if hint:
+            raise TypeError(hint)
         nonfinite = None
         if track_nonfinite:
             nonfinite = jax.tree_util.tree_map(lambda _: jnp.zeros((), jnp.bool_), params)
@@ -404,7 +408,9 @@ def _check_match(updates: Any, params: Any) -> None:
         raise ValueError(
             "jdls.wrap: the gradients do not have the tree structure of the params ("
             + _describe_mismatch(updates, params)
-            + "). Pass the gradients of the params given to tx.update."
+            + "). Pass the gradients of the params given to tx.update"
+            + ("; " + hint if (hint := non_array_hint(params, "the params")) else "")
+            + "."
         )
     grads_found, _ = jax.tree_util.tree_flatten_with_path(updates)
     for (path, g), p in zip(grads_found, jax.tree_util.tree_leaves(params), strict=True):

@@ -315,7 +315,7 @@ CASES = [
         "value-and-grad-int-params",
         lambda: jdls.DynamicScale().value_and_grad(lambda p: jnp.sum(p))(jnp.arange(3)),
         TypeError,
-        r"grad requires real- or complex-valued inputs .* got int32.*allow_int",
+        r"differentiates argument 0 \(argnums\), which holds no floating-point array \(its leaves: int32 arrays\). Pass the parameters to differentiate as floating-point arrays",
     ),
     Case(
         "check-at-minimum",

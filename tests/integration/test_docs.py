@@ -40,7 +40,7 @@ import jdls
 DOCS = ROOT / "docs"
 
 #: Optional libraries (the ``peers`` extra): a block importing one is skipped without it.
-OPTIONAL_MODULES = frozenset({"torch", "jmp"})
+OPTIONAL_MODULES = frozenset({"torch", "jmp", "equinox"})
 SKIP_MARKER = "<!-- skip-test -->"
 RUN_LANGUAGE = "python"
 SHOW_ONLY_LANGUAGE = "py"
@@ -136,7 +136,7 @@ def test_python_block_runs(block: Block, tmp_path: Path, monkeypatch: pytest.Mon
         if importlib.util.find_spec(name) is None
     )
     if missing:
-        pytest.skip(f"needs the optional peer libraries {missing} (pip install -e '.[peers]')")
+        pytest.skip(f"needs the optional libraries {missing} (pip install -e '.[test,peers]')")
     monkeypatch.chdir(tmp_path)
     module = types.ModuleType(f"docs_block_{block.index}")
     module.__file__ = str(tmp_path / "block.py")
@@ -312,6 +312,8 @@ def _package_modules() -> list[str]:
 def test_doctests(module_name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The ``>>>`` examples in the docstrings of one module of jdls pass."""
     monkeypatch.chdir(tmp_path)
+    if module_name == "jdls.equinox":
+        pytest.importorskip("equinox")
     module = importlib.import_module(module_name)
     finder = doctest.DocTestFinder(exclude_empty=True)
     runner = doctest.DocTestRunner(

@@ -25,12 +25,17 @@ NAMES = [
     "cbfloat16",
     "zero_skip",
     "multitask",
+    "equinox_cnn",
 ]
+#: Examples that need an optional library (in the ``test`` and ``examples`` extras).
+NEEDS = {"equinox_cnn": "equinox"}
 
 
 def load(name: str):
     """Import ``examples/<name>.py`` as the module ``jdls_example_<name>``."""
     module_name = f"jdls_example_{name}"
+    if name in NEEDS:
+        pytest.importorskip(NEEDS[name])
     if module_name in sys.modules:
         return sys.modules[module_name]
     spec = importlib.util.spec_from_file_location(module_name, EXAMPLES / f"{name}.py")
@@ -194,3 +199,17 @@ def test_multitask_per_loss_scales_recover_the_small_loss():
     adaptive = results["float16, per-loss Adaptive"]
     assert adaptive.accuracy > f32.accuracy - 0.05
     assert adaptive.scales["classifier"] >= 2.0**8 * adaptive.scales["reconstruction"]
+
+
+def test_equinox_cnn_matches_float32_where_unscaled_float16_fails():
+    results = load("equinox_cnn").main(["--steps", "150", "--quiet"])
+    f32, f16, scaled = results["float32"], results["float16"], results["float16+jdls"]
+    assert list(results) == ["float32", "float16", "float16+jdls"]
+    # Unscaled float16 loses almost every gradient and stays near chance.
+    assert f16["zero_fraction"] > 0.9 and f16["accuracy"] < 0.3
+    # With jdls the float16 run keeps float32's gradients and accuracy.
+    assert abs(scaled["zero_fraction"] - f32["zero_fraction"]) < 0.02
+    assert abs(scaled["accuracy"] - f32["accuracy"]) < 0.03
+    assert f32["accuracy"] > f16["accuracy"] + 0.2
+    assert scaled["skipped_steps"] == 0 and scaled["loss_scale"] > 2.0**15
+    assert f32["loss_scale"] == f16["loss_scale"] == 1.0

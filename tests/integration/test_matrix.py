@@ -1,17 +1,23 @@
 """The compatibility matrix: every setup a JAX user has, with inf/NaN steps.
 
-Axes: parameter dtype x sharding x optimizer x skip mechanism. Each combination trains a small
+Axes: parameter dtype x sharding x optimizer x skip mechanism, and the model kind that holds
+the parameters: a dict, Flax linen's variables, an NNX ``nnx.State`` of ``nnx.Param``,
+Equinox's arrays (an ``eqx.Module`` filtered
+with ``eqx.filter(model, eqx.is_array)``: ``None`` where the model holds a function). Each combination trains a small
 model for a few steps twice, from the same gradients: once clean, once with an inf step and a
 NaN step inserted. The inserted steps must be skipped and leave no trace: the two runs end
 with bit-identical parameters and inner optimizer states. A combination that plain optax
 itself cannot run (an optimizer without complex support) must make jdls raise too.
 
 CI runs a fixed pseudo-random sample that covers every value of every axis
-(:data:`SAMPLE_SIZE` combinations); ``JDLS_FULL_MATRIX=1`` runs all of them.
+(:data:`SAMPLE_SIZE` combinations) with dict parameters, and for every other model kind a
+smaller sample covering every dtype, sharding and optimizer; ``JDLS_FULL_MATRIX=1`` runs all of
+them for every model kind.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import random
@@ -40,6 +46,7 @@ OPTIMIZERS = (
     "inject_hyperparams",
 )
 SKIPS = ("cond", "select")
+MODEL_KINDS = ("dict", "linen", "nnx", "equinox")
 
 SAMPLE_SIZE = 40
 N_DEVICES = 2
@@ -69,8 +76,22 @@ def _sample(size=SAMPLE_SIZE, seed=12):
     return sorted(chosen, key=_all_combinations().index)
 
 
+def _kind_sample(kind):
+    """For a model kind other than dict: each optimizer once, dtypes and shardings cycled."""
+    start = MODEL_KINDS.index(kind)
+    return [
+        (DTYPES[(i + start) % len(DTYPES)], SHARDINGS[(i + 2 * start) % len(SHARDINGS)], o, s)
+        for i, (o, s) in enumerate(zip(OPTIMIZERS, itertools.cycle(SKIPS)))
+    ]
+
+
 FULL = os.environ.get("JDLS_FULL_MATRIX") == "1"
 COMBINATIONS = _all_combinations() if FULL else _sample()
+KIND_COMBINATIONS = [
+    (kind, *c)
+    for kind in MODEL_KINDS[1:]
+    for c in (_all_combinations() if FULL else _kind_sample(kind))
+]
 
 
 def test_sample_covers_every_value():
@@ -78,6 +99,51 @@ def test_sample_covers_every_value():
     assert len(sample) == SAMPLE_SIZE
     for axis, values in enumerate((DTYPES, SHARDINGS, OPTIMIZERS, SKIPS)):
         assert {c[axis] for c in sample} == set(values)
+    for kind in MODEL_KINDS[1:]:
+        sample = _kind_sample(kind)
+        for axis, values in enumerate((DTYPES, SHARDINGS, OPTIMIZERS)):
+            assert {c[axis] for c in sample} == set(values), (kind, axis)
+
+
+# --------------------------------------------------------------------------------------------
+# Model kinds: the same two leaves, ``w`` and ``b``, held as each library holds them.
+# --------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _equinox_model():
+    import equinox as eqx
+
+    class Model(eqx.Module):
+        """A model's arrays as ``eqx.filter(model, eqx.is_array)`` gives them: the
+        activation function the model holds is None here."""
+
+        w: object
+        b: object
+        activation: object
+        name: str = eqx.field(static=True, default="affine")
+
+    return Model
+
+
+def _as_kind(kind, tree):
+    """``tree``, a dict with keys ``w`` and ``b``, held as ``kind`` holds parameters."""
+    if kind == "dict":
+        return tree
+    if kind == "linen":
+        return {"params": {"Dense_0": {"kernel": tree["w"], "bias": tree["b"]}}}
+    if kind == "nnx":  # nnx.state(model, nnx.Param) of an nnx.Linear
+        from flax import nnx
+
+        return nnx.State({"kernel": nnx.Param(tree["w"]), "bias": nnx.Param(tree["b"])})
+    if kind == "equinox":
+        return _equinox_model()(tree["w"], tree["b"], None)
+    raise ValueError(kind)
+
+
+def _is_w(path):
+    """Whether a key path leads to ``w`` (a linen ``kernel``), in any model kind."""
+    return any(getattr(k, "key", getattr(k, "name", None)) in ("w", "kernel") for k in path)
 
 
 # --------------------------------------------------------------------------------------------
@@ -167,10 +233,15 @@ def _train(tx, params, grads_seq, axis_name=None):
     return params, state
 
 
-def _run(dtype, sharding, optimizer, skip, inner=None):
+def _run(dtype, sharding, optimizer, skip, inner=None, kind="dict"):
     """Final (params, state) of the clean run and of the run with inserted inf/NaN steps,
-    compiled as one program; ``inner`` given: plain optax instead of the wrap."""
+    compiled as one program; ``inner`` given: plain optax instead of the wrap; ``kind``: the
+    model kind holding the parameters."""
     params = _params(dtype, optimizer)
+    if isinstance(params, optax.LookaheadParams):
+        params = optax.LookaheadParams(_as_kind(kind, params.fast), _as_kind(kind, params.slow))
+    else:
+        params = _as_kind(kind, params)
     grads = (_grad_sequence(dtype, inject=False), _grad_sequence(dtype, inject=True))
     mesh_devices = jax.devices()[:N_DEVICES]
 
@@ -189,11 +260,11 @@ def _run(dtype, sharding, optimizer, skip, inner=None):
             lambda path, x: jax.device_put(x, NamedSharding(mesh, spec_of(path, x))), tree
         )
 
-    def is_w(path):
-        return "'w'" in jax.tree_util.keystr(path)
+    is_w = _is_w
 
     if sharding in ("none", "auto", "explicit"):
         whole = jax.tree_util.tree_map(lambda g: g.sum(axis=0) / N_DEVICES, grads)
+        whole = tuple(_as_kind(kind, g) for g in whole)
         tx = make_tx()
         run = jax.jit(both(lambda p, g: _train(tx, p, g)))
         if sharding == "none":
@@ -213,7 +284,7 @@ def _run(dtype, sharding, optimizer, skip, inner=None):
         run = jax.pmap(
             both(lambda p, g: _train(tx, p, g, AXIS)), axis_name=AXIS, devices=mesh_devices
         )
-        return run(replicated, grads)
+        return run(replicated, tuple(_as_kind(kind, g) for g in grads))
 
     # shard_map: the whole run inside; per-device states come out stacked.
     mesh = jax.make_mesh((N_DEVICES,), (AXIS,), devices=mesh_devices)
@@ -230,19 +301,23 @@ def _run(dtype, sharding, optimizer, skip, inner=None):
             return {"w": jnp.stack(jnp.split(g_w, N_DEVICES, axis=1)), "b": g["b"]}
 
         grads = tuple(split_w(g) for g in grads)
-    tx = make_tx(axis_name=AXIS, sharded={"w": True, "b": False} if sharded_w else None)
+    grads = tuple(_as_kind(kind, g) for g in grads)
+    sharded = _as_kind(kind, {"w": True, "b": False}) if sharded_w else None
+    tx = make_tx(axis_name=AXIS, sharded=sharded)
 
     def train(p, g):
         g = jax.tree_util.tree_map(lambda x: x[0], g)
         if sharded_w:
-            g = {"w": g["w"], "b": jax.lax.pmean(g["b"], AXIS)}
+            g = jax.tree_util.tree_map_with_path(
+                lambda path, x: x if is_w(path) else jax.lax.pmean(x, AXIS), g
+            )
             p, state = _train(tx, p, g)
         else:
             p, state = _train(tx, p, g, AXIS)
         return p, jax.tree_util.tree_map(lambda x: jnp.asarray(x)[None], state)
 
     param_specs = jax.tree_util.tree_map_with_path(spec, params)
-    grad_specs = {"w": P(AXIS), "b": P(AXIS)}  # the leading axis: devices
+    grad_specs = _as_kind(kind, {"w": P(AXIS), "b": P(AXIS)})  # the leading axis: devices
     params = place(params, mesh, spec)
     grads = place(grads, mesh, lambda path, x: P(AXIS))
     run = jax.jit(
@@ -266,17 +341,46 @@ def _inner_state(state):
     ids=["-".join(c) for c in COMBINATIONS],
 )
 def test_injected_steps_leave_no_trace(dtype, sharding, optimizer, skip):
+    _check_no_trace("dict", dtype, sharding, optimizer, skip)
+
+
+@pytest.mark.parametrize(
+    ("kind", "dtype", "sharding", "optimizer", "skip"),
+    KIND_COMBINATIONS,
+    ids=["-".join(c) for c in KIND_COMBINATIONS],
+)
+def test_model_kinds(kind, dtype, sharding, optimizer, skip):
+    if kind == "equinox":
+        pytest.importorskip("equinox")
+    _check_no_trace(kind, dtype, sharding, optimizer, skip)
+
+
+def test_equinox_kind_is_what_eqx_filter_gives():
+    eqx = pytest.importorskip("equinox")
+    model = _equinox_model()(jnp.ones((4, 2)), jnp.zeros(2), jax.nn.relu)
+    filtered = eqx.filter(model, eqx.is_array)
+    assert filtered.activation is None
+    expected = _as_kind("equinox", {"w": model.w, "b": model.b})
+    assert jax.tree_util.tree_structure(filtered) == jax.tree_util.tree_structure(expected)
+
+
+def _check_no_trace(kind, dtype, sharding, optimizer, skip):
     with jax.enable_x64(dtype == "float64"):
         try:
-            (clean_params, clean_state), (params, state) = _run(dtype, sharding, optimizer, skip)
+            (clean_params, clean_state), (params, state) = _run(
+                dtype, sharding, optimizer, skip, kind=kind
+            )
         except Exception as error:
             # Valid only where plain optax, unsharded, cannot run this dtype either.
             with pytest.raises(type(error)):
-                _run(dtype, "none", optimizer, skip, inner=_optimizer(optimizer))
+                _run(dtype, "none", optimizer, skip, inner=_optimizer(optimizer), kind=kind)
             pytest.xfail(f"optax itself does not support this combination: {error!r:.200}")
     skipped = np.asarray(jdls.stats(state).skipped_steps)
     assert np.all(skipped == 2), skipped
     assert np.all(np.asarray(jdls.stats(clean_state).skipped_steps) == 0)
     assert jax.tree_util.tree_leaves(_fast(params))[0].dtype == jnp.dtype(dtype)
+    assert jax.tree_util.tree_structure(_fast(params)) == jax.tree_util.tree_structure(
+        _as_kind(kind, {"w": 0, "b": 0})
+    )
     assert_bitwise_equal(params, clean_params)
     assert_bitwise_equal(_inner_state(state), _inner_state(clean_state))

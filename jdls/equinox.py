@@ -1,0 +1,109 @@
+"""Equinox entry points of jdls (``import jdls.equinox``; needs ``equinox``).
+
+Nothing here is required to train an Equinox model with jdls: ``scale.value_and_grad(loss)``
+already differentiates an ``eqx.Module`` the way ``eqx.filter_value_and_grad`` does
+(gradients for the floating-point arrays, ``None`` for every other leaf), and ``jdls.wrap``,
+``jdls.clip``, ``jdls.stats`` and ``jdls.nonfinite_paths`` take the ``None`` leaves of
+Equinox's gradients. A train step::
+
+    scale = jdls.get_scale(opt_state)
+    loss, grads = scale.value_and_grad(loss_fn)(model, x, y)
+    updates, opt_state = tx.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+    model = eqx.apply_updates(model, updates)
+
+:func:`apply_updates` is ``eqx.apply_updates`` that keeps each parameter's dtype, as
+``optax.apply_updates`` does: with bfloat16 or float16 parameters, ``eqx.apply_updates``
+adds jdls's float32 updates and so turns the parameters into float32.
+
+:func:`value_and_grad` is for code that wants Equinox's own differentiation, exactly: it is
+``eqx.filter_value_and_grad`` with the loss scaled and the gradients unscaled.
+
+``import jdls`` does not import Equinox; this module does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from jdls._grad import scaled_value_and_grad
+from jdls._scale import LossScale, check_scale
+
+__all__ = ["apply_updates", "value_and_grad"]
+
+
+def value_and_grad(
+    fun: Callable[..., Any], scale: LossScale, *, has_aux: bool = False
+) -> Callable[..., Any]:
+    """``eqx.filter_value_and_grad(fun, has_aux=has_aux)`` with ``scale`` applied: the loss
+    is scaled before differentiating and the gradients are unscaled after.
+
+    Equinox's conventions hold: the first argument is differentiated, its floating-point
+    arrays get gradients and every other leaf ``None``; the other arguments are held fixed.
+    ``scale.value_and_grad(fun, has_aux=has_aux)`` gives the same gradients for an Equinox
+    model; this function differs only where Equinox's rules differ from jdls's (a Python
+    float beside arrays is held fixed here, as in Equinox).
+
+    Args:
+      fun: the loss function of the model (first argument) and anything else; returns a
+        scalar, or ``(scalar, aux)`` with ``has_aux``.
+      scale: the loss scale, e.g. ``jdls.get_scale(opt_state)``.
+      has_aux: whether ``fun`` returns ``(loss, aux)``.
+
+    Returns:
+      A function with ``fun``'s arguments returning ``(loss, grads)``, or
+      ``((loss, aux), grads)`` with ``has_aux``; ``loss`` is the unscaled loss.
+
+    Example:
+      >>> import equinox as eqx, jax, jax.numpy as jnp, jdls, jdls.equinox
+      >>> model = eqx.nn.MLP(2, 1, 4, 1, key=jax.random.key(0))
+      >>> loss_fn = lambda m, x: jnp.mean(jax.vmap(m)(x) ** 2)
+      >>> loss, grads = jdls.equinox.value_and_grad(loss_fn, jdls.DynamicScale())(
+      ...     model, jnp.ones((3, 2))
+      ... )
+      >>> grads.layers[0].weight.shape, grads.activation
+      ((4, 2), None)
+    """
+    scale = check_scale(scale)
+    return scaled_value_and_grad(
+        scale, fun, has_aux, lambda scaled: eqx.filter_value_and_grad(scaled, has_aux=True)
+    )
+
+
+def apply_updates(model: Any, updates: Any) -> Any:
+    """``eqx.apply_updates(model, updates)`` with every parameter kept in its own dtype.
+
+    Leaves whose update is ``None`` (the non-array leaves of an Equinox model, and the arrays
+    that were not differentiated) are kept as they are; every other parameter becomes
+    ``(p + u).astype(p.dtype)``, as in ``optax.apply_updates``. ``eqx.apply_updates`` computes
+    ``p + u``, so float32 updates (what ``jdls.wrap`` returns for 16-bit gradients) would turn
+    bfloat16 or float16 parameters into float32, and ``eqx.filter_jit`` would compile the step
+    again for the new dtype. With float32 parameters both functions give the same model.
+
+    Args:
+      model: the model (any pytree, non-array leaves included).
+      updates: the updates from ``tx.update``, ``None`` where ``model`` has no update.
+
+    Returns:
+      The updated model, each array in its dtype before the update.
+
+    Example:
+      >>> import equinox as eqx, jax, jax.numpy as jnp, jdls.equinox
+      >>> model = eqx.nn.Linear(2, 1, key=jax.random.key(0), dtype=jnp.float16)
+      >>> updates = jax.tree_util.tree_map(lambda p: jnp.ones(p.shape, jnp.float32), model)
+      >>> jdls.equinox.apply_updates(model, updates).weight.dtype
+      dtype('float16')
+      >>> eqx.apply_updates(model, updates).weight.dtype
+      dtype('float32')
+    """
+
+    def apply(u: Any, p: Any) -> Any:
+        if u is None:
+            return p
+        return jnp.asarray(p + u).astype(jnp.asarray(p).dtype)
+
+    return jax.tree_util.tree_map(apply, updates, model, is_leaf=lambda x: x is None)
