@@ -25,7 +25,6 @@ from __future__ import annotations
 import functools
 import itertools
 import os
-import random
 
 import flax.linen as nn
 import jax
