@@ -101,6 +101,11 @@ def layer_boundary(x: Any, name: str) -> Any:
     :func:`layer_scaled_value_and_grad`, where the backward pass changes scale here from the
     next layer's to this layer's.
 
+    A boundary inside a nested transformation of the differentiated function (an inner
+    ``jax.jit`` or jitted ``model.apply``, ``jax.checkpoint``, ``lax.scan``, an inner
+    ``vmap``, their Flax versions) raises a ValueError at trace time: mark the transformed
+    call's output instead, or transform the whole :func:`layer_scaled_value_and_grad` call.
+
     Args:
       x: the layer's output (array or pytree).
       name: the layer's name, a key of the parameters and of the scales.
@@ -181,7 +186,8 @@ def layer_scaled_value_and_grad(
     the backward cotangent by ``scales[k] / scales[k+1]``; ``grads[k]`` is unscaled by
     ``scales[k]``. Exact (equal to float32 gradients) where no value underflows or
     overflows, provided each layer's parameters are used only between its input and its
-    boundary.
+    boundary. The arguments after ``params`` reach ``fun`` as they are given (a Python
+    ``bool``, ``str`` or callable stays one), as with ``jax.value_and_grad``.
 
     Args:
       fun: the loss function ``fun(params, *args)``; returns a scalar, or ``(loss, aux)``.

@@ -5,7 +5,10 @@ cotangent flowing through it (largest magnitude, fraction flushed to zero in the
 format, fraction exactly zero, non-finite or not). The measurement leaves ``jax.grad`` as the
 *cotangent of a dummy input*, the technique of Flax's fp8 ops (``flax/linen/fp8_ops.py``):
 :func:`probed_value_and_grad` adds one zero input per probe and reads the statistics from
-their gradients, with no side channel, under ``jit``, ``vmap`` and ``shard_map`` alike.
+their gradients, with no side channel, under ``jit``, ``vmap``, ``shard_map`` and ``pmap`` of the
+whole call alike. A probe acts only in the trace of its own differentiation: one inside a nested
+transformation of the loss (an inner ``jit``, ``checkpoint``, ``scan``, inner ``vmap``) is
+refused at trace time (``docs/contributing.md``, "Python state at trace time").
 
 :func:`probe_linen` probes every Flax linen module's output without editing the model
 (``flax.linen.intercept_methods``); :func:`probe_nnx` does the same for an NNX model.
@@ -115,6 +118,11 @@ def probe(x: Any, name: str) -> Any:
     Outside a probed differentiation it returns ``x`` untouched (no cost). ``x`` may be a
     pytree: every float leaf is probed, named ``name``, ``name[1]``, ... A name used twice
     gets ``#2``, ``#3``, ... appended.
+
+    A probe inside a nested transformation of the probed function (an inner ``jax.jit`` or
+    jitted ``model.apply``, ``jax.checkpoint``, ``lax.scan``, an inner ``vmap``, their Flax
+    versions) raises a ValueError at trace time: probe the transformed call's output instead,
+    or transform the whole :func:`probed_value_and_grad` call.
 
     Args:
       x: an array (or pytree) of the forward pass, e.g. a layer's output.

@@ -302,3 +302,20 @@ def test_probes_under_shard_map_measure_each_device(check_vma):
         per_device, mesh=mesh, in_specs=(P(), P("d")), out_specs=P("d"), check_vma=check_vma
     )
     assert np.asarray(jax.jit(run)(jnp.float32(1.0), x)).tolist() == [[4.0], [8.0]]
+
+
+def test_a_python_int_argument_stays_a_python_int():
+    def loss(p, x, repeats):
+        h = x
+        for _ in range(repeats):  # needs a Python int, as jax.value_and_grad passes it
+            h = h * 1.0
+        return jnp.sum(_forward(p, h))
+
+    _, grads, _ = jdls.layer_scaled_value_and_grad(loss, SCALES)(_params(), X, 2)
+    _assert_tree_equal(grads, jax.grad(loss)(_params(), X, 2))
+
+    def probed(w, repeats):
+        return jnp.sum(jdls.probe(w * float(repeats), "h"))
+
+    _, g, t = jdls.probed_value_and_grad(probed, jdls.StaticScale(2.0))(jnp.ones(2), 3)
+    assert g.tolist() == [3.0, 3.0] and float(t.amax[0]) == 2.0
