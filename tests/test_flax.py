@@ -369,7 +369,7 @@ def test_nnx_stats_and_scale_are_snapshots():
 def test_nnx_value_and_grad_with_rngs_and_batch_stats():
     model, optimizer = make_nnx(dropout=True)
     scale = jdls.get_scale(optimizer)
-    with pytest.raises(TypeError, match=r"NNX object .* jdls\.nnx_value_and_grad\(fun, scale\)"):
+    with pytest.raises(TypeError, match=r"NNX object .* jdls\.nnx\.value_and_grad\(fun, scale\)"):
         scale.value_and_grad(nnx_loss)(model)
     mean_before = np.asarray(model.norm.mean[...])
     loss, grads = jdls.nnx.value_and_grad(nnx_loss, scale)(model)
