@@ -196,7 +196,7 @@ def multi_loss_value_and_grad(
         if split is not None:  # non-array leaves (an Equinox model): held fixed, None gradients
             forward, primals = _combined(forward, split), split.diff()
         losses, aux, total, finite, measured = run(
-            forward, primals, keys, scale_list, weight_list, has_aux
+            forward, primals, keys, scale_list, weight_list, has_aux, with_amax
         )
         if split is not None:
             total = split.grads(total)
@@ -260,7 +260,8 @@ def _per_loss(
     scale_list: list[LossScale],
     weight_list: list[Any],
     has_aux: bool,
-) -> tuple[Any, Any, list[Any], list[jax.Array], list[jax.Array]]:
+    measure: bool,
+) -> tuple[Any, Any, list[Any], list[jax.Array], list[Any]]:
     """One forward pass, one backward pass per loss, summed after unscaling."""
     if has_aux:
         losses, vjp_fn, aux = jax.vjp(forward, *primals, has_aux=True)
@@ -270,7 +271,7 @@ def _per_loss(
     depends = _dependence(forward, primals, keys, has_aux)
     total: Any = None
     finite: list[jax.Array] = []
-    amaxes: list[jax.Array] = []
+    amaxes: list[Any] = []
     for i, scale in enumerate(scale_list):
         cotangent = _rebuild(
             losses,
@@ -288,7 +289,7 @@ def _per_loss(
         ]
         own = [g for g, on in zip(leaves, depends, strict=True) if i in on]
         finite.append(all_finite(own))
-        amaxes.append(_amax(own))
+        amaxes.append(_amax(own) if measure else None)
         grads = _weighted(jax.tree_util.tree_unflatten(tree, leaves), weight_list[i])
         total = grads if total is None else jax.tree_util.tree_map(_add, total, grads)
     return losses, aux, total, finite, amaxes
@@ -301,7 +302,8 @@ def _one_pass(
     scale_list: list[LossScale],
     weight_list: list[Any],
     has_aux: bool,
-) -> tuple[Any, Any, list[Any], list[jax.Array], list[jax.Array]]:
+    measure: bool,
+) -> tuple[Any, Any, list[Any], list[jax.Array], list[Any]]:
     """One backward pass, each value's cotangent at the scale of the losses depending on it."""
     flat, in_tree = jax.tree_util.tree_flatten(primals)
     found: dict[str, Any] = {}
@@ -370,17 +372,18 @@ def _one_pass(
         nonfinite = bad[levels.index[s]] > 0
         if s in by_set:
             nonfinite = nonfinite | ~all_finite(by_set[s])
-            # measured by those it would blame: of tied scales, the largest cotangent's
-            culprits = levels.culprits(s, size)
-            a = _amax(by_set[s])
-            measured = jnp.maximum(measured, jnp.where((culprits > 0) & jnp.isfinite(a), a, 0.0))
+            if measure:  # measured by those it would blame: of tied scales, the largest's
+                culprits = levels.culprits(s, size)
+                a = _amax(by_set[s])
+                top = jnp.where((culprits > 0) & jnp.isfinite(a), a, 0.0)
+                measured = jnp.maximum(measured, top)
         blamed = blamed + nonfinite.astype(_F32) * levels.culprits(s, size)
     finite = [blamed[i] == 0 for i in range(len(keys))]
     # a non-finite measurement where the loss is flagged (as jdls.wrap measures an overflow)
     measured = jnp.where(blamed > 0, jnp.inf, measured)
-    reached = {
-        s: functools.reduce(jnp.logical_or, [entered[levels.index[r]] > 0 for r in sets if r <= s])
-        for s in by_set
+    # the regions a non-finite cotangent entered (sets of several losses), by parameter set
+    entries = {
+        s: [entered[levels.index[r]] > 0 for r in sets if len(r) > 1 and r <= s] for s in by_set
     }
     out: list[Any] = []
     for g in grads:
@@ -388,7 +391,9 @@ def _one_pass(
             out.append(g)
             continue
         g, s = g
-        g = jnp.where(reached[s], g + jnp.asarray(jnp.nan, g.dtype), g)
+        if entries[s]:
+            reached = functools.reduce(jnp.logical_or, entries[s])
+            g = jnp.where(reached, g + jnp.asarray(jnp.nan, g.dtype), g)
         out.append(_weighted(g, weight_list[next(iter(s))]) if len(s) == 1 else g)
     grads = out
 

@@ -199,7 +199,8 @@ class DynamicScale(LossScale):
           grad_amax: the largest magnitude of the step's unscaled gradients
             (``optax.tree_utils.tree_norm(grads, ord=jnp.inf)``), for rules that use it
             (``rule.observes``, e.g. :class:`jdls.rules.Adaptive`: :func:`jdls.wrap`,
-            :func:`jdls.wrap_groups` and :func:`jdls.adjust_layer_scales` pass it to them);
+            :func:`jdls.wrap_groups`, :func:`jdls.adjust_layer_scales` and
+            :func:`jdls.adjust_loss_scales` pass it to them);
             ignored by a rule that does not use it.
 
         Raises:
@@ -267,7 +268,8 @@ def missing_measurement(rule: Rule) -> str:
         f"and none was given: pass it, scale.adjust(finite, "
         "grad_amax=optax.tree_utils.tree_norm(grads, ord=jnp.inf)); or let jdls measure it: "
         "jdls.wrap, jdls.wrap_groups and jdls.linen.TrainState do, per layer "
-        "jdls.adjust_layer_scales(scales, grads), per loss jdls.adjust_loss_scales. "
+        "jdls.adjust_layer_scales(scales, grads), per loss jdls.adjust_loss_scales(scales, "
+        "finite, grad_amax) with jdls.multi_loss_value_and_grad(..., with_amax=True). "
         "(scale.adjust(False) needs no measurement: an overflow backs off.)"
     )
 
