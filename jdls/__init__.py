@@ -27,6 +27,7 @@ from jdls._probe import (
     probed_value_and_grad,
 )
 from jdls._retry import SkipCause
+from jdls._retrying import retrying
 from jdls._scale import AdaptiveScale, DynamicScale, LossScale, NoOpScale, StaticScale
 from jdls._stats import (
     Stats,
@@ -87,6 +88,7 @@ __all__ = [
     "probe_nnx",
     "probed_value_and_grad",
     "rescale_boundary",
+    "retrying",
     "rules",
     "set_nnx_scale",
     "set_scale",
