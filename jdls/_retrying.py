@@ -29,12 +29,16 @@ import optax
 from jax import lax
 
 from jdls._checks import all_finite, check_int
-from jdls._norm import AxisName, sharded_flags
+from jdls._norm import AxisName, sharded_flags, vary_like
 from jdls._retry import SkipCause, mean_unsharded
 from jdls._scale import DynamicScale, LossScale
 from jdls._stats import Stats, WrapState, get_scale, replace_scale, stats
 
 __all__ = ["retrying"]
+
+#: Whether the retry loop's carry is fenced with ``lax.optimization_barrier`` (read when a step
+#: is traced; ``benchmarks/bench_retry.py`` measures the step without them).
+_BARRIERS = True
 
 
 def retrying(
@@ -137,28 +141,46 @@ def retrying(
                 _check_not_averaged(out[0] if has_aux else out, p, axis_name)
             return out, mean_unsharded(grads, axis_name, sharded)
 
-        out, grads = differentiate(scale)
-        loss = out[0] if has_aux else out
-        tries = jnp.zeros((), jnp.int32)
-        if retries:
-            loss_finite = agree(all_finite(loss))
-
+        if not retries:
+            out, grads = differentiate(scale)
+            tries = jnp.zeros((), jnp.int32)
+        else:
+            # Every attempt, the first included, runs in the loop body: one copy of the forward
+            # and backward pass in the program, so that its temporaries are those of the step
+            # without retries (a first attempt outside the loop kept its own and the loop's).
             def more(carry: tuple[Any, ...]) -> jax.Array:
-                _, _, finite, n = carry
-                return ~finite & loss_finite & (n < retries)
+                _, _, _, finite, loss_finite, n = carry
+                return (n == 0) | (~finite & loss_finite & (n <= retries))
 
             def attempt(carry: tuple[Any, ...]) -> tuple[Any, ...]:
-                s, _, _, n = carry
-                lower = s.adjust(False)  # this attempt's overflow, as the rule counts it
-                _, g = differentiate(lower)
-                return lower, g, agree(all_finite(g)), n + 1
+                s, _, _, _, _, n = carry
+                # After the first attempt, each one is one overflow for the rule.
+                s = jax.tree_util.tree_map(
+                    lambda now, lower: jnp.where(n == 0, now, lower), s, s.adjust(False)
+                )
+                out, grads = differentiate(s)
+                loss_finite = agree(all_finite(out[0] if has_aux else out))
+                return s, out, grads, agree(all_finite(grads)), loss_finite, n + 1
 
-            carry = (scale, grads, agree(all_finite(grads)), tries)
-            # The barriers keep the loop's carry in the layout of the gradients outside it:
-            # without them XLA:CPU copies the gradients in and out of the loop on every step.
-            carry = lax.optimization_barrier(carry)
-            scale, grads, _, tries = lax.optimization_barrier(lax.while_loop(more, attempt, carry))
+            shapes = jax.eval_shape(lambda: differentiate(scale))
+            out, grads = jax.tree_util.tree_map(
+                lambda t: vary_like(jnp.zeros(t.shape, t.dtype), t), shapes
+            )
+            carry = (scale, out, grads, jnp.array(False), jnp.array(True), jnp.int32(0))
+
+            # Only the gradients (and the scale, the loss) pass through the loop, never the
+            # optimizer state; the barriers keep XLA from moving the update into the loop.
+            # One barrier per leaf: a barrier over several values makes them all vary across
+            # the axes any of them varies over (shard_map with check_vma).
+            def fence(tree: Any) -> Any:
+                if not _BARRIERS:
+                    return tree
+                return jax.tree_util.tree_map(lax.optimization_barrier, tree)
+
+            scale, out, grads, _, _, n = fence(lax.while_loop(more, attempt, fence(carry)))
+            tries = n - 1
             opt_state = replace_scale(opt_state, scale)
+        loss = out[0] if has_aux else out
         before = stats(opt_state)
         updates, opt_state = update(grads, opt_state, params, value=loss)
         opt_state = _record(opt_state, before, tries)
