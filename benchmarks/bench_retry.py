@@ -165,12 +165,12 @@ def suite(quick: bool = False, rounds: int | None = None) -> list[h.Section]:
         ),
         run(
             bench_step.mlp_workload(quick),
-            rounds=rounds or (3 if quick else 25),
+            rounds=rounds or (3 if quick else 20),
             warmup=1 if quick else 2,
         ),
         run(
             bench_step.transformer_workload(quick),
-            rounds=rounds or (3 if quick else 15),
+            rounds=rounds or (3 if quick else 12),
             warmup=1 if quick else 2,
         ),
     ]
