@@ -5,17 +5,18 @@ optimizer, the step taken directly at the backed-off scale with the same batch::
 
     scale = jdls.get_scale(opt_state)
     loss, grads = differentiate(scale)                       # per device, then averaged
-    while grads overflow and the loss is finite and tries < retries:      # lax.while_loop
+    while grads overflow and the loss is finite and tries < retries:
         scale = scale.adjust(False)                          # one overflow, as the rule counts it
         loss, grads = differentiate(scale)                   # the same batch
-    opt_state = replace the scale with the settled one
-    updates, opt_state = tx.update(grads, opt_state, params, value=loss)  # once, outside the loop
+    opt_state = the state with the settled scale
+    updates, opt_state = tx.update(grads, opt_state, params, value=loss)  # once, after the loop
 
-Only the gradients (and the scale) pass through the loop, never the optimizer state: the
-whole chain (clipping before the wrap, transformations after it, ``inject_hyperparams``,
-``MultiSteps`` inside the wrap) runs once, on the gradients of the attempt that settled. A
-finite step never enters the loop; ``lax.optimization_barrier`` around its carry keeps XLA
-from giving the gradients another layout (and so another buffer) in the loop.
+Every attempt, the first included, is one iteration of a single ``lax.while_loop``, so the
+compiled program holds one forward and backward pass and its temporaries are those of the step
+without retries. Only the loss, the gradients and the scale pass through the loop, never the
+optimizer state: the whole chain (clipping before the wrap, transformations after it,
+``inject_hyperparams``, ``MultiSteps`` inside the wrap) runs once, on the gradients of the
+attempt that settled.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def retrying(
     2. while the gradients are not finite, the loss is finite and fewer than ``retries``
        attempts were made, backs the scale off as the rule does on an overflow
        (``scale.adjust(False)``) and differentiates the same batch again, inside the compiled
-       step (``lax.while_loop``; a finite step never enters it);
+       step (``lax.while_loop``; a finite step takes one iteration, its first attempt);
     3. runs ``tx.update(grads, opt_state, params, value=loss)`` once, with the scale set to
        the one the loop settled on, and applies the updates.
 
@@ -80,7 +81,8 @@ def retrying(
         :class:`jdls.DynamicScale` (or a preset).
       retries: the most recomputations per step (>= 0; 0 is the plain step).
       has_aux: ``loss_fn`` returns ``(loss, aux)``; the step returns ``(loss, aux)`` of the
-        first attempt (the forward pass does not depend on the scale).
+        attempt applied (the same as the first attempt's: the forward pass does not depend
+        on the scale).
       axis_name: inside ``shard_map`` or ``pmap``, the data-parallel axis: every device
         differentiates its own loss and the gradients are averaged with ``lax.pmean`` (as in
         the step without retries), and every device takes the same retry decisions. Give

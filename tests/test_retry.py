@@ -107,13 +107,17 @@ SHAPES = {
 }
 
 
+#: Jitted, the hand-written step is another XLA program, which fuses the clipping before the
+#: wrap differently from the retrying step: their parameters differ in the last bit.
+CLIP_BEFORE_THE_WRAP = ("clip_then_wrap", "optax_clip_then_wrap", "inject_hyperparams_before")
+
+
 @pytest.mark.parametrize("shape", list(SHAPES))
 @with_and_without_jit
 def test_retried_step_equals_the_direct_step_at_the_backed_off_scale(shape, jit):
     """Bit for bit: the same step fed the same batch at the backed-off scale (the same
-    compiled program), and, eagerly, the hand-written step ``tx.update`` once at that scale.
-    Jitted, the hand-written step is another program, which XLA may fuse differently: equal
-    to the last few ulps."""
+    compiled program), and the hand-written step (``tx.update`` once at that scale), eagerly
+    and jitted; jitted with clipping before the wrap, to the last bit of the parameters."""
     tx = SHAPES[shape]()
     params = {"w": jnp.ones(3)}
     state = tx.init(params)
@@ -131,9 +135,9 @@ def test_retried_step_equals_the_direct_step_at_the_backed_off_scale(shape, jit)
     ref = maybe_jit(lambda p, s, sc: direct_step(tx, loss_fn, p, s, sc, OVERFLOWING), jit)(
         params, state, backed_off(state)
     )
-    if jit:
+    if jit and shape in CLIP_BEFORE_THE_WRAP:
         assert_bitwise_equal(jdls.get_scale(new_state), jdls.get_scale(ref[1]))
-        np.testing.assert_allclose(new_params["w"], ref[0]["w"], rtol=0, atol=2**-23)  # 1 ulp of 1
+        np.testing.assert_allclose(new_params["w"], ref[0]["w"], rtol=0, atol=2**-23)  # 1 ulp
     else:
         assert_retried_equals_direct((new_params, new_state), ref)
 
