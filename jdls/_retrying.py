@@ -30,7 +30,7 @@ import optax
 from jax import lax
 
 from jdls._checks import all_finite, check_int
-from jdls._norm import AxisName, sharded_flags, vary_like
+from jdls._norm import AxisName, vary_like
 from jdls._retry import SkipCause, mean_unsharded
 from jdls._scale import DynamicScale, LossScale
 from jdls._stats import Stats, WrapState, get_scale, replace_scale, stats
@@ -49,7 +49,7 @@ def retrying(
     retries: int = 2,
     has_aux: bool = False,
     axis_name: AxisName | None = None,
-    sharded: bool | Any | Callable[[Any], Any] | None = None,
+    sharded: bool | None = None,
 ) -> Callable[..., tuple[Any, Any, Any]]:
     """A train step that never drops a batch because the loss scale was too high.
 
@@ -87,8 +87,10 @@ def retrying(
         differentiates its own loss and the gradients are averaged with ``lax.pmean`` (as in
         the step without retries), and every device takes the same retry decisions. Give
         ``jdls.wrap`` the same ``axis_name``.
-      sharded: with ``axis_name``: which parameters are sharded across it (each device
-        holds a different part; their gradients are not averaged), as in :func:`jdls.wrap`.
+      sharded: only None or False: parameters sharded across ``axis_name`` inside
+        ``shard_map`` (FSDP, ZeRO) are refused, since their gradients are reduced inside the
+        backward pass, not averaged by the step; shard them with ``jax.jit`` and
+        ``NamedSharding`` instead (no ``axis_name``), where the retried step is exact.
 
     Returns:
       ``step(params, opt_state, *batch)`` returning ``(params, opt_state, loss)`` (or
@@ -97,7 +99,8 @@ def retrying(
     Raises:
       ValueError: at trace time, ``tx`` holds no wrap or several, its scale cannot back off,
         the wrap sits inside ``optax.MultiSteps`` (use ``jdls.wrap(optax.MultiSteps(...))``),
-        or, under ``shard_map``, ``loss_fn`` returned a loss already averaged across
+        or, under ``shard_map`` with ``check_vma``, a parameter varies across ``axis_name``
+        (sharded) or ``loss_fn`` returned a loss already averaged across
         ``axis_name``.
 
     Example:
@@ -113,6 +116,12 @@ def retrying(
       (1, 16384.0)
     """
     retries = check_int("retries", retries, 0)
+    if sharded not in (None, False):
+        raise ValueError(
+            f"jdls.retrying(sharded={sharded!r}): parameters sharded across axis_name inside "
+            "shard_map are not supported (their gradients are reduced inside the backward "
+            "pass); shard them with jax.jit and NamedSharding instead, without axis_name"
+        )
     if not isinstance(tx, optax.GradientTransformation) and not (
         callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))
     ):
@@ -137,11 +146,11 @@ def retrying(
         scale = _check_state(opt_state, retries)
 
         def differentiate(s: LossScale) -> tuple[Any, Any]:
-            p = _per_device(params, axis_name, sharded)
+            p = _per_device(params, axis_name)
             out, grads = s.value_and_grad(loss_fn, has_aux=has_aux)(p, *batch)
             if axis_name is not None:
                 _check_not_averaged(out[0] if has_aux else out, p, axis_name)
-            return out, mean_unsharded(grads, axis_name, sharded)
+            return out, mean_unsharded(grads, axis_name, False)
 
         if not retries:
             out, grads = differentiate(scale)
@@ -219,26 +228,30 @@ def _check_state(opt_state: Any, retries: int) -> LossScale:
     return scale
 
 
-def _per_device(params: Any, axis_name: AxisName | None, sharded: Any) -> Any:
+def _per_device(params: Any, axis_name: AxisName | None) -> Any:
     """``params`` marked as varying over ``axis_name`` (``shard_map`` with ``check_vma``), so
     that each device differentiates its own loss: otherwise JAX sums the per-device gradients
     of replicated parameters inside the backward pass. A no-op elsewhere."""
     if axis_name is None:
         return params
     axes = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-    leaves, treedef = jax.tree_util.tree_flatten(params)
-    flags = sharded_flags(sharded, params) or [False] * len(leaves)
 
-    def vary(x: Any, is_sharded: bool) -> Any:
-        if is_sharded or not isinstance(x, jax.Array):
+    def vary(path: Any, x: Any) -> Any:
+        if not isinstance(x, jax.Array):
             return x
         have = _varying(x)
-        missing = tuple(a for a in axes if a not in have)
-        return lax.pcast(x, missing, to="varying") if missing else x
+        if any(a in have for a in axes):
+            raise ValueError(
+                f"jdls.retrying(axis_name={axis_name!r}): the parameter at "
+                f"{jax.tree_util.keystr(path) or '<root>'} varies across {axis_name!r} "
+                "(sharded inside shard_map), whose gradients the backward pass reduces, so "
+                "the step cannot average them as the direct step does; pass the parameters "
+                "replicated (in_specs P()), or shard them with jax.jit and NamedSharding "
+                "(no axis_name)"
+            )
+        return lax.pcast(x, axes, to="varying") if axes else x
 
-    return jax.tree_util.tree_unflatten(
-        treedef, [vary(x, s) for x, s in zip(leaves, flags, strict=True)]
-    )
+    return jax.tree_util.tree_map_with_path(vary, params)
 
 
 def _varying(x: Any) -> frozenset[Any]:

@@ -362,6 +362,23 @@ def test_shard_map_refuses_a_loss_averaged_across_devices():
         jax.jit(f)(params, state, c)
 
 
+def test_shard_map_refuses_sharded_parameters():
+    mesh = _mesh()
+    tx = _layout_tx("d")
+    params = jax.device_put({"w": jnp.ones(N)}, NamedSharding(mesh, P("d")))
+    state = tx.init({"w": jnp.ones(N)})
+    c = jax.device_put(jnp.ones(N), NamedSharding(mesh, P("d")))
+
+    def local(params, state, c):
+        return jdls.retrying(loss_fn, tx, axis_name="d")(params, state, c)[0]
+
+    f = jax.shard_map(local, mesh=mesh, in_specs=(P("d"), P(), P("d")), out_specs=P("d"))
+    with pytest.raises(ValueError, match=r"the parameter at \['w'\] varies across 'd'"):
+        jax.jit(f)(params, state, c)
+    with pytest.raises(ValueError, match="sharded=True.*not supported.*jax.jit and NamedSharding"):
+        jdls.retrying(loss_fn, tx, axis_name="d", sharded=True)
+
+
 def test_pmap_equals_the_direct_step():
     devices = jax.devices()[:N]
     tx = _layout_tx("d")
