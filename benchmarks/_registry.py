@@ -70,7 +70,7 @@ SUITES: dict[str, Suite] = {
             "retries",
             "benchmarks.bench_retry",
             "suite",
-            "retries=2 + value_fn: a finite step, a step that retries once, compiled memory",
+            "jdls.retrying(retries=2): a finite step, a step that retries once, memory, HLO copies",
         ),
         Suite(
             "capabilities",

@@ -19,7 +19,7 @@ step with ``jdls.wrap(adam)`` (``jdls.DynamicScale()``), as ``bench_step`` times
   and ``jdls.wrap(adam, jdls.NoOpScale())`` to skip. The transformer ties its embedding: the
   array is passed as a parameter of both ``embed`` and ``head``, and the two gradients are
   added in the step (target <= 1.05x);
-* retries: ``jdls.wrap(adam, retries=2)`` with ``value_fn``, a finite step (target
+* retries: ``jdls.retrying(loss, jdls.wrap(adam), retries=2)``, a finite step (target
   <= 1.01x; ``bench_retry`` also times a step that retries);
 * per-loss scales (transformer): the cross-entropy and PaLM's auxiliary z-loss
   (``1e-4 * mean(logsumexp(logits)**2)``) through ``jdls.multi_loss_value_and_grad`` with one
@@ -234,8 +234,8 @@ def specs(model: Model) -> list[Spec]:
             "per-layer scales",
         ),
         Spec(
-            "jdls.wrap(adam, retries=2) + value_fn, finite step",
-            lambda: bench_step.jdls_method(loss, jdls.wrap(adam(), retries=2), retrying=True),
+            "jdls.retrying(loss, jdls.wrap(adam), retries=2), finite step",
+            lambda: bench_step.jdls_method(loss, jdls.wrap(adam()), retries=2),
             1.01,
             "retries",
         ),

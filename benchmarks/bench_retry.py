@@ -1,28 +1,32 @@
-"""Cost of retries: a finite step with ``retries=2`` and ``value_fn`` against the same step
-without, a step that retries once against a normal step, and their compiled memory.
+"""Cost of retries: a finite step of ``jdls.retrying(loss, jdls.wrap(adam), retries=2)``
+against the same step without retries, a step that retries once, compiled memory and copies.
 
-The full train step of ``bench_step`` (MLP and transformer, float16 compute, ``jdls.wrap(adam)``
-at a scale of ``2**15``), with one scalar parameter added, ``probe``, that only an injected
-outlier touches: the loss is ``model_loss + probe * c`` in float16, so with ``c = 3`` the
-scaled gradient of ``probe`` (``3 * 2**15``) overflows float16 and at ``2**14`` it does not.
-Every case starts each call from the scale ``2**15`` (set at the start of the step, the same
-for every case), so a ``c = 3`` batch retries once on every call. Cases:
+The full train steps of ``bench_step`` (float16 compute, ``jdls.wrap(adam)`` at a scale of
+``2**15``): the MLP 512-1024-1024-1024-10 at batch 256, the suite's MLP and its transformer,
+each with one scalar parameter added, ``probe``, that only an injected outlier touches: the
+loss is ``model_loss + probe * c`` in float16, so with ``c = 3`` the scaled gradient of
+``probe`` (``3 * 2**15``) overflows float16 and at ``2**14`` it does not. Every case starts
+each call from the scale ``2**15`` (set at the start of the step, the same for every case), so
+a ``c = 3`` batch retries once on every call. Cases:
 
-* ``jdls.wrap(adam)``: the baseline, ``c = 0``;
-* ``retries=2 + value_fn, finite``: the same step with ``jdls.wrap(adam, retries=2)`` and
-  ``tx.update(..., value_fn=f)``, ``c = 0`` (target: <= 1.01x);
-* ``retries=2 + value_fn, retries once``: ``c = 3``: one extra forward and backward inside the
-  step (target: <= 2.1x).
+* ``jdls.wrap(adam)``: the baseline, the hand-written step (``get_scale``,
+  ``scale.value_and_grad``, ``tx.update``, ``apply_updates``), ``c = 0``;
+* ``retrying, finite``: ``jdls.retrying(loss, tx, retries=2)``, ``c = 0`` (target:
+  <= 1.02x, goal 1.01x);
+* ``retrying without barriers, finite``: the same without the ``lax.optimization_barrier``
+  around the retry loop's carry (what the barriers save);
+* ``retrying, retries once``: ``c = 3``: one extra forward and backward inside the step.
 
 Memory: ``memory_analysis()`` of each compiled step (parameters and state donated): the
 temporary bytes, and the difference to the baseline in units of one float32 gradient buffer
-(target: at most one). Run::
+(target: at most one); beside it the ``copy`` instructions of the compiled HLO module. Run::
 
     python -m benchmarks retries [--quick] [--rounds N]
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -31,7 +35,9 @@ import jax.numpy as jnp
 
 import jdls
 from benchmarks import _harness as h
+from benchmarks import _models as m
 from benchmarks import bench_step
+from jdls import _retrying
 
 SCALE = 2.0**15
 OUTLIER = 3.0  # 3 * 2**15 overflows float16 (65504), 3 * 2**14 does not
@@ -40,6 +46,7 @@ COLUMNS = (
     *h.TIME_COLUMNS,
     ("temp_mib", "temp MiB", ".2f"),
     ("extra_grad_buffers", "Δtemp / gradient buffer", "+.2f"),
+    ("hlo_copies", "HLO copies", "d"),
     ("retries", "retries", ""),
 )
 
@@ -55,9 +62,10 @@ def with_probe(loss: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
     return probed
 
 
-def make_step(loss: Callable[..., jax.Array], tx: Any, retrying: bool) -> Callable[..., Any]:
-    """``bench_step``'s jdls step, from the scale ``2**15`` on every call."""
-    inner = bench_step.jdls_method(loss, tx, retrying).step
+def make_step(loss: Callable[..., jax.Array], tx: Any, retries: int) -> Callable[..., Any]:
+    """``bench_step``'s jdls step (``jdls.retrying`` with ``retries``), from the scale ``2**15``
+    on every call."""
+    inner = bench_step.jdls_method(loss, tx, retries).step
 
     def step(params: Any, state: Any, batch: Any) -> tuple[Any, Any, jax.Array]:
         return inner(params, jdls.set_scale(state, jdls.DynamicScale(SCALE)), batch)
@@ -65,27 +73,65 @@ def make_step(loss: Callable[..., jax.Array], tx: Any, retrying: bool) -> Callab
     return step
 
 
+def hlo_copies(runner: bench_step.Runner) -> int:
+    """``copy`` instructions in the compiled HLO module of ``runner``'s step."""
+    text = runner.fn.lower(runner.params, runner.state, runner.batch).compile().as_text()
+    return len(re.findall(r"\bcopy\(", text))
+
+
+def mlp_512_workload(quick: bool) -> bench_step.Workload:
+    """The MLP 512-1024-1024-1024-10 at batch 256 (float16 compute, Adam)."""
+    config = (
+        m.MLPConfig(widths=(32, 64, 64, 10), batch=16)
+        if quick
+        else m.MLPConfig(widths=(512, 1024, 1024, 1024, 10), batch=256)
+    )
+    return bench_step.Workload(
+        "mlp-512",
+        "Full train step, MLP " + "-".join(map(str, config.widths)),
+        m.mlp_loss,
+        m.mlp_init(config),
+        m.mlp_batch(config),
+        m.mlp_batch(config, poison=True),
+        config.n_params,
+        f"MLP {'-'.join(map(str, config.widths))}, {config.n_params:,} float32 parameters, "
+        f"float16 compute, batch {config.batch}",
+        config,
+    )
+
+
 def run(work: bench_step.Workload, *, rounds: int, warmup: int) -> h.Section:
     loss = with_probe(work.loss)
     params = {"model": work.params, "probe": jnp.zeros((), jnp.float32)}
     finite = {"data": work.batch, "c": jnp.float32(0.0)}
     outlier = {"data": work.batch, "c": jnp.float32(OUTLIER)}
-    plain = jdls.wrap(bench_step.adam())
-    retrying = jdls.wrap(bench_step.adam(), retries=2)
+    # (label, retries, barriers, batch, expected retries)
     specs = [
-        ("jdls.wrap(adam)", plain, False, finite, 0),
-        ("retries=2 + value_fn, finite", retrying, True, finite, 0),
-        ("retries=2 + value_fn, retries once", retrying, True, outlier, 1),
+        ("jdls.wrap(adam)", 0, True, finite, 0),
+        ("jdls.retrying(retries=2), finite", 2, True, finite, 0),
+        ("jdls.retrying(retries=2) without barriers, finite", 2, False, finite, 0),
+        ("jdls.retrying(retries=2), retries once", 2, True, outlier, 1),
     ]
     h.log(f"{work.title}: compiling {len(specs)} cases")
-    runners = [
-        bench_step.Runner(bench_step.Method(tx.init, make_step(loss, tx, r)), params, b)
-        for _, tx, r, b, _ in specs
-    ]
+    runners = []
+    for _, retries, barriers, batch, _ in specs:
+        tx = jdls.wrap(bench_step.adam())
+        _retrying._BARRIERS = barriers  # read when the step is traced, in Runner()
+        try:
+            method = bench_step.Method(tx.init, make_step(loss, tx, retries))
+            runners.append(bench_step.Runner(method, params, batch))
+            copies = hlo_copies(runners[-1])
+        finally:
+            _retrying._BARRIERS = True
+        runners[-1].copies = copies  # type: ignore[attr-defined]
     grad_bytes = 4 * (work.n_params + 1)  # one float32 gradient buffer
     temps = [r.temp_bytes() for r in runners]
     cases = [
-        h.Case(label, r, info=h.temp_info(temp, temps[0], grad_bytes))
+        h.Case(
+            label,
+            r,
+            info={**h.temp_info(temp, temps[0], grad_bytes), "hlo_copies": r.copies},  # type: ignore[attr-defined]
+        )
         for (label, *_), r, temp in zip(specs, runners, temps, strict=True)
     ]
     rows = h.time_cases(cases, rounds=rounds, warmup=warmup)
@@ -99,7 +145,8 @@ def run(work: bench_step.Workload, *, rounds: int, warmup: int) -> h.Section:
         f"{work.description}, plus one scalar parameter (the outlier's probe); parameters and "
         f"optimizer state donated; {rounds} interleaved rounds; ratio = median of the "
         "per-round ratios to `jdls.wrap(adam)`; Δtemp in units of one float32 gradient "
-        f"buffer ({grad_bytes / 2**20:.2f} MiB)."
+        f"buffer ({grad_bytes / 2**20:.2f} MiB); HLO copies: `copy` instructions in the "
+        "compiled module."
     )
     config = {"workload": work.description, "n_params": work.n_params, "rounds": rounds}
     return h.Section(
@@ -108,16 +155,22 @@ def run(work: bench_step.Workload, *, rounds: int, warmup: int) -> h.Section:
 
 
 def suite(quick: bool = False, rounds: int | None = None) -> list[h.Section]:
-    """The ``retries`` suite: the MLP and the transformer of ``bench_step``."""
+    """The ``retries`` suite: the MLP 512-1024-1024-1024-10, and the MLP and the transformer
+    of ``bench_step``."""
     return [
         run(
+            mlp_512_workload(quick),
+            rounds=rounds or (3 if quick else 25),
+            warmup=1 if quick else 2,
+        ),
+        run(
             bench_step.mlp_workload(quick),
-            rounds=rounds or (3 if quick else 30),
+            rounds=rounds or (3 if quick else 20),
             warmup=1 if quick else 2,
         ),
         run(
             bench_step.transformer_workload(quick),
-            rounds=rounds or (3 if quick else 20),
+            rounds=rounds or (3 if quick else 12),
             warmup=1 if quick else 2,
         ),
     ]

@@ -76,16 +76,18 @@ def static_method(loss: Callable[..., jax.Array], tx: optax.GradientTransformati
 
 
 def jdls_method(
-    loss: Callable[..., jax.Array], tx: optax.GradientTransformation, retrying: bool = False
+    loss: Callable[..., jax.Array], tx: optax.GradientTransformation, retries: int = 0
 ) -> Method:
-    """jdls: the scale lives in the optimizer state of ``jdls.wrap``; with ``retrying``, the
-    update gets the ``value_fn`` that ``jdls.wrap(..., retries=N)`` recomputes gradients with."""
+    """jdls: the scale lives in the optimizer state of ``jdls.wrap``; with ``retries``, the
+    step is ``jdls.retrying(loss, tx, retries=retries)``."""
+    if retries:
+        step = jdls.retrying(loss, tx, retries=retries)
+        return Method(tx.init, step, lambda state: jdls.stats(state).skipped)
 
     def step(params: Any, state: Any, batch: Any) -> tuple[Any, Any, jax.Array]:
         scale = jdls.get_scale(state)
         value, grads = scale.value_and_grad(loss)(params, batch)
-        extra = {"value_fn": lambda p: loss(p, batch)} if retrying else {}
-        updates, state = tx.update(grads, state, params, **extra)
+        updates, state = tx.update(grads, state, params)
         return optax.apply_updates(params, updates), state, value
 
     return Method(tx.init, step, lambda state: jdls.stats(state).skipped)

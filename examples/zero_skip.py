@@ -10,11 +10,12 @@ batch away.
 
 The same data, the same injected outliers, trained two ways:
 
-* ``skip``: ``jdls.wrap(adam, scale)``: the overflowing batch is dropped, the step skipped,
-  the scale halved. Adam's step count, and so the schedule, falls behind the data.
-* ``retry``: ``jdls.wrap(adam, scale, retries=2)`` with ``tx.update(..., value_fn=f)``: the
-  gradients of the same batch are recomputed at the halved scale inside the compiled step, and
-  applied. No batch is dropped; the schedule step equals the data step.
+* ``skip``: ``jdls.retrying(loss_fn, jdls.wrap(adam, scale), retries=0)``, the plain step:
+  the overflowing batch is dropped, the step skipped, the scale halved. Adam's step count,
+  and so the schedule, falls behind the data.
+* ``retry``: ``jdls.retrying(loss_fn, jdls.wrap(adam, scale), retries=2)``: the gradients of
+  the same batch are recomputed at the halved scale inside the compiled step, and Adam runs
+  once on them. No batch is dropped; the schedule step equals the data step.
 
 The script prints the dropped batches of each run and saves a plot (dropped batches, and the
 schedule step against the data step), the one in docs/guides/retries.md.
@@ -64,10 +65,10 @@ def loss_fn(params: dict, x: jax.Array, y: jax.Array, outlier: jax.Array) -> jax
     return mse + probe
 
 
-def make_tx(steps: int, retries: int) -> optax.GradientTransformationExtraArgs:
+def make_tx(steps: int) -> optax.GradientTransformationExtraArgs:
     schedule = optax.cosine_decay_schedule(3e-3, steps)
     scale = jdls.DynamicScale(2.0**15, growth_interval=10, max_loss_scale=2.0**16)
-    return jdls.wrap(optax.adam(schedule), scale, retries=retries)
+    return jdls.wrap(optax.adam(schedule), scale)
 
 
 def train(steps: int, inject: np.ndarray, retries: int, seed: int) -> dict:
@@ -75,23 +76,21 @@ def train(steps: int, inject: np.ndarray, retries: int, seed: int) -> dict:
     key_p, key_x, key_w = jax.random.split(jax.random.key(seed), 3)
     params = init(key_p)
     w_true = jax.random.normal(key_w, (16, 1))
-    tx = make_tx(steps, retries)
+    tx = make_tx(steps)
     opt_state = tx.init(params)
+    # Differentiate, retry an overflow at the backed-off scale, run Adam once, apply.
+    train_step = jdls.retrying(loss_fn, tx, retries=retries)
 
     @jax.jit
     def step(params, opt_state, key, inject):
         x = jax.random.normal(key, (128, 16))
         y = jnp.tanh(x @ w_true)
-        scale = jdls.get_scale(opt_state)
         # The injected outlier: its scaled gradient 3 * scale overflows at 2**15, not at 2**14.
         outlier = jnp.where(inject, OUTLIER, 0.0)
-        loss, grads = scale.value_and_grad(loss_fn)(params, x, y, outlier)
-        updates, opt_state = tx.update(
-            grads, opt_state, params, value_fn=lambda p: loss_fn(p, x, y, outlier)
-        )
+        params, opt_state, loss = train_step(params, opt_state, x, y, outlier)
         stats = jdls.stats(opt_state)
         count = opt_state.inner_state[0].count  # Adam's step count: the schedule's step
-        return optax.apply_updates(params, updates), opt_state, (loss, stats.finite, count)
+        return params, opt_state, (loss, stats.finite, count)
 
     keys = jax.random.split(key_x, steps)
     applied, counts, losses = [], [], []
@@ -120,7 +119,10 @@ def plot(results: dict, inject: np.ndarray, path: str) -> None:
 
     steps = np.arange(1, len(inject) + 1)
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
-    styles = {"skip": ("tab:red", "skip only (jdls.wrap)"), "retry": ("tab:blue", "retries=2")}
+    styles = {
+        "skip": ("tab:red", "skip only (retries=0)"),
+        "retry": ("tab:blue", "jdls.retrying(retries=2)"),
+    }
     for name, r in results.items():
         color, label = styles[name]
         left.plot(steps, np.cumsum(~r["applied"]), color=color, label=label)

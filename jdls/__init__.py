@@ -22,6 +22,7 @@ from jdls._probe import (
     probed_value_and_grad,
 )
 from jdls._retry import SkipCause
+from jdls._retrying import retrying
 from jdls._scale import AdaptiveScale, DynamicScale, LossScale, NoOpScale, StaticScale
 from jdls._stats import (
     Stats,
@@ -77,6 +78,7 @@ __all__ = [
     "probe",
     "probed_value_and_grad",
     "rescale_boundary",
+    "retrying",
     "rules",
     "set_scale",
     "stats",

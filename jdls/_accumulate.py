@@ -3,7 +3,7 @@
 ``jdls.accumulate`` runs a ``lax.scan`` over the micro-batches of one step. Each micro-batch's
 loss and gradients are computed at the current scale and checked; with ``retries``, a
 micro-batch whose gradients overflow while its loss is finite is recomputed at lower scales,
-as ``jdls.wrap(..., retries=N)`` does for a whole step (``jdls/_retry.py``). A micro-batch that
+as ``jdls.retrying`` does for a whole step (``jdls/_retry.py``). A micro-batch that
 is still not finite is **dropped**: it never enters the sum, and the divisor is the number of
 micro-batches kept. Every failed attempt is one overflow for the scale's rule, so the scale
 backs off within the step, exactly as feeding the micro-batches one by one to

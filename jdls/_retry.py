@@ -1,11 +1,11 @@
-"""Retrying an overflowing step at a lower scale, inside the compiled step.
+"""The retry loop of ``jdls.accumulate`` (one micro-batch at lower scales) and the causes of a
+skipped step.
 
-When the gradients of a step are not finite but its loss is (the scaled backward overflowed),
-``jdls.wrap(..., retries=N)`` recomputes the gradients of the same batch from ``value_fn`` at
-the scale the rule backs off to, up to ``N`` times, in a ``lax.while_loop`` that a finite step
-never enters. A retried step is exactly what feeding the same batch again would do: each
-failed attempt is one overflowing step for the rule (``scale.adjust(False)``), the attempt that
-succeeds is one finite step. A step whose loss is not finite is never retried.
+When a micro-batch's gradients are not finite but its loss is (the scaled backward
+overflowed), :func:`retry` recomputes them at the scale the rule backs off to, up to ``N``
+times, in a ``lax.while_loop``: each failed attempt is one overflowing step for the rule
+(``scale.adjust(False)``). A whole train step is retried by :func:`jdls.retrying`
+(``jdls/_retrying.py``).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class SkipCause(enum.IntEnum):
     NONE = 0  #: the step was taken
     FORWARD = 1  #: the loss itself was not finite (bad data, a forward overflow)
     BACKWARD = 2  #: the loss was finite, the gradients were not, even after the retries
-    GRADIENTS = 3  #: the gradients were not finite, and no ``value_fn`` told the loss
+    GRADIENTS = 3  #: the gradients were not finite, and no loss was given to tell which
 
 
 class Attempt(NamedTuple):

@@ -45,7 +45,7 @@ class Stats(NamedTuple):
         leaf held an inf or NaN on the last step; :func:`jdls.wrap_groups`: a dict of the
         groups' flags); None otherwise.
       retries: int32, how many times the last step's gradients were recomputed at a lower
-        scale (``jdls.wrap(..., retries=N)``).
+        scale (:func:`jdls.retrying`).
       cause: int32, why the last step was skipped, a :class:`jdls.SkipCause` (0 if taken).
       retried_steps: int32, steps that needed at least one retry since ``init``.
     """

@@ -37,7 +37,7 @@ from jdls._norm import (
     flatten_floats,
     tree_norm,
 )
-from jdls._retry import classify, first_attempt, mean_unsharded, retry, value_and_grad_of
+from jdls._retry import classify, first_attempt
 from jdls._scale import DynamicScale, LossScale, check_scale
 from jdls._skip import cond_branches, keep_dtypes, select
 from jdls._stats import Stats, WrapState
@@ -45,6 +45,13 @@ from jdls._stats import Stats, WrapState
 __all__ = ["wrap"]
 
 _SKIP_WITH = ("cond", "select")
+
+_RETRIES_MOVED = (
+    "{} is gone: retries moved to a train step that owns differentiation and the update, so "
+    "that a retried step equals the direct one through the whole optimizer and on every "
+    "device layout: step = jdls.retrying(loss_fn, tx, retries=2), then "
+    "params, opt_state, loss = step(params, opt_state, *batch) (docs/guides/retries.md)"
+)
 
 
 def wrap(
@@ -105,11 +112,9 @@ def wrap(
       max_consecutive_skips: fail loudly (a ``FloatingPointError`` raised from the step,
         surfacing as a ``JaxRuntimeError`` that quotes it) once this many steps in a row were
         skipped, naming the likely causes; None (default) never fails.
-      retries: with ``tx.update(..., value_fn=f)``, where ``f(params)`` is this batch's
-        unscaled loss (or ``(loss, aux)``): when the gradients overflow but the loss is
-        finite, recompute them at the rule's backed-off scale, up to this many times, inside
-        the step; a step whose loss is not finite is never retried. Needs a
-        :class:`jdls.DynamicScale`. See docs/guides/retries.md.
+      retries: no longer here: retries moved to :func:`jdls.retrying`, a train step that
+        owns differentiation and the update; any value but 0 raises a ``TypeError`` that
+        says so.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a :class:`jdls.WrapState`.
@@ -145,12 +150,8 @@ def wrap(
     check_sharded(axis_name, sharded, max_norm is not None, "jdls.wrap")
     if max_consecutive_skips is not None:
         max_consecutive_skips = check_int("max_consecutive_skips", max_consecutive_skips, 1)
-    retries = check_int("retries", retries, 0)
-    if retries and not isinstance(scale0, DynamicScale):
-        raise ValueError(
-            f"retries={retries} needs a scale that backs off (jdls.DynamicScale or a preset); "
-            f"a {type(scale0).__name__} would retry at the same scale"
-        )
+    if retries != 0:
+        raise TypeError(_RETRIES_MOVED.format(f"jdls.wrap(..., retries={retries!r})"))
     if skip_with not in _SKIP_WITH:
         raise ValueError(f"skip_with must be one of {_SKIP_WITH}, got {skip_with!r}")
     for name, flag in (
@@ -208,7 +209,8 @@ def wrap(
     ) -> tuple[Any, WrapState]:
         _check_state(state)
         _check_match(updates, params)
-        value_fn = extra_args.pop("value_fn", None)
+        if "value_fn" in extra_args:
+            raise TypeError(_RETRIES_MOVED.format("tx.update(..., value_fn=...)"))
         tree = flatten_floats(updates)
 
         # Decide: one sum of squares gives finiteness and the global norm; a non-finite loss
@@ -223,23 +225,7 @@ def wrap(
             loss_finite = _finite_value(extra_args["value"], axis_name)
             finite = finite & loss_finite
 
-        # Retry an overflowing step at lower scales (a finite step never enters the loop).
         step = first_attempt(state.scale, tree, n, finite, loss_finite)
-        if value_fn is not None and retries:
-            if params is None:
-                raise ValueError("value_fn needs the params: tx.update(grads, state, params, ...)")
-            value_and_grad = value_and_grad_of(value_fn, params)
-
-            def recompute(scale: LossScale) -> tuple[jax.Array, Any]:
-                loss, grads = value_and_grad(scale)
-                return loss, mean_unsharded(grads, axis_name, sharded)
-
-            def agree(ok: jax.Array) -> jax.Array:
-                return ok if axis_name is None else lax.pmin(ok.astype(jnp.int32), axis_name) > 0
-
-            step = retry(step, tree.treedef, tree.float_idx, recompute, measure, retries, agree)
-            tree = tree._replace(leaves=step.leaves)
-            n, finite = step.norm, step.finite
 
         # Apply the inner update, or skip it.
         dynamic = {k: v for k, v in extra_args.items() if _is_arrays(v)}
@@ -255,7 +241,7 @@ def wrap(
             new_updates, inner_state = select(finite, apply(operands), state.inner_state)
 
         # Record the step and adjust the scale.
-        cause = classify(step, retrying=value_fn is not None and retries > 0)
+        cause = classify(step, retrying=False)
         stats = _record(state.stats, finite, n, tree, step.tries, cause)
         if max_consecutive_skips is not None:
             _fail_if_stuck(stats.consecutive_skips, max_consecutive_skips)

@@ -268,21 +268,19 @@ def test_errors_say_what_to_pass():
 
 
 def test_multisteps_with_retries_recomputes_the_micro_step():
-    """``jdls.wrap(optax.MultiSteps(...), retries=2)``: a scale-caused overflow of one
-    micro-step is retried before it reaches the accumulator."""
+    """``jdls.retrying`` over ``jdls.wrap(optax.MultiSteps(...))``: a scale-caused overflow
+    of one micro-step is retried before it reaches the accumulator."""
     tx = jdls.wrap(
         optax.MultiSteps(optax.sgd(1.0), every_k_schedule=2),
         jdls.DynamicScale(2.0**15, growth_interval=100),
-        retries=2,
     )
     params = {"w": jnp.ones(3)}
     state = tx.init(params)
+    step = jdls.retrying(loss_f16, tx, retries=2)
 
     @jax.jit
     def micro_step(params, state, c):
-        _, grads = jdls.get_scale(state).value_and_grad(loss_f16)(params, c)
-        updates, state = tx.update(grads, state, params, value_fn=lambda p: loss_f16(p, c))
-        return optax.apply_updates(params, updates), state
+        return step(params, state, c)[:2]
 
     params, state = micro_step(params, state, jnp.array([3.0, 1.0, 0.5]))  # retried once
     assert int(jdls.stats(state).retries) == 1 and bool(jdls.stats(state).finite)

@@ -2,9 +2,9 @@
 
 Scale kinds: ``NoOpScale``, ``StaticScale``, ``DynamicScale`` with each rule of
 ``jdls.rules``, every scale preset of ``jdls.presets``, ``AdaptiveScale``. Paths: ``jdls.wrap``
-(jitted and eager), ``jdls.wrap`` with retries, ``jdls.wrap_groups``, ``jdls.accumulate``,
-``jdls.linen.TrainState.apply_gradients``, an ``nnx.Optimizer`` (with ``set_nnx_scale`` and
-``nnx_value_and_grad``), ``jdls.adjust_layer_scales``, per-loss scales adjusted by hand, and
+(jitted and eager), ``jdls.retrying``, ``jdls.wrap_groups``, ``jdls.accumulate``,
+``jdls.linen.TrainState.apply_gradients``, an ``nnx.Optimizer`` (with ``jdls.nnx.set_scale`` and
+``jdls.nnx.value_and_grad``), ``jdls.adjust_layer_scales``, per-loss scales (``jdls.adjust_loss_scales``), and
 ``presets.cerebras_wrap``. After a few steps mixing finite and overflowing gradients, each
 path's scale must equal (value equality: same rule, bit-identical arrays) what ``jdls.wrap``
 gives for the same gradients, in the sense the path documents (a dropped micro-batch, a
@@ -228,7 +228,7 @@ def test_accumulate(kind, jit):
 
 
 @kinds
-def test_wrap_with_retries(kind):
+def test_retrying(kind):
     """A float16 backward that overflows at scale 2**10 and not at 2**9: each failed attempt is
     one overflowing step, the attempt that succeeds one finite step, as feeding ``jdls.wrap``
     the attempts one by one. A scale that cannot back off is refused."""
@@ -239,18 +239,16 @@ def test_wrap_with_retries(kind):
         return jnp.sum((p["w"].astype(jnp.float16) * x.astype(jnp.float16)).astype(jnp.float32))
 
     scale = KINDS[kind]()
+    tx = jdls.wrap(optax.sgd(0.1), scale)
+    retrying = jdls.retrying(value, tx, retries=2)
     if not isinstance(scale, jdls.DynamicScale):
         with pytest.raises(ValueError, match="needs a scale that backs off"):
-            jdls.wrap(optax.sgd(0.1), scale, retries=2)
+            retrying(params, tx.init(params), xs[0])
         return
-    tx = jdls.wrap(optax.sgd(0.1), scale, retries=2)
 
     @jax.jit
     def step(state, x):
-        s = jdls.get_scale(state)
-        _, grads = s.value_and_grad(value)(params, x)
-        _, state = tx.update(grads, state, params, value_fn=lambda p: value(p, x))
-        return state
+        return retrying(params, state, x)[1]
 
     state, got = tx.init(params), []
     for x in xs * 2:

@@ -1,6 +1,8 @@
-"""``jdls.wrap(..., retries=N)`` with ``value_fn``: an overflowing step is recomputed at lower
-scales inside the compiled step; forward NaNs are never retried; stats say why a step was
-skipped."""
+"""``jdls.retrying``: an overflowing step is recomputed at lower scales inside the compiled step,
+and the retried step equals, bit for bit, the step taken directly at the backed-off scale with
+the same batch, through every supported optimizer shape and device layout; forward NaNs are
+never retried; the statistics say why a step was skipped; the shapes that cannot be made exact
+are refused."""
 
 from __future__ import annotations
 
@@ -10,10 +12,13 @@ import numpy as np
 import optax
 import pytest
 from _helpers import assert_bitwise_equal, maybe_jit, with_and_without_jit
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jdls
 
-F16_MAX = 65504.0
+N = 4  # devices of the multi-device tests (of the 8 CPU devices of conftest.py)
+HIGH = 2.0**15
 
 
 def loss_fn(params, c):
@@ -23,140 +28,399 @@ def loss_fn(params, c):
     return jnp.sum((w * c.astype(jnp.float16)).astype(jnp.float32))
 
 
-def make_step(tx, jit=True):
-    def step(params, opt_state, c):
-        scale = jdls.get_scale(opt_state)
-        _, grads = scale.value_and_grad(loss_fn)(params, c)
-        updates, opt_state = tx.update(grads, opt_state, params, value_fn=lambda p: loss_fn(p, c))
-        return optax.apply_updates(params, updates), opt_state
-
-    return maybe_jit(step, jit)
+def mean_loss_fn(params, c):
+    """``loss_fn`` averaged over the rows of ``c`` (a batch): overflows at ``2**15`` when a row
+    holds ``c >= 2 * rows``."""
+    w = params["w"].astype(jnp.float16)
+    return jnp.sum((w * c.astype(jnp.float16)).astype(jnp.float32)) / c.shape[0]
 
 
-def reference_step(params, opt_state, inner, scale, c):
-    """The inner optimizer's step from this batch's gradients at ``scale``."""
-    _, grads = scale.value_and_grad(loss_fn)(params, c)
-    updates, inner_state = inner.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), inner_state
+OVERFLOWING = jnp.array([3.0, 1.0, 0.5])  # overflows at 2**15, not at 2**14
 
 
-@with_and_without_jit
-def test_finite_step_is_unchanged_by_retries(jit):
-    params = {"w": jnp.ones(3)}
-    c = jnp.array([0.5, 1.0, 1.5])
-    plain = jdls.wrap(optax.adam(0.1))
-    retrying = jdls.wrap(optax.adam(0.1), retries=2)
-    p1, s1 = make_step(plain, jit)(params, plain.init(params), c)
-    p2, s2 = make_step(retrying, jit)(params, retrying.init(params), c)
-    assert_bitwise_equal(p1, p2)
-    assert_bitwise_equal(s1, s2)
-    assert int(jdls.stats(s2).retries) == 0 and int(jdls.stats(s2).cause) == 0
+def direct_step(tx, fn, params, state, scale, *batch):
+    """The step taken directly at ``scale``: differentiate, ``tx.update`` once, apply."""
+    state = jdls.set_scale(state, scale)
+    loss, grads = jdls.get_scale(state).value_and_grad(fn)(params, *batch)
+    updates, state = tx.update(grads, state, params, value=loss)
+    return optax.apply_updates(params, updates), state
 
 
-@with_and_without_jit
-def test_scale_caused_overflow_is_retried_and_applied_at_the_settled_scale(jit):
-    params = {"w": jnp.ones(3)}
-    c = jnp.array([3.0, 1.0, 0.5])  # overflows at 2**15, not at 2**14
-    # sgd: adam's update can differ by an ulp between two XLA fusion contexts (docs/optax.md)
-    inner = optax.sgd(0.1, momentum=0.9)
-    tx = jdls.wrap(inner, jdls.DynamicScale(2.0**15, growth_interval=100), retries=2)
-    state = tx.init(params)
-    new_params, state = make_step(tx, jit)(params, state, c)
+def without_retry_stats(state):
+    """``state`` with the retry statistics zeroed (the direct step has none)."""
 
-    stats = jdls.stats(state)
-    assert bool(stats.finite) and int(stats.retries) == 1 and int(stats.retried_steps) == 1
-    assert int(stats.cause) == jdls.SkipCause.NONE and int(stats.skipped_steps) == 0
-    # The scale: one overflow (backoff to 2**14), then one finite step (counter 1).
+    def clear(x):
+        if not isinstance(x, jdls.WrapState):
+            return x
+        zero = jnp.zeros((), jnp.int32)
+        return x._replace(stats=x.stats._replace(retries=zero, retried_steps=zero))
+
+    return jax.tree_util.tree_map(clear, state, is_leaf=lambda x: isinstance(x, jdls.WrapState))
+
+
+def backed_off(state, times=1):
     scale = jdls.get_scale(state)
-    assert float(scale.loss_scale) == 2.0**14 and int(scale.state.counter) == 1
-    # The update is, bit for bit, the inner step from the gradients at 2**14.
-    settled = jdls.DynamicScale(2.0**14, growth_interval=100)
-    ref_params, ref_inner = maybe_jit(lambda p, s: reference_step(p, s, inner, settled, c), jit)(
-        params, inner.init(params)
+    for _ in range(times):
+        scale = scale.adjust(False)
+    return scale
+
+
+def assert_retried_equals_direct(got, want, retries=1):
+    (p, s), (rp, rs) = got, want
+    assert int(jdls.stats(s).retries) == retries
+    assert bool(jdls.stats(s).finite)
+    assert_bitwise_equal(p, rp)
+    assert_bitwise_equal(without_retry_stats(s), without_retry_stats(rs))
+
+
+# --------------------------------------------------------------------------------------------
+# Every optimizer shape: the retried step is the direct step at the backed-off scale.
+# --------------------------------------------------------------------------------------------
+
+
+def _scale():
+    return jdls.DynamicScale(HIGH, growth_interval=100)
+
+
+SHAPES = {
+    "wrap": lambda: jdls.wrap(optax.sgd(0.1, momentum=0.9), _scale()),
+    "wrap_adam": lambda: jdls.wrap(optax.adam(0.1), _scale()),
+    "wrap_max_norm": lambda: jdls.wrap(optax.sgd(1.0), _scale(), max_norm=1.0),
+    "clip_then_wrap": lambda: optax.chain(jdls.clip(1.0), jdls.wrap(optax.sgd(1.0), _scale())),
+    "optax_clip_then_wrap": lambda: optax.chain(
+        optax.clip_by_global_norm(1.0), jdls.wrap(optax.sgd(1.0), _scale())
+    ),
+    "after_wrap": lambda: optax.chain(
+        jdls.wrap(optax.scale_by_adam(), _scale()),
+        optax.add_decayed_weights(0.1),
+        optax.scale(-0.5),
+    ),
+    "inject_hyperparams_inside": lambda: jdls.wrap(
+        optax.inject_hyperparams(optax.sgd)(learning_rate=0.1, momentum=0.9), _scale()
+    ),
+    "inject_hyperparams_before": lambda: optax.chain(
+        optax.inject_hyperparams(optax.clip_by_global_norm)(max_norm=1.0),
+        jdls.wrap(optax.sgd(1.0), _scale()),
+    ),
+    "multisteps_inside": lambda: jdls.wrap(optax.MultiSteps(optax.sgd(0.1), 2), _scale()),
+    "adaptive": lambda: jdls.wrap(optax.sgd(0.1), jdls.AdaptiveScale(HIGH)),
+}
+
+
+#: Jitted, the hand-written step is another XLA program, which fuses the clipping before the
+#: wrap differently from the retrying step: their parameters differ in the last bit.
+CLIP_BEFORE_THE_WRAP = ("clip_then_wrap", "optax_clip_then_wrap", "inject_hyperparams_before")
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@with_and_without_jit
+def test_retried_step_equals_the_direct_step_at_the_backed_off_scale(shape, jit):
+    """Bit for bit: the same step fed the same batch at the backed-off scale (the same
+    compiled program), and the hand-written step (``tx.update`` once at that scale), eagerly
+    and jitted; jitted with clipping before the wrap, to the last bit of the parameters."""
+    tx = SHAPES[shape]()
+    params = {"w": jnp.ones(3)}
+    state = tx.init(params)
+    if shape == "adaptive":  # the rule at a scale that overflows: one retry settles it
+        state = jdls.set_scale(state, jdls.get_scale(state).replace(loss_scale=jnp.float32(HIGH)))
+    step = maybe_jit(jdls.retrying(loss_fn, tx, retries=2), jit)
+    new_params, new_state, loss = step(params, state, OVERFLOWING)
+    again = step(params, jdls.set_scale(state, backed_off(state)), OVERFLOWING)
+    assert int(jdls.stats(again[1]).retries) == 0
+    assert_retried_equals_direct((new_params, new_state), again[:2])
+    assert float(loss) == float(again[2]) == float(loss_fn(params, OVERFLOWING))
+    assert int(jdls.stats(new_state).retried_steps) == 1
+    assert int(jdls.stats(new_state).cause) == jdls.SkipCause.NONE
+
+    ref = maybe_jit(lambda p, s, sc: direct_step(tx, loss_fn, p, s, sc, OVERFLOWING), jit)(
+        params, state, backed_off(state)
     )
-    assert_bitwise_equal(new_params, ref_params)
-    assert_bitwise_equal(state.inner_state, ref_inner)
+    if jit and shape in CLIP_BEFORE_THE_WRAP:
+        assert_bitwise_equal(jdls.get_scale(new_state), jdls.get_scale(ref[1]))
+        np.testing.assert_allclose(new_params["w"], ref[0]["w"], rtol=0, atol=2**-23)  # 1 ulp
+    else:
+        assert_retried_equals_direct((new_params, new_state), ref)
+
+
+def test_clipping_before_the_wrap_clips_the_retried_gradients():
+    """The retried gradients ``[3, 1, 0.5]`` (norm 3.2) go through ``jdls.clip(1.0)``."""
+    tx = optax.chain(jdls.clip(1.0), jdls.wrap(optax.sgd(1.0), _scale()))
+    params = {"w": jnp.zeros(3)}
+    new_params, state, _ = jax.jit(jdls.retrying(loss_fn, tx))(params, tx.init(params), OVERFLOWING)
+    assert int(jdls.stats(state).retries) == 1
+    g = np.asarray(OVERFLOWING, np.float32)
+    np.testing.assert_allclose(new_params["w"], -g / np.linalg.norm(g), rtol=1e-6)
+    assert float(jnp.linalg.norm(new_params["w"])) == pytest.approx(1.0, rel=1e-6)
+
+
+@with_and_without_jit
+def test_finite_step_is_the_plain_step(jit):
+    """A finite step with retries is, bit for bit, the step without."""
+    c = jnp.array([0.5, 1.0, 1.5])
+    params = {"w": jnp.ones(3)}
+    for shape in ("wrap_adam", "clip_then_wrap", "after_wrap"):
+        tx = SHAPES[shape]()
+        state = tx.init(params)
+        got = maybe_jit(jdls.retrying(loss_fn, tx, retries=2), jit)(params, state, c)
+        plain = maybe_jit(jdls.retrying(loss_fn, tx, retries=0), jit)(params, state, c)
+        ref = maybe_jit(
+            lambda p, s, tx=tx: direct_step(tx, loss_fn, p, s, jdls.get_scale(s), c), jit
+        )(params, state)
+        assert_bitwise_equal(got, plain)
+        assert_bitwise_equal(got[:2], ref)
+        assert int(jdls.stats(got[1]).retries) == 0 and int(jdls.stats(got[1]).cause) == 0
+
+
+@with_and_without_jit
+def test_two_retries_equal_the_direct_step_two_backoffs_down(jit):
+    c = jnp.array([5.0, 1.0, 0.5])  # overflows at 2**15 and 2**14, not at 2**13
+    tx = SHAPES["wrap"]()
+    params = {"w": jnp.ones(3)}
+    state = tx.init(params)
+    got = maybe_jit(jdls.retrying(loss_fn, tx, retries=2), jit)(params, state, c)[:2]
+    ref = maybe_jit(lambda p, s, sc: direct_step(tx, loss_fn, p, s, sc, c), jit)(
+        params, state, backed_off(state, 2)
+    )
+    assert_retried_equals_direct(got, ref, retries=2)
+    assert float(jdls.get_scale(got[1]).loss_scale) == 2.0**13
 
 
 @with_and_without_jit
 def test_overflow_left_after_the_retries_is_skipped_as_backward(jit):
     params = {"w": jnp.ones(3)}
     c = jnp.array([60000.0, 1.0, 1.0])  # overflows at every scale >= 2
-    tx = jdls.wrap(optax.sgd(0.1), jdls.DynamicScale(2.0**15), retries=2)
-    state = tx.init(params)
-    new_params, new_state = make_step(tx, jit)(params, state, c)
-    stats = jdls.stats(new_state)
+    tx = jdls.wrap(optax.sgd(0.1), jdls.DynamicScale(HIGH))
+    new_params, state, _ = maybe_jit(jdls.retrying(loss_fn, tx, retries=2), jit)(
+        params, tx.init(params), c
+    )
+    stats = jdls.stats(state)
     assert not bool(stats.finite) and int(stats.retries) == 2
-    assert int(stats.cause) == jdls.SkipCause.BACKWARD
+    assert int(stats.cause) == jdls.SkipCause.BACKWARD and int(stats.skipped_steps) == 1
     assert_bitwise_equal(new_params, params)
-    # Three overflowing feeds: 2**15 -> 2**14 -> 2**13 (the retries) -> 2**12.
-    assert float(jdls.get_scale(new_state).loss_scale) == 2.0**12
+    # Three overflowing feeds: 2**15 -> 2**14 -> 2**13 (the retries) -> 2**12 (the skip).
+    assert float(jdls.get_scale(state).loss_scale) == 2.0**12
 
 
 @with_and_without_jit
 def test_forward_nan_is_never_retried(jit):
     params = {"w": jnp.ones(3)}
     c = jnp.array([jnp.nan, 1.0, 1.0])
-    tx = jdls.wrap(optax.sgd(0.1), jdls.DynamicScale(2.0**15), retries=3)
-    state = tx.init(params)
-    new_params, new_state = make_step(tx, jit)(params, state, c)
-    stats = jdls.stats(new_state)
+    tx = jdls.wrap(optax.sgd(0.1), jdls.DynamicScale(HIGH))
+    new_params, state, _ = maybe_jit(jdls.retrying(loss_fn, tx, retries=3), jit)(
+        params, tx.init(params), c
+    )
+    stats = jdls.stats(state)
     assert not bool(stats.finite) and int(stats.retries) == 0
     assert int(stats.cause) == jdls.SkipCause.FORWARD and int(stats.retried_steps) == 0
     assert_bitwise_equal(new_params, params)
-    assert float(jdls.get_scale(new_state).loss_scale) == 2.0**14  # one skipped step
+    assert float(jdls.get_scale(state).loss_scale) == 2.0**14  # one skipped step
 
 
-@with_and_without_jit
-def test_causes_without_value_fn(jit):
+def test_causes_of_the_wrap_alone():
     params = {"w": jnp.ones(2)}
-    tx = jdls.wrap(optax.sgd(0.1), retries=2)
+    tx = jdls.wrap(optax.sgd(0.1))
     state = tx.init(params)
-    update = maybe_jit(tx.update, jit)
-    _, s = update({"w": jnp.array([jnp.inf, 0.0])}, state, params)
+    _, s = tx.update({"w": jnp.array([jnp.inf, 0.0])}, state, params)
     assert int(jdls.stats(s).cause) == jdls.SkipCause.GRADIENTS
-    _, s = update({"w": jnp.ones(2)}, state, params, value=jnp.float32(jnp.nan))
+    _, s = tx.update({"w": jnp.ones(2)}, state, params, value=jnp.float32(jnp.nan))
     assert int(jdls.stats(s).cause) == jdls.SkipCause.FORWARD
 
 
-def test_value_fn_with_aux():
+def test_has_aux_returns_the_first_attempts_aux():
+    def with_aux(params, c):
+        return loss_fn(params, c), {"n": jnp.sum(c)}
+
+    tx = SHAPES["wrap"]()
     params = {"w": jnp.ones(3)}
-    c = jnp.array([3.0, 1.0, 0.5])
-    tx = jdls.wrap(optax.sgd(0.1), jdls.DynamicScale(2.0**15, growth_interval=100), retries=1)
-    state = tx.init(params)
-    _, state = jax.jit(
-        lambda p, s: tx.update(
-            jdls.get_scale(s).value_and_grad(loss_fn)(p, c)[1],
-            s,
-            p,
-            value_fn=lambda q: (loss_fn(q, c), {"aux": jnp.ones(2)}),
-        )
-    )(params, state)
-    assert bool(jdls.stats(state).finite) and int(jdls.stats(state).retries) == 1
+    _, state, (loss, aux) = jax.jit(jdls.retrying(with_aux, tx, has_aux=True))(
+        params, tx.init(params), OVERFLOWING
+    )
+    assert int(jdls.stats(state).retries) == 1
+    assert float(aux["n"]) == 4.5 and float(loss) == 4.5
 
 
-def test_retries_need_a_dynamic_scale():
-    with pytest.raises(ValueError, match="retries=2 needs a scale that backs off"):
-        jdls.wrap(optax.sgd(0.1), jdls.StaticScale(8.0), retries=2)
+# --------------------------------------------------------------------------------------------
+# Refused shapes and the old API.
+# --------------------------------------------------------------------------------------------
+
+
+def test_wrap_retries_points_to_retrying():
+    with pytest.raises(TypeError, match=r"retries=2\) is gone.*jdls.retrying\(loss_fn, tx"):
+        jdls.wrap(optax.sgd(0.1), retries=2)
+    tx = jdls.wrap(optax.sgd(0.1))
+    params = {"w": jnp.ones(3)}
+    with pytest.raises(TypeError, match=r"value_fn=...\) is gone.*jdls.retrying"):
+        tx.update(params, tx.init(params), params, value_fn=lambda p: loss_fn(p, OVERFLOWING))
+
+
+def test_refused_shapes():
+    params = {"w": jnp.ones(3)}
+    tx = jdls.wrap(optax.sgd(0.1), jdls.StaticScale(8.0))
+    with pytest.raises(ValueError, match="needs a scale that backs off"):
+        jdls.retrying(loss_fn, tx)(params, tx.init(params), OVERFLOWING)
+    tx = optax.MultiSteps(jdls.wrap(optax.sgd(0.1)), 2)
+    with pytest.raises(ValueError, match=r"put MultiSteps inside the wrap: jdls.wrap\(optax.Multi"):
+        jax.jit(jdls.retrying(loss_fn, tx))(params, tx.init(params), OVERFLOWING)
+    tx = optax.sgd(0.1)
+    with pytest.raises(ValueError, match="found no jdls.wrap state"):
+        jdls.retrying(loss_fn, tx)(params, tx.init(params), OVERFLOWING)
     with pytest.raises(ValueError, match="retries must be >= 0, got -1"):
-        jdls.wrap(optax.sgd(0.1), retries=-1)
+        jdls.retrying(loss_fn, jdls.wrap(optax.sgd(0.1)), retries=-1)
 
 
-def _run(tx, cs, params, *, scan):
+# --------------------------------------------------------------------------------------------
+# Device layouts: jit with shardings, shard_map (check_vma on and off), pmap.
+# --------------------------------------------------------------------------------------------
+
+#: One row per device; only the last overflows at 2**15 (3 * 2**15 > 65504), not at 2**14.
+ROWS = np.array([[0.5, 1.0, 0.25]] * (N - 1) + [[3.0, 1.0, 0.5]], np.float32)
+MEAN = ROWS.mean(axis=0)  # exact: dyadic numbers
+
+
+def _mesh():
+    return jax.make_mesh((N,), ("d",), devices=jax.devices()[:N])
+
+
+def _layout_tx(axis_name=None):
+    return jdls.wrap(optax.sgd(1.0), _scale(), axis_name=axis_name)
+
+
+def test_jit_with_shardings_equals_the_direct_step():
+    mesh = _mesh()
+    tx = _layout_tx()
+    params = jax.device_put({"w": jnp.ones(3)}, NamedSharding(mesh, P()))
+    state = jax.device_put(tx.init({"w": jnp.ones(3)}), NamedSharding(mesh, P()))
+    # The backward of the batch mean sums ``c * scale / 4`` over the rows in float16: the
+    # first column, 12.75 * 2**15 / 4, overflows, 12.75 * 2**14 / 4 does not.
+    rows = np.array([[0.25, 0.5, 0.25]] * (N - 1) + [[12.0, 1.0, 0.5]], np.float32)
+    c = jax.device_put(jnp.asarray(rows), NamedSharding(mesh, P("d")))
+    got = jax.jit(jdls.retrying(mean_loss_fn, tx))(params, state, c)[:2]
+    ref = jax.jit(lambda p, s, sc: direct_step(tx, mean_loss_fn, p, s, sc, c))(
+        params, state, backed_off(state)
+    )
+    assert_retried_equals_direct(got, ref)
+    np.testing.assert_array_equal(got[0]["w"], 1.0 - rows.mean(axis=0))
+
+
+def _per_device_reference(tx, params, state, scale, c, vary=False):
+    """The step taken directly at ``scale`` with data parallelism: each device's gradients
+    (of the parameters marked as varying, under ``shard_map`` with ``check_vma``), averaged
+    (``jax.lax.pmean``), then ``tx.update``."""
+    state = jdls.set_scale(state, scale)
+    mine = (
+        jax.tree.map(lambda x: jax.lax.pcast(x, ("d",), to="varying"), params) if vary else params
+    )
+    loss, grads = scale.value_and_grad(loss_fn)(mine, c)
+    grads = jax.lax.pmean(grads, "d")
+    updates, state = tx.update(grads, state, params, value=loss)
+    return optax.apply_updates(params, updates), state
+
+
+@pytest.mark.parametrize("check_vma", [True, False], ids=["check_vma", "no_check_vma"])
+def test_shard_map_equals_the_direct_step(check_vma):
+    """Each device differentiates its own loss: the update is the mean gradient's (not the
+    sum's), one retry, one halving, on every device."""
+    mesh = _mesh()
+    tx = _layout_tx("d")
+    rep = NamedSharding(mesh, P())
+    params = jax.device_put({"w": jnp.ones(3)}, rep)
+    state = jax.device_put(tx.init({"w": jnp.ones(3)}), rep)
+    c = jax.device_put(jnp.asarray(ROWS), NamedSharding(mesh, P("d")))
+
+    def local(params, state, c):
+        params, state, loss = jdls.retrying(loss_fn, tx, axis_name="d")(params, state, c[0])
+        return params, state, loss[None]
+
+    def local_ref(params, state, c):
+        scale = jdls.get_scale(state).adjust(False)
+        return _per_device_reference(tx, params, state, scale, c[0], vary=check_vma)
+
+    specs = dict(mesh=mesh, in_specs=(P(), P(), P("d")), check_vma=check_vma)
+    got = jax.jit(jax.shard_map(local, out_specs=(P(), P(), P("d")), **specs))(params, state, c)
+    ref = jax.jit(jax.shard_map(local_ref, out_specs=(P(), P()), **specs))(params, state, c)
+    assert_retried_equals_direct(got[:2], ref)
+    np.testing.assert_array_equal(got[0]["w"], 1.0 - MEAN)
+    assert float(jdls.get_scale(got[1]).loss_scale) == 2.0**14
+
+
+def test_shard_map_refuses_a_loss_averaged_across_devices():
+    mesh = _mesh()
+    tx = _layout_tx("d")
+    rep = NamedSharding(mesh, P())
+    params = jax.device_put({"w": jnp.ones(3)}, rep)
+    state = jax.device_put(tx.init({"w": jnp.ones(3)}), rep)
+    c = jax.device_put(jnp.asarray(ROWS), NamedSharding(mesh, P("d")))
+
+    def averaged(p, c):
+        return jax.lax.pmean(loss_fn(p, c), "d")
+
+    def local(params, state, c):
+        return jdls.retrying(averaged, tx, axis_name="d")(params, state, c[0])[:2]
+
+    f = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P("d")), out_specs=(P(), P()))
+    with pytest.raises(ValueError, match="return this device's own loss"):
+        jax.jit(f)(params, state, c)
+
+
+def test_shard_map_refuses_sharded_parameters():
+    mesh = _mesh()
+    tx = _layout_tx("d")
+    params = jax.device_put({"w": jnp.ones(N)}, NamedSharding(mesh, P("d")))
+    state = tx.init({"w": jnp.ones(N)})
+    c = jax.device_put(jnp.ones(N), NamedSharding(mesh, P("d")))
+
+    def local(params, state, c):
+        return jdls.retrying(loss_fn, tx, axis_name="d")(params, state, c)[0]
+
+    f = jax.shard_map(local, mesh=mesh, in_specs=(P("d"), P(), P("d")), out_specs=P("d"))
+    with pytest.raises(ValueError, match=r"the parameter at \['w'\] varies across 'd'"):
+        jax.jit(f)(params, state, c)
+    with pytest.raises(ValueError, match="sharded=True.*not supported.*jax.jit and NamedSharding"):
+        jdls.retrying(loss_fn, tx, axis_name="d", sharded=True)
+
+
+def test_pmap_equals_the_direct_step():
+    devices = jax.devices()[:N]
+    tx = _layout_tx("d")
+    params = jax.tree.map(lambda x: jnp.stack([x] * N), {"w": jnp.ones(3)})
+    state = jax.pmap(tx.init, devices=devices)(params)
+    c = jnp.asarray(ROWS)
+    got = jax.pmap(jdls.retrying(loss_fn, tx, axis_name="d"), "d", devices=devices)(
+        params, state, c
+    )
+
+    def ref_step(p, s, c):
+        return _per_device_reference(tx, p, s, jdls.get_scale(s).adjust(False), c)
+
+    ref = jax.pmap(ref_step, "d", devices=devices)(params, state, c)
+    stats = jdls.stats(got[1])
+    assert np.all(np.asarray(stats.retries) == 1) and np.all(np.asarray(stats.finite))
+    assert_bitwise_equal(got[0], ref[0])
+    assert_bitwise_equal(without_retry_stats(got[1]), without_retry_stats(ref[1]))
+    w = np.asarray(got[0]["w"])
+    for i in range(N):
+        np.testing.assert_array_equal(w[i], 1.0 - MEAN)
+
+
+# --------------------------------------------------------------------------------------------
+# A run: no batch dropped for a scale-caused overflow.
+# --------------------------------------------------------------------------------------------
+
+
+def _run(tx, cs, params, retries, *, scan):
+    step = jdls.retrying(loss_fn, tx, retries=retries)
+
     def body(carry, c):
-        p, s = carry
-        scale = jdls.get_scale(s)
-        _, grads = scale.value_and_grad(loss_fn)(p, c)
-        updates, s = tx.update(grads, s, p, value_fn=lambda q: loss_fn(q, c))
-        return (optax.apply_updates(p, updates), s), jdls.stats(s).finite
+        p, s, _ = step(*carry, c)
+        return (p, s), jdls.stats(s).finite
 
     carry = (params, tx.init(params))
     if scan:
         return jax.lax.scan(body, carry, cs)
-    step = jax.jit(body)
+    body = jax.jit(body)
     kept = []
     for c in cs:
-        carry, finite = step(carry, c)
+        carry, finite = body(carry, c)
         kept.append(finite)
     return carry, jnp.stack(kept)
 
@@ -174,46 +438,15 @@ def test_zero_dropped_batches_with_injected_scale_caused_overflows(scan):
     cs = jnp.asarray(cs)
     params = {"w": jnp.ones(3)}
     schedule = optax.linear_schedule(0.1, 0.0, steps)
+    scale = jdls.DynamicScale(HIGH, growth_interval=4, max_loss_scale=HIGH)
+    tx = jdls.wrap(optax.adam(schedule), scale)
 
-    def make(retries):
-        scale = jdls.DynamicScale(2.0**15, growth_interval=4, max_loss_scale=2.0**15)
-        return jdls.wrap(optax.adam(schedule), scale, retries=retries)
-
-    (_, state), finite = _run(make(2), cs, params, scan=scan)
+    (_, state), finite = _run(tx, cs, params, 2, scan=scan)
     assert bool(jnp.all(finite)), "a batch was dropped"
     assert int(jdls.stats(state).skipped_steps) == 0
     assert int(jdls.stats(state).retried_steps) >= 1
-    count = state.inner_state[0].count  # adam's step count = the schedule's step
-    assert int(count) == steps
+    assert int(state.inner_state[0].count) == steps  # adam's step count = the schedule's step
 
-    (_, state), finite = _run(make(0), cs, params, scan=scan)
+    (_, state), finite = _run(tx, cs, params, 0, scan=scan)
     dropped = int(jdls.stats(state).skipped_steps)
     assert dropped >= 1 and int(state.inner_state[0].count) == steps - dropped
-
-
-def test_retries_agree_across_devices_under_pmap():
-    n = 4
-    tx = jdls.wrap(
-        optax.sgd(0.1), jdls.DynamicScale(2.0**15, growth_interval=100), axis_name="d", retries=2
-    )
-
-    def step(params, opt_state, c):
-        scale = jdls.get_scale(opt_state)
-        _, grads = scale.value_and_grad(loss_fn)(params, c)
-        grads = jax.lax.pmean(grads, "d")
-        updates, opt_state = tx.update(grads, opt_state, params, value_fn=lambda p: loss_fn(p, c))
-        return optax.apply_updates(params, updates), opt_state
-
-    params = jax.tree.map(lambda x: jnp.stack([x] * n), {"w": jnp.ones(3)})
-    state = jax.pmap(tx.init)(params)
-    cs = np.full((n, 3), 0.5, np.float32)
-    cs[n - 1, 0] = 3.0  # only the last device's batch overflows at 2**15
-    new_params, new_state = jax.pmap(step, axis_name="d")(params, state, jnp.asarray(cs))
-    stats = jdls.stats(new_state)
-    assert np.all(np.asarray(stats.finite)) and np.all(np.asarray(stats.retries) == 1)
-    assert np.all(np.asarray(jdls.get_scale(new_state).loss_scale) == 2.0**14)
-    w = np.asarray(new_params["w"])
-    assert all(np.array_equal(w[0], w[i]) for i in range(n))  # replicas stay identical
-    # The update is the mean gradient at 2**14: sgd(0.1) of mean(c).
-    expected = 1.0 - 0.1 * np.float32(cs.mean(axis=0).astype(np.float16).astype(np.float32))
-    np.testing.assert_allclose(w[0], expected, rtol=1e-3)
