@@ -97,11 +97,12 @@ def retrying(
       ``(params, opt_state, (loss, aux))``); jit it, donating ``params`` and ``opt_state``.
 
     Raises:
-      ValueError: at trace time, ``tx`` holds no wrap or several, its scale cannot back off,
-        the wrap sits inside ``optax.MultiSteps`` (use ``jdls.wrap(optax.MultiSteps(...))``),
-        or, under ``shard_map`` with ``check_vma``, a parameter varies across ``axis_name``
-        (sharded) or ``loss_fn`` returned a loss already averaged across
-        ``axis_name``.
+      TypeError: ``tx`` is not an optax transformation, or ``loss_fn`` not callable.
+      ValueError: a negative ``retries`` or ``sharded=True``; at trace time, ``tx`` holds no
+        wrap or several, its scale cannot back off, the wrap sits inside ``optax.MultiSteps``
+        (use ``jdls.wrap(optax.MultiSteps(...))``), or, under ``shard_map`` with
+        ``check_vma``, a parameter varies across ``axis_name`` (sharded) or ``loss_fn``
+        returned a loss already averaged across ``axis_name``.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, jdls

@@ -266,6 +266,10 @@ def test_refused_shapes():
         jdls.retrying(loss_fn, tx)(params, tx.init(params), OVERFLOWING)
     with pytest.raises(ValueError, match="retries must be >= 0, got -1"):
         jdls.retrying(loss_fn, jdls.wrap(optax.sgd(0.1)), retries=-1)
+    with pytest.raises(TypeError, match="tx must be an optax transformation holding a jdls.wrap"):
+        jdls.retrying(loss_fn, "adam")
+    with pytest.raises(TypeError, match="loss_fn must be callable"):
+        jdls.retrying(3.0, jdls.wrap(optax.sgd(0.1)))
 
 
 # --------------------------------------------------------------------------------------------
