@@ -265,27 +265,16 @@ def test_layer_scales_take_a_dict_of_equinox_layers():
     assert grads["hidden"].layers[1].fn is None and bool(finite["hidden"])
 
 
-def test_retries_value_fn_with_an_equinox_model():
-    """In float16 at 2**24 the gradients overflow and the loss does not: the wrap recomputes
-    them at backed-off scales inside the step, ``value_fn`` rebuilding the model from the
-    arrays it is given (``eqx.combine``)."""
+def test_retrying_with_an_equinox_model():
+    """In float16 at 2**24 the gradients overflow and the loss does not: ``jdls.retrying``
+    recomputes them at backed-off scales inside the step; the model's arrays are the
+    parameters and ``eqx.combine`` rebuilds the model in the loss."""
     model, (x, y) = make_model(jnp.float16), data()
     params, static = eqx.partition(model, eqx.is_array)
-    tx = jdls.wrap(optax.sgd(0.1), jdls.DynamicScale(2.0**24), retries=12)
-
-    @eqx.filter_jit
-    def step(model, opt_state):
-        scale = jdls.get_scale(opt_state)
-        _, grads = scale.value_and_grad(loss_fn)(model, x, y)
-        updates, opt_state = tx.update(
-            grads,
-            opt_state,
-            eqx.filter(model, eqx.is_array),
-            value_fn=lambda p: loss_fn(eqx.combine(p, static), x, y),
-        )
-        return jdls.equinox.apply_updates(model, updates), opt_state
-
-    new, opt_state = step(model, tx.init(params))
+    tx = jdls.wrap(optax.sgd(0.1), jdls.DynamicScale(2.0**24))
+    step = jdls.retrying(lambda p, x, y: loss_fn(eqx.combine(p, static), x, y), tx, retries=12)
+    new_params, opt_state, _ = jax.jit(step)(params, tx.init(params), x, y)
+    new = eqx.combine(new_params, static)
     stats = jdls.stats(opt_state)
     assert not bool(stats.skipped) and int(stats.retries) > 0
     _, ref = jdls.get_scale(opt_state).value_and_grad(loss_fn)(model, x, y)
