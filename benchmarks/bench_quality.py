@@ -592,8 +592,8 @@ def plot(results: str, out: str) -> None:
         for row in section["rows"]:
             if row["label"] in ("float32", "no scaling"):
                 continue
-            width = 2.4 if row["label"] == "AdaptiveScale" else 1.1
-            ax.plot(row["scale_trace"], styles[i % len(styles)], label=row["label"], lw=width)
+            style = {"lw": 2.2, "color": "k"} if row["label"] == "AdaptiveScale" else {"lw": 1.1}
+            ax.plot(row["scale_trace"], styles[i % len(styles)], label=row["label"], **style)
             i += 1
         ax.set_title(section["title"], fontsize=10)
         ax.set_ylabel("log2 loss scale", fontsize=8)
