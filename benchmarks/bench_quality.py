@@ -114,8 +114,10 @@ def caster(fmt: str) -> Callable[[jax.Array], jax.Array]:
     return lambda x: x.astype(F32)
 
 
-def init_mlp(key: jax.Array, outputs: int) -> list[tuple[jax.Array, jax.Array]]:
-    sizes = (64, HIDDEN, HIDDEN, outputs)
+def init_mlp(
+    key: jax.Array, outputs: int, hidden: int = HIDDEN
+) -> list[tuple[jax.Array, jax.Array]]:
+    sizes = (64, hidden, hidden, outputs)
     keys = jax.random.split(key, len(sizes) - 1)
     return [
         (jax.random.normal(k, (a, b)) * math.sqrt(2.0 / a), jnp.zeros(b))
@@ -479,34 +481,37 @@ def settle_step(scales: np.ndarray) -> int:
 
 
 def step_cost(rounds: int) -> list[dict[str, Any]]:
-    """Median time of one jitted float16 MLP step (adam) per rule, rounds interleaved."""
+    """Median time of one jitted float16 MLP step (adam) per rule, rounds interleaved: the
+    suite's MLP (width 64, batch 128) and a wider one (width 512, batch 256)."""
     xtr, _, ytr, _ = (jnp.asarray(a) for a in digits())
-    x, y = xtr[:BATCH], ytr[:BATCH]
     loss = _loss(mlp, "float16")
     data = _task_data(TASKS[0], 2)
     cases = []
-    for label, make in (
-        ("jdls classic", jdls.DynamicScale),
-        ("PyTorch", jdls.presets.pytorch),
-        ("AdaptiveScale", jdls.AdaptiveScale),
-    ):
-        tx = jdls.wrap(optax.adam(1e-3), make())
-        params = init_mlp(jax.random.key(0), 12)
+    for hidden, batch in ((HIDDEN, BATCH), (512, 256)):
+        x, y = xtr[:batch], ytr[:batch]
+        for label, make in (
+            ("jdls classic", jdls.DynamicScale),
+            ("PyTorch", jdls.presets.pytorch),
+            ("AdaptiveScale", jdls.AdaptiveScale),
+        ):
+            tx = jdls.wrap(optax.adam(1e-3), make())
+            params = init_mlp(jax.random.key(0), 12, hidden)
 
-        @functools.partial(jax.jit, donate_argnums=0)
-        def step(carry: Any, tx: Any = tx) -> Any:
-            params, opt_state = carry
-            _, grads = jdls.get_scale(opt_state).value_and_grad(loss)(params, x, y, data, 1)
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state
+            @functools.partial(jax.jit, donate_argnums=0)
+            def step(carry: Any, tx: Any = tx, x: Any = x, y: Any = y) -> Any:
+                params, opt_state = carry
+                _, grads = jdls.get_scale(opt_state).value_and_grad(loss)(params, x, y, data, 1)
+                updates, opt_state = tx.update(grads, opt_state, params)
+                return optax.apply_updates(params, updates), opt_state
 
-        box = [(params, tx.init(params))]
+            box = [(params, tx.init(params))]
 
-        def run(step: Any = step, box: list[Any] = box) -> None:
-            box[0] = step(box[0])
-            jax.block_until_ready(box[0])
+            def run(step: Any = step, box: list[Any] = box) -> None:
+                box[0] = step(box[0])
+                jax.block_until_ready(box[0])
 
-        cases.append(h.Case(label, run, group="step"))
+            group = f"MLP width {hidden}, batch {batch}"
+            cases.append(h.Case(f"{group}: {label}", run, group=group))
     return h.time_cases(cases, rounds=rounds)
 
 
