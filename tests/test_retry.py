@@ -44,8 +44,8 @@ def reference_step(params, opt_state, inner, scale, c):
 def test_finite_step_is_unchanged_by_retries(jit):
     params = {"w": jnp.ones(3)}
     c = jnp.array([0.5, 1.0, 1.5])
-    plain = jdls.wrap(optax.adam(0.1))
-    retrying = jdls.wrap(optax.adam(0.1), retries=2)
+    plain = jdls.wrap(optax.adam(0.1), jdls.DynamicScale())
+    retrying = jdls.wrap(optax.adam(0.1), jdls.DynamicScale(), retries=2)
     p1, s1 = make_step(plain, jit)(params, plain.init(params), c)
     p2, s2 = make_step(retrying, jit)(params, retrying.init(params), c)
     assert_bitwise_equal(p1, p2)
@@ -110,7 +110,7 @@ def test_forward_nan_is_never_retried(jit):
 @with_and_without_jit
 def test_causes_without_value_fn(jit):
     params = {"w": jnp.ones(2)}
-    tx = jdls.wrap(optax.sgd(0.1), retries=2)
+    tx = jdls.wrap(optax.sgd(0.1), jdls.DynamicScale(), retries=2)
     state = tx.init(params)
     update = maybe_jit(tx.update, jit)
     _, s = update({"w": jnp.array([jnp.inf, 0.0])}, state, params)
@@ -139,7 +139,7 @@ def test_retries_need_a_dynamic_scale():
     with pytest.raises(ValueError, match="retries=2 needs a scale that backs off"):
         jdls.wrap(optax.sgd(0.1), jdls.StaticScale(8.0), retries=2)
     with pytest.raises(ValueError, match="retries must be >= 0, got -1"):
-        jdls.wrap(optax.sgd(0.1), retries=-1)
+        jdls.wrap(optax.sgd(0.1), jdls.DynamicScale(), retries=-1)
 
 
 def _run(tx, cs, params, *, scan):

@@ -178,7 +178,11 @@ def _run(dtype, sharding, optimizer, skip, inner=None):
         if inner is not None:
             return inner
         return jdls.wrap(
-            _optimizer(optimizer), skip_with=skip, axis_name=axis_name, sharded=sharded
+            _optimizer(optimizer),
+            jdls.DynamicScale(),
+            skip_with=skip,
+            axis_name=axis_name,
+            sharded=sharded,
         )
 
     def both(train):

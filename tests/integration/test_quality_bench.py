@@ -76,3 +76,13 @@ def test_registered():
     assert SUITES["quality"].load() is q.suite
     assert math.isfinite(q.SPIKE_FACTOR)
     assert isinstance(q.rules()["jdls classic"]("float16"), jdls.DynamicScale)
+
+
+def test_the_default_scale_reaches_float32_on_the_tiny_weight_task():
+    """``jdls.wrap(optax.adam(...))`` with no scale: within 0.02 of float32's test accuracy on
+    the digits MLP whose loss is weighted 2**-32 (400 steps), where PyTorch's rule is not."""
+    task = next(t for t in q.TASKS if t.name == "tiny weight")
+    default = q.train(task, lambda fmt: None, seeds=1)  # jdls.wrap(tx, None): the default
+    f32 = q.train(task, q.rules()["float32"], "float32", seeds=1)
+    assert abs(default["metric"] - f32["metric"]) <= 0.02
+    assert default["skipped"] == 0 and f32["metric"] > 0.9
