@@ -88,7 +88,7 @@ SUITES: dict[str, Suite] = {
             "quality",
             "benchmarks.bench_quality",
             "suite",
-            "scaling quality: 7 rules x 4 tasks (accuracy, skipped steps, settling, underflow);"
+            "scaling quality: 10 rules x 12 tasks, 3 seeds (metric, skips, settling, underflow);"
             " not in all",
             in_all=False,
         ),
@@ -123,7 +123,7 @@ TOOLS: dict[str, str] = {
     "benchmarks.profile_ops": "per-kernel times (JAX profiler) and HLO kernel counts of variants",
     "benchmarks.ablate_compile": "compile time of the update with parts of jdls.wrap taken out",
     "benchmarks.bench_round": "cost of cbfloat16 rounding against a native float16 round trip",
-    "benchmarks.bench_quality": "plot the quality suite's scales and skipped steps (RESULTS PNG)",
+    "benchmarks.bench_quality": "plot the quality suite's loss scales, one panel per task (RESULTS PNG)",
 }
 
 

@@ -1,76 +1,80 @@
-"""Scaling quality: rules x tasks, trained side by side from the same start on the same batches.
+"""Scaling quality: every rule on tasks chosen to tell the rules apart, several seeds each.
 
-Rules: the default rules of PyTorch (``presets.pytorch()``), Flax (``presets.flax()``), jmp
-(``presets.jmp(2**15)``) and Cerebras (``presets.cerebras()``), ``jdls.AdaptiveScale()``, no
-scaling (``jdls.NoOpScale()`` in float16) and float32 (no scaling, float32 compute). Every
-float16 run computes its forward and backward passes in float16 on float32 master weights
-(Flax layers with ``dtype=float16``), with ``jdls.wrap(optax.adam(...))`` and
-``jdls.linen.TrainState``; a whole run is one ``lax.scan``.
+Rules (one column each): the default rules of PyTorch, Flax, jmp (``2**15``), Keras,
+DeepSpeed and Cerebras (:mod:`jdls.presets`), jdls's classic rule (``jdls.DynamicScale()``),
+``jdls.AdaptiveScale()``, no scaling (``jdls.NoOpScale()``) and float32 (no scaling, float32
+compute). Every 16-bit run computes its forward and backward passes in the 16-bit format on
+float32 master weights, with ``jdls.wrap(optax.adam(cosine schedule, eps=1e-20), scale)``
+(an epsilon far below every gradient, so that float32 does not depend on the loss weight).
 
-Tasks:
+Tasks (chosen, with their reasons, before any rule ran on them; ``TASKS`` below and
+docs/quality.md say why each one): small models on scikit-learn's digits (64 inputs, 10
+classes, and a parity head where a task weights it), 400 steps of batch 128, so that a whole
+run is one ``lax.scan``; the tasks that share a model and a format differ only in data (loss
+weights per step, reduction, restart scale, learning rate), so they and the seeds are
+``vmap`` axes: one compilation per rule per family of tasks. Each task is ranked by a metric that
+measures scaling, not overfitting: held-out accuracy of a model that does not overfit
+digits in the budget, or the float32 training loss on the whole training set at the end.
 
-* ``mlp``: the digits MLP of ``examples/demo.py`` (64-256-256-10), loss weight ``5e-6``;
-* ``transformer``: a small character-level transformer on the source of ``textwrap``, the
-  loss multiplied by ``1e4`` every 100th step (injected loss spikes); metric: the float32
-  cross-entropy on held-out text;
-* ``cnn``: a small CNN with BatchNorm on the digits (``apply_gradients(..., batch_stats=)``);
-* ``multitask``: one MLP trunk, two heads: the digit (weight 1) and its parity (weight
-  ``1e-4``); metric: the parity head's accuracy.
-
-Metrics per run: the final metric, skipped steps (first 1,000 and overall), the step after
-which the scale stays within one binade of its final value (the median of the last tenth of
-the run), and the fraction of gradient signal flushed to zero: every ``PROBE_EVERY`` steps
-the float32 gradient at the same parameters and batch is computed, and the fraction of its
-L1 mass that sits where the run's gradient is exactly zero is recorded (mean over those
-steps). A timing section compares a full step with the adaptive rule against PyTorch's.
+Columns: the metric (mean over seeds and its standard deviation), skipped steps, the step
+after which the scale stays within one binade of its final value ("settle"), and the fraction
+of the float32 gradient's L1 mass that the run's gradient flushed to zero (every
+``PROBE_EVERY`` steps, taken steps only).
 
 Run::
 
-    python -m benchmarks quality           # a few minutes on 2 cores
-    python -m benchmarks quality --quick   # a smoke test: 3 rules, 40 steps
+    python -m benchmarks quality           # about 10 minutes on 2 cores
+    python -m benchmarks quality --quick   # a smoke test: 3 tasks, 3 rules, 30 steps
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import math
-import textwrap
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax import lax
 
 import jdls
 from benchmarks import _harness as h
 
 F16, F32 = jnp.float16, jnp.float32
+STEPS, SEEDS, BATCH, HIDDEN = 400, 3, 128, 64
 PROBE_EVERY = 20
-SPIKE_EVERY, SPIKE_FACTOR = 100, 1e4
+SPIKE_EVERY, SPIKE_FACTOR = 50, 1e4
+# Adam's epsilon, far below every gradient here: float32 training then does not depend on the
+# loss weight, and what differs between the rules is only the 16-bit arithmetic.
+ADAM_EPS = 1e-20
 
 
 # --------------------------------------------------------------------------------------------
 # Rules.
 # --------------------------------------------------------------------------------------------
 
+Rules = dict[str, Callable[[str], jdls.LossScale]]
 
-def rules(quick: bool) -> dict[str, tuple[Callable[[], jdls.LossScale], Any]]:
-    """Name -> (scale factory, compute dtype)."""
-    table: dict[str, tuple[Callable[[], jdls.LossScale], Any]] = {
-        "PyTorch": (jdls.presets.pytorch, F16),
-        "Flax": (jdls.presets.flax, F16),
-        "jmp": (lambda: jdls.presets.jmp(2.0**15), F16),
-        "Cerebras": (jdls.presets.cerebras, F16),
-        "AdaptiveScale": (jdls.AdaptiveScale, F16),
-        "no scaling (f16)": (jdls.NoOpScale, F16),
-        "float32": (jdls.NoOpScale, F32),
+
+def rules(quick: bool = False) -> Rules:
+    """Name -> scale factory (the compute format's name: ``"float16"`` or ``"cbfloat16"``)."""
+    table: Rules = {
+        "PyTorch": lambda fmt: jdls.presets.pytorch(),
+        "Flax": lambda fmt: jdls.presets.flax(),
+        "jmp": lambda fmt: jdls.presets.jmp(2.0**15),
+        "Keras": lambda fmt: jdls.presets.keras(),
+        "DeepSpeed": lambda fmt: jdls.presets.deepspeed(),
+        "Cerebras": lambda fmt: jdls.presets.cerebras(half_dtype=fmt),
+        "jdls classic": lambda fmt: jdls.DynamicScale(),
+        "AdaptiveScale": lambda fmt: jdls.AdaptiveScale(),
+        "no scaling": lambda fmt: jdls.NoOpScale(),
+        "float32": lambda fmt: jdls.NoOpScale(),
     }
     if quick:
         return {k: table[k] for k in ("PyTorch", "AdaptiveScale", "float32")}
@@ -78,7 +82,7 @@ def rules(quick: bool) -> dict[str, tuple[Callable[[], jdls.LossScale], Any]]:
 
 
 # --------------------------------------------------------------------------------------------
-# Data and models.
+# Data, formats, models.
 # --------------------------------------------------------------------------------------------
 
 
@@ -93,67 +97,71 @@ def digits() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     return tuple(train_test_split(x, y, test_size=0.3, random_state=0, stratify=y))  # type: ignore[return-value]
 
 
-class MLP(nn.Module):
-    dtype: Any
-    hidden: int = 256
-    heads: tuple[int, ...] = (10,)
-
-    @nn.compact
-    def __call__(self, x: jax.Array, train: bool = True) -> Any:
-        x = x.astype(self.dtype)
-        for _ in range(2):
-            x = nn.relu(nn.Dense(self.hidden, dtype=self.dtype)(x))
-        outs = tuple(nn.Dense(n, dtype=self.dtype)(x).astype(F32) for n in self.heads)
-        return outs if len(outs) > 1 else outs[0]
+@jax.custom_vjp
+def _cb16(x: jax.Array) -> jax.Array:
+    return jdls.cbfloat16.round(x)
 
 
-class CNN(nn.Module):
-    dtype: Any
-
-    @nn.compact
-    def __call__(self, x: jax.Array, train: bool = True) -> jax.Array:
-        x = x.reshape(-1, 8, 8, 1).astype(self.dtype)
-        for features, stride in ((16, 1), (32, 2)):
-            x = nn.Conv(features, (3, 3), strides=stride, dtype=self.dtype)(x)
-            x = nn.BatchNorm(use_running_average=not train, dtype=self.dtype)(x)
-            x = nn.relu(x)
-        return nn.Dense(10, dtype=self.dtype)(x.mean(axis=(1, 2))).astype(F32)
+_cb16.defvjp(lambda x: (jdls.cbfloat16.round(x), None), lambda _, g: (jdls.cbfloat16.round(g),))
 
 
-class Block(nn.Module):
-    dtype: Any
-    dim: int
-    heads: int
-
-    @nn.compact
-    def __call__(self, x: jax.Array, mask: jax.Array) -> jax.Array:
-        y = nn.LayerNorm(dtype=F32)(x).astype(self.dtype)
-        x = x + nn.MultiHeadDotProductAttention(self.heads, dtype=self.dtype)(y, y, mask=mask)
-        y = nn.LayerNorm(dtype=F32)(x).astype(self.dtype)
-        y = nn.Dense(self.dim, dtype=self.dtype)(
-            nn.gelu(nn.Dense(4 * self.dim, dtype=self.dtype)(y))
-        )
-        return x + y
+def caster(fmt: str) -> Callable[[jax.Array], jax.Array]:
+    """Into the compute format: float16 (a cast), cbfloat16 (rounded both ways), float32."""
+    if fmt == "float16":
+        return lambda x: x.astype(F16)
+    if fmt == "cbfloat16":
+        return lambda x: _cb16(x.astype(F32))
+    return lambda x: x.astype(F32)
 
 
-class CharLM(nn.Module):
-    dtype: Any
-    vocab: int
-    dim: int = 64
-    heads: int = 4
-    depth: int = 2
+def init_mlp(
+    key: jax.Array, outputs: int, hidden: int = HIDDEN
+) -> list[tuple[jax.Array, jax.Array]]:
+    sizes = (64, hidden, hidden, outputs)
+    keys = jax.random.split(key, len(sizes) - 1)
+    return [
+        (jax.random.normal(k, (a, b)) * math.sqrt(2.0 / a), jnp.zeros(b))
+        for k, a, b in zip(keys, sizes[:-1], sizes[1:], strict=True)
+    ]
 
-    @nn.compact
-    def __call__(self, tokens: jax.Array, train: bool = True) -> jax.Array:
-        seq = tokens.shape[-1]
-        x = nn.Embed(self.vocab, self.dim, dtype=self.dtype)(tokens)
-        pos = self.param("pos", nn.initializers.normal(0.02), (seq, self.dim))
-        x = (x + pos.astype(self.dtype)).astype(self.dtype)
-        mask = nn.make_causal_mask(tokens)
-        for _ in range(self.depth):
-            x = Block(self.dtype, self.dim, self.heads)(x, mask)
-        x = nn.LayerNorm(dtype=F32)(x).astype(self.dtype)
-        return nn.Dense(self.vocab, dtype=self.dtype)(x).astype(F32)
+
+def mlp(params: Any, x: jax.Array, cast: Callable[[jax.Array], jax.Array]) -> jax.Array:
+    h_ = cast(x)
+    for i, (w, b) in enumerate(params):
+        h_ = cast(h_ @ cast(w) + cast(b))
+        if i < len(params) - 1:
+            h_ = jax.nn.relu(h_)
+    return h_.astype(F32)
+
+
+def init_cnn(key: jax.Array, outputs: int) -> dict[str, jax.Array]:
+    k1, k2, k3 = jax.random.split(key, 3)
+    return {
+        "c1": jax.random.normal(k1, (3, 3, 1, 16)) * math.sqrt(2.0 / 9),
+        "c2": jax.random.normal(k2, (3, 3, 16, 32)) * math.sqrt(2.0 / 144),
+        "w": jax.random.normal(k3, (32, outputs)) * math.sqrt(1.0 / 32),
+        "b": jnp.zeros(outputs),
+    }
+
+
+def _conv3x3(x: jax.Array, w: jax.Array, stride: int) -> jax.Array:
+    """A 3x3 "SAME" convolution as one matmul over shifted copies (a float16 convolution on
+    CPU is far slower than a float16 matmul)."""
+    _, hgt, wid, c = x.shape
+    p = jnp.pad(x, ((0, 0), (1, 1), (1, 1), (0, 0)))
+    patches = jnp.concatenate(
+        [p[:, i : i + hgt : stride, j : j + wid : stride, :] for i in range(3) for j in range(3)],
+        axis=-1,
+    )
+    return patches @ w.reshape(9 * c, -1)
+
+
+def cnn(params: Any, x: jax.Array, cast: Callable[[jax.Array], jax.Array]) -> jax.Array:
+    h_ = cast(x.reshape(-1, 8, 8, 1))
+    for name, stride in (("c1", 1), ("c2", 2)):
+        h_ = jax.nn.relu(cast(_conv3x3(h_, cast(params[name]), stride)))
+    h_ = cast(h_.mean(axis=(1, 2)))
+    return cast(h_ @ cast(params["w"]) + cast(params["b"])).astype(F32)
 
 
 # --------------------------------------------------------------------------------------------
@@ -163,226 +171,299 @@ class CharLM(nn.Module):
 
 @dataclasses.dataclass
 class Task:
-    """One training problem.
+    """One training problem, and why it is in the suite.
 
-    ``loss(model, variables, batch, step, train)`` returns ``(loss, new_batch_stats)``;
-    ``evaluate(model, variables)`` the final metric (higher is better unless ``lower``).
+    ``weight(step)`` multiplies the loss (a float32 scalar; may be inf for a bad batch);
+    ``reduction``: ``"mean"`` or ``"sum"`` over the batch of the digit cross-entropy;
+    ``parity``: the weight of a mean-reduced parity head (a second output), 0 for none.
     """
 
     name: str
-    description: str
-    steps: int
-    make_model: Callable[[Any], nn.Module]
-    sample: jax.Array
-    batches: dict[str, np.ndarray]  # per step
-    loss: Callable[..., tuple[jax.Array, Any]]
-    evaluate: Callable[[nn.Module, Any], jax.Array]
-    metric: str
-    lower: bool = False
+    why: str
+    metric: str  # "test accuracy", "parity accuracy" or "train loss"
+    weight: Callable[[jax.Array], jax.Array] = lambda step: jnp.float32(1.0)
+    reduction: str = "mean"
+    parity: float = 0.0
+    model: str = "mlp"
+    fmt: str = "float16"
+    start: float | None = None  # every rule starts here (a restart), else its own default
     learning_rate: float = 1e-3
+    b2: float = 0.999  # Adam's second-moment decay
+    steps: int = STEPS
+    kind: str = "discriminative"  # or "no regression"
+
+    @property
+    def lower(self) -> bool:
+        return self.metric == "train loss"
 
 
-def _batches(n: int, batch: int, steps: int, seed: int = 0) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    per = n // batch
-    order = [rng.permutation(n)[: per * batch] for _ in range(math.ceil(steps / per))]
-    return np.concatenate(order).reshape(-1, batch)[:steps].astype(np.int32)
+def _spikes(step: jax.Array) -> jax.Array:
+    return jnp.where(step % SPIKE_EVERY == SPIKE_EVERY // 2, F32(SPIKE_FACTOR), F32(1.0))
 
 
-def _accuracy(logits: jax.Array, y: jax.Array) -> jax.Array:
-    return jnp.mean(jnp.argmax(logits, -1) == y)
+def _burst(step: jax.Array) -> jax.Array:
+    bad = (step >= 100) & (step < 116)
+    return jnp.where(bad, F32(jnp.inf), F32(2.0**-16))
 
 
-def task_mlp(steps: int) -> Task:
-    xtr, xte, ytr, yte = (jnp.asarray(a) for a in digits())
-    weight = 5e-6
-
-    def loss(model, variables, idx, step, train):
-        logits = model.apply(variables, xtr[idx])
-        ce = optax.softmax_cross_entropy_with_integer_labels(logits, ytr[idx]).mean()
-        return weight * ce, {}
-
-    return Task(
-        "mlp",
-        "digits MLP 64-256-256-10, batch 256, loss weight 5e-6 (the demo's)",
-        steps,
-        lambda dt: MLP(dt),
-        xtr[:1],
-        {"idx": _batches(len(xtr), 256, steps)},
-        loss,
-        lambda model, v: _accuracy(model.apply(v, xte), yte),
+TASKS: tuple[Task, ...] = (
+    Task(
+        "tiny weight",
+        "loss weighted 2**-32: the useful scale is about 2**40, above every classic rule's "
+        "start; a rule that grows once per 2,000 steps never gets there in 400",
         "test accuracy",
-    )
-
-
-def task_multitask(steps: int) -> Task:
-    xtr, xte, ytr, yte = (jnp.asarray(a) for a in digits())
-
-    def loss(model, variables, idx, step, train):
-        digit, parity = model.apply(variables, xtr[idx])
-        y = ytr[idx]
-        a = optax.softmax_cross_entropy_with_integer_labels(digit, y).mean()
-        b = optax.softmax_cross_entropy_with_integer_labels(parity, y % 2).mean()
-        return a + 1e-4 * b, {}
-
-    return Task(
-        "multitask",
-        "digits MLP trunk, heads digit (weight 1) and parity (weight 1e-4), batch 256",
-        steps,
-        lambda dt: MLP(dt, hidden=128, heads=(10, 2)),
-        xtr[:1],
-        {"idx": _batches(len(xtr), 256, steps)},
-        loss,
-        lambda model, v: _accuracy(model.apply(v, xte)[1], yte % 2),
-        "parity-head accuracy",
-    )
-
-
-def task_cnn(steps: int) -> Task:
-    xtr, xte, ytr, yte = (jnp.asarray(a) for a in digits())
-
-    def loss(model, variables, idx, step, train):
-        logits, updated = model.apply(variables, xtr[idx], mutable=["batch_stats"])
-        ce = optax.softmax_cross_entropy_with_integer_labels(logits, ytr[idx]).mean()
-        return ce, updated["batch_stats"]
-
-    return Task(
-        "cnn",
-        "digits CNN (2 conv + BatchNorm), batch 128",
-        steps,
-        lambda dt: CNN(dt),
-        xtr[:2],
-        {"idx": _batches(len(xtr), 128, steps)},
-        loss,
-        lambda model, v: _accuracy(model.apply(v, xte, train=False), yte),
-        "test accuracy",
-    )
-
-
-def task_transformer(steps: int, quick: bool) -> Task:
-    text = inspect.getsource(textwrap)
-    chars = sorted(set(text))
-    data = np.array([chars.index(c) for c in text], np.int32)
-    split = int(0.9 * len(data))
-    seq, batch = (16, 8) if quick else (64, 32)
-    rng = np.random.default_rng(0)
-    starts = rng.integers(0, split - seq - 1, (steps, batch))
-    held = np.arange(split, len(data) - seq - 1, seq)[:64]
-    heldout = np.stack([data[s : s + seq + 1] for s in held])
-    train = jnp.asarray(data[:split])
-    vocab = len(chars)
-
-    def windows(s: jax.Array) -> jax.Array:
-        return jax.vmap(lambda i: jax.lax.dynamic_slice(train, (i,), (seq + 1,)))(s)
-
-    def loss(model, variables, start, step, train_):
-        w = windows(start)
-        logits = model.apply(variables, w[:, :-1])
-        ce = optax.softmax_cross_entropy_with_integer_labels(logits, w[:, 1:]).mean()
-        spike = jnp.where(step % SPIKE_EVERY == SPIKE_EVERY // 2, SPIKE_FACTOR, 1.0)
-        return spike * ce, {}
-
-    def evaluate(model, v):
-        logits = model.apply(v, heldout[:, :-1])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, heldout[:, 1:]).mean()
-
-    return Task(
-        "transformer",
-        f"char transformer (2 blocks, dim 64, seq {seq}, batch {batch}), loss x1e4 every "
-        f"{SPIKE_EVERY}th step",
-        steps,
-        lambda dt: CharLM(dt, vocab, dim=32 if quick else 64),
-        jnp.zeros((1, seq), jnp.int32),
-        {"idx": starts.astype(np.int32)},
-        loss,
-        evaluate,
-        "held-out loss",
-        lower=True,
+        weight=lambda step: F32(2.0**-32),
+    ),
+    Task(
+        "decaying weight",
+        "loss weight lowered in stages, 1, then 2**-16 from step 100 and 2**-32 from step 200 "
+        "(a curriculum or an annealed auxiliary weight): the right scale rises by 32 binades "
+        "while training. Adam's b2 is 0.9 here so that float32 itself keeps learning after "
+        "each drop (the suite's first runs decayed the weight smoothly: with any b2 Adam's "
+        "second moment then remembers the larger past gradients and float32 stops learning)",
+        "train loss",
+        weight=lambda step: jnp.exp2(-16.0 * jnp.minimum(step // 100, 2).astype(F32)),
+        b2=0.9,
+    ),
+    Task(
+        "sum + mean",
+        "a digit loss summed over the batch (gradients 128x a mean's) next to a parity loss "
+        "averaged and weighted 2**-12: one scale must fit the large and the small term",
+        "parity accuracy",
+        reduction="sum",
+        parity=2.0**-12,
+    ),
+    Task(
+        "late training",
+        "loss weight 2**-28, learning rate 3e-3 decayed to 0: the gradients shrink by many "
+        "binades as the training loss falls, so late steps need a rising scale (the "
+        "suite's first runs used 2**-20 and 2**-24, which every rule's start still covers)",
+        "train loss",
+        weight=lambda step: F32(2.0**-28),
         learning_rate=3e-3,
-    )
+    ),
+    Task(
+        "restart low",
+        "a restart whose checkpointed scale (2**-12) is 20 binades too low for a loss "
+        "weighted 2**-8: almost every gradient flushes until the scale recovers",
+        "test accuracy",
+        weight=lambda step: F32(2.0**-8),
+        start=2.0**-12,
+    ),
+    Task(
+        "restart high",
+        "a restart at scale 2**40 with loss weight 1: every step overflows until the "
+        "rule has backed off about 30 binades",
+        "test accuracy",
+        start=2.0**40,
+    ),
+    Task(
+        "cbfloat16",
+        "cbfloat16 compute (6 exponent bits, subnormals to 2**-39), loss weighted 2**-48: "
+        "Cerebras' cbfloat16 start (2**31) fits; scales made for float16 do not",
+        "test accuracy",
+        weight=lambda step: F32(2.0**-48),
+        fmt="cbfloat16",
+    ),
+    Task(
+        "spikes",
+        f"loss x{SPIKE_FACTOR:.0e} every {SPIKE_EVERY} steps (8 spikes): a spike's gradient "
+        "that reaches Adam inflates its second moment for hundreds of steps; a rule should "
+        "skip those steps and not lose its scale for long",
+        "train loss",
+        weight=_spikes,
+    ),
+    Task(
+        "burst",
+        "loss weight 2**-16, then 16 batches in a row with an inf loss (steps 100-115): "
+        "rules that halve per overflow end 16 binades low and then grow once per 2,000 steps",
+        "test accuracy",
+        weight=_burst,
+    ),
+    Task(
+        "mlp",
+        "the demo's digits MLP, loss weight 5e-6: every rule already fits",
+        "test accuracy",
+        weight=lambda step: F32(5e-6),
+        kind="no regression",
+    ),
+    Task(
+        "cnn",
+        "a small digits CNN (2 conv layers), loss weight 1",
+        "test accuracy",
+        model="cnn",
+        learning_rate=3e-3,
+        kind="no regression",
+    ),
+    Task(
+        "multitask",
+        "digits MLP with a parity head weighted 1e-4 (mean-reduced)",
+        "parity accuracy",
+        parity=1e-4,
+        kind="no regression",
+    ),
+)
 
 
-def tasks(quick: bool) -> list[Task]:
-    n = 40 if quick else None
+def tasks(quick: bool = False) -> list[Task]:
+    """The tasks; quick: three of them, 30 steps."""
+    if not quick:
+        return list(TASKS)
     return [
-        task_mlp(n or 2000),
-        task_transformer(n or 1000, quick),
-        task_cnn(n or 1000),
-        task_multitask(n or 2000),
+        dataclasses.replace(t, steps=30)
+        for t in TASKS
+        if t.name in ("tiny weight", "spikes", "cnn")
     ]
 
 
 # --------------------------------------------------------------------------------------------
-# Training.
+# Training: one jit per rule per family of tasks (same model and format), tasks and seeds
+# vmapped: what differs between the tasks of a family (loss weights per step, reduction,
+# parity weight, restart scale, learning rate) is data, not code.
 # --------------------------------------------------------------------------------------------
 
 
-class State(jdls.linen.TrainState):
-    """``jdls.linen.TrainState`` with Flax ``batch_stats`` (empty for models without BatchNorm)."""
-
-    batch_stats: Any = None
+def _family(task: Task) -> tuple[str, str]:
+    return task.model, task.fmt
 
 
-def train(task: Task, make_scale: Callable[[], jdls.LossScale], dtype: Any) -> dict[str, Any]:
-    """One run; per-step arrays of the scale used, finite flags, flushed fraction."""
-    model, ref_model = task.make_model(dtype), task.make_model(F32)
-    variables = model.init(jax.random.key(0), task.sample)
-    schedule = optax.cosine_decay_schedule(task.learning_rate, task.steps)
-    state = State.create(
-        apply_fn=model.apply,
-        params=variables["params"],
-        tx=jdls.wrap(optax.adam(schedule), make_scale()),
-        batch_stats=variables.get("batch_stats", {}),
-    )
-
-    def variables_of(params: Any, batch_stats: Any) -> dict[str, Any]:
-        return {"params": params, **({"batch_stats": batch_stats} if batch_stats else {})}
-
-    def body(state: State, xs: tuple[Any, jax.Array]) -> tuple[State, dict[str, jax.Array]]:
-        idx, step = xs
-
-        def loss_fn(params: Any, m: nn.Module = model) -> tuple[jax.Array, Any]:
-            return task.loss(m, variables_of(params, state.batch_stats), idx, step, True)
-
-        scale = state.scale
-        (_, bs), grads = scale.value_and_grad(loss_fn, has_aux=True)(state.params)
-
-        def flushed() -> jax.Array:
-            ref = jax.grad(lambda p: loss_fn(p, ref_model)[0])(state.params)
-            mass = sum(jnp.sum(jnp.abs(r)) for r in jax.tree.leaves(ref))
-            lost = sum(
-                jnp.sum(jnp.where(g == 0, jnp.abs(r), 0))
-                for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref), strict=True)
-            )
-            return lost / mass
-
-        probe = (step % PROBE_EVERY == 0) & (dtype != F32)
-        frac = jax.lax.cond(probe, flushed, lambda: jnp.full((), jnp.nan))
-        new = state.apply_gradients(grads=grads, batch_stats=bs)
-        finite = new.stats.finite
-        return new, {"scale": scale.loss_scale, "finite": finite, "flushed": frac}
-
-    run = jax.jit(lambda s, xs: jax.lax.scan(body, s, xs))
-    start = time.perf_counter()
-    xs = (jnp.asarray(task.batches["idx"]), jnp.arange(task.steps))
-    state, out = run(state, xs)
-    metric = float(task.evaluate(ref_model, variables_of(state.params, state.batch_stats)))
-    seconds = time.perf_counter() - start
-    out = jax.device_get(out)
-    finite = np.asarray(out["finite"])
-    flushed = np.asarray(out["flushed"])
-    flushed = flushed[np.isfinite(flushed) & finite] if dtype != F32 else np.zeros(1)
+def _task_data(task: Task, steps: int) -> dict[str, jax.Array]:
+    weights = jnp.broadcast_to(task.weight(jnp.arange(steps)), (steps,)).astype(F32)
     return {
-        "metric": metric,
-        "skipped_1000": int((~finite[:1000]).sum()),
-        "skipped": int((~finite).sum()),
-        "settle": settle_step(np.asarray(out["scale"])),
-        "final_scale": float(out["scale"][-1]),
-        "flushed": float(flushed.mean()) if flushed.size else float("nan"),
-        "seconds": seconds,
-        "scale_trace": np.asarray(out["scale"]).tolist(),
-        "skipped_trace": np.cumsum(~finite).tolist(),
+        "weights": weights,
+        "reduction": F32(BATCH if task.reduction == "sum" else 1.0),
+        "parity": F32(task.parity),
+        "start": F32(math.nan if task.start is None else task.start),
+        "lr": F32(task.learning_rate),
+        "b2": F32(task.b2),
     }
+
+
+def _loss(apply: Callable[..., Any], fmt: str) -> Callable[..., jax.Array]:
+    cast = caster(fmt)
+
+    def loss(params: Any, x: jax.Array, y: jax.Array, data: Any, step: jax.Array) -> jax.Array:
+        out = apply(params, x, cast)
+        ce = optax.softmax_cross_entropy_with_integer_labels(out[:, :10], y).mean()
+        parity = optax.softmax_cross_entropy_with_integer_labels(out[:, 10:], y % 2).mean()
+        total = data["reduction"] * ce + data["parity"] * parity
+        return data["weights"][step] * total
+
+    return loss
+
+
+def make_run(
+    family: list[Task], make_scale: Callable[[str], jdls.LossScale], fmt: str, seeds: int
+) -> Callable[[], dict[str, Any]]:
+    """The jitted run of one rule on a family of tasks, tasks x seeds vmapped."""
+    xtr, xte, ytr, yte = (jnp.asarray(a) for a in digits())
+    model, task_fmt = _family(family[0])
+    steps = family[0].steps
+    init, apply = (init_cnn, cnn) if model == "cnn" else (init_mlp, mlp)
+    loss, ref_loss = _loss(apply, fmt), _loss(apply, "float32")
+
+    def one(seed: jax.Array, data: dict[str, jax.Array]) -> dict[str, Any]:
+        adam = optax.adam(optax.cosine_decay_schedule(1.0, steps), b2=data["b2"], eps=ADAM_EPS)
+        tx = jdls.wrap(adam, make_scale(task_fmt))
+        key = jax.random.key(seed)
+        params = init(jax.random.fold_in(key, 0), 12)
+        opt_state = tx.init(params)
+        scale = jdls.get_scale(opt_state)
+        if isinstance(scale, jdls.DynamicScale):  # a restart: the checkpointed scale
+            start = jnp.where(jnp.isnan(data["start"]), scale.loss_scale, data["start"])
+            opt_state = jdls.set_scale(opt_state, scale.replace(loss_scale=start))
+
+        def body(carry: Any, step: jax.Array) -> tuple[Any, dict[str, jax.Array]]:
+            params, opt_state = carry
+            idx = jax.random.randint(jax.random.fold_in(key, step + 1), (BATCH,), 0, len(xtr))
+            x, y = xtr[idx], ytr[idx]
+            scale = jdls.get_scale(opt_state)
+            _, grads = scale.value_and_grad(loss)(params, x, y, data, step)
+
+            def flushed() -> jax.Array:
+                ref = jax.grad(ref_loss)(params, x, y, data, step)
+                mass = sum(jnp.sum(jnp.abs(r)) for r in jax.tree.leaves(ref))
+                lost = sum(
+                    jnp.sum(jnp.where(g == 0, jnp.abs(r), 0))
+                    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref), strict=True)
+                )
+                return jnp.where(mass > 0, jnp.clip(lost / mass, 0.0, 1.0), 0.0)
+
+            probe = (step % PROBE_EVERY == 0) & (fmt != "float32")
+            frac = lax.cond(probe, flushed, lambda: jnp.full((), jnp.nan))
+            updates, opt_state = tx.update(grads, opt_state, params)
+            updates = jax.tree.map(lambda u: data["lr"] * u, updates)
+            params = optax.apply_updates(params, updates)
+            finite = jdls.stats(opt_state).finite
+            return (params, opt_state), {
+                "scale": scale.loss_scale,
+                "finite": finite,
+                "flushed": frac,
+            }
+
+        (params, _), trace = lax.scan(body, (params, opt_state), jnp.arange(steps))
+        out = apply(params, xte, caster("float32"))
+        train_out = apply(params, xtr, caster("float32"))
+        trace["test accuracy"] = jnp.mean(jnp.argmax(out[:, :10], -1) == yte)
+        trace["parity accuracy"] = jnp.mean(jnp.argmax(out[:, 10:], -1) == yte % 2)
+        trace["train loss"] = optax.softmax_cross_entropy_with_integer_labels(
+            train_out[:, :10], ytr
+        ).mean()
+        return trace
+
+    data = jax.tree.map(lambda *a: jnp.stack(a), *(_task_data(t, steps) for t in family))
+    n = len(family)
+    data = jax.tree.map(lambda a: jnp.repeat(a, seeds, axis=0), data)
+    seed_ids = jnp.tile(jnp.arange(seeds), n)
+    run = jax.jit(jax.vmap(one))
+    return lambda: jax.device_get(run(seed_ids, data))
+
+
+def train_family(
+    family: list[Task],
+    make_scale: Callable[[str], jdls.LossScale],
+    fmt: str | None = None,
+    seeds: int = SEEDS,
+) -> list[dict[str, Any]]:
+    """One rule on tasks of one family, ``seeds`` seeds each, all at once: per task, the
+    metric (mean, std over seeds) and seed 0's traces."""
+    fmt = family[0].fmt if fmt is None else fmt
+    start = time.perf_counter()
+    out = make_run(family, make_scale, fmt, seeds)()
+    seconds = time.perf_counter() - start
+    results = []
+    for i, task in enumerate(family):
+        part = {k: np.asarray(v)[i * seeds : (i + 1) * seeds] for k, v in out.items()}
+        values = part[task.metric].astype(np.float64)
+        finite = part["finite"]  # (seeds, steps)
+        scales = part["scale"].astype(np.float64)
+        flushed = part["flushed"].astype(np.float64)
+        taken = flushed[np.isfinite(flushed) & finite]
+        results.append(
+            {
+                "metric": float(values.mean()),
+                "metric_std": float(values.std()),
+                "metric_per_seed": values.tolist(),
+                "skipped": float((~finite).sum(axis=1).mean()),
+                "settle": float(np.mean([settle_step(s) for s in scales])),
+                "final_scale_log2": float(np.median(np.log2(scales[:, -1]))),
+                "flushed_pct": 100 * float(taken.mean()) if taken.size else 0.0,
+                "seconds": seconds / len(family),
+                "scale_trace": np.log2(scales[0]).tolist(),
+                "skipped_trace": np.cumsum(~finite[0]).tolist(),
+            }
+        )
+    return results
+
+
+def train(
+    task: Task,
+    make_scale: Callable[[str], jdls.LossScale],
+    fmt: str | None = None,
+    seeds: int = SEEDS,
+) -> dict[str, Any]:
+    """One rule on one task (:func:`train_family` of one task)."""
+    return train_family([task], make_scale, fmt, seeds)[0]
 
 
 def settle_step(scales: np.ndarray) -> int:
@@ -395,85 +476,43 @@ def settle_step(scales: np.ndarray) -> int:
 
 
 # --------------------------------------------------------------------------------------------
-# Step cost: adaptive rule against PyTorch's, one jitted step.
+# Step cost: AdaptiveScale against the classic rule, one jitted step, interleaved.
 # --------------------------------------------------------------------------------------------
 
 
-def step_cost(task: Task, rounds: int) -> list[dict[str, Any]]:
-    """Time one jitted step: PyTorch's rule, AdaptiveScale, and AdaptiveScale with every
-    linen module probed (``jdls.linen.probes``, ``jdls.probed_value_and_grad``)."""
-    model = task.make_model(F16)
-    variables = model.init(jax.random.key(0), task.sample)
-    idx = jnp.asarray(task.batches["idx"][0])
-
-    def loss_fn(params: Any) -> tuple[jax.Array, Any]:
-        return task.loss(model, {"params": params}, idx, jnp.int32(1), True)
-
-    def probed_loss(params: Any) -> tuple[jax.Array, Any]:
-        with jdls.linen.probes():
-            return loss_fn(params)
-
-    variants = (
-        (task.name, "PyTorch", jdls.presets.pytorch, False),
-        (task.name, "AdaptiveScale", jdls.AdaptiveScale, False),
-        (f"{task.name} telemetry", "AdaptiveScale", jdls.AdaptiveScale, False),
-        (f"{task.name} telemetry", "AdaptiveScale + telemetry", jdls.AdaptiveScale, True),
-    )
+def step_cost(rounds: int) -> list[dict[str, Any]]:
+    """Median time of one jitted float16 MLP step (adam) per rule, rounds interleaved: the
+    suite's MLP (width 64, batch 128) and a wider one (width 512, batch 256)."""
+    xtr, _, ytr, _ = (jnp.asarray(a) for a in digits())
+    loss = _loss(mlp, "float16")
+    data = _task_data(TASKS[0], 2)
     cases = []
-    for group, label, make, probed in variants:
-        state = State.create(
-            apply_fn=model.apply,
-            params=jax.tree.map(jnp.array, variables["params"]),  # donated: one copy per case
-            tx=jdls.wrap(optax.adam(1e-3), make()),
-            batch_stats={},
-        )
+    for hidden, batch in ((HIDDEN, BATCH), (512, 256)):
+        x, y = xtr[:batch], ytr[:batch]
+        for label, make in (
+            ("jdls classic", jdls.DynamicScale),
+            ("PyTorch", jdls.presets.pytorch),
+            ("AdaptiveScale", jdls.AdaptiveScale),
+        ):
+            tx = jdls.wrap(optax.adam(1e-3), make())
+            params = init_mlp(jax.random.key(0), 12, hidden)
 
-        @functools.partial(jax.jit, donate_argnums=0)
-        def step(state: State, probed: bool = probed) -> tuple[State, Any]:
-            if probed:
-                fn = jdls.probed_value_and_grad(probed_loss, state.scale, has_aux=True)
-                _, grads, telemetry = fn(state.params)
-            else:
-                _, grads = state.scale.value_and_grad(loss_fn, has_aux=True)(state.params)
-                telemetry = None
-            return state.apply_gradients(grads=grads), telemetry
+            @functools.partial(jax.jit, donate_argnums=0)
+            def step(carry: Any, tx: Any = tx, x: Any = x, y: Any = y) -> Any:
+                params, opt_state = carry
+                _, grads = jdls.get_scale(opt_state).value_and_grad(loss)(params, x, y, data, 1)
+                updates, opt_state = tx.update(grads, opt_state, params)
+                return optax.apply_updates(params, updates), opt_state
 
-        box = [state]
+            box = [(params, tx.init(params))]
 
-        def run(step: Any = step, box: list[Any] = box) -> None:
-            box[0], telemetry = step(box[0])
-            jax.block_until_ready((box[0], telemetry))
+            def run(step: Any = step, box: list[Any] = box) -> None:
+                box[0] = step(box[0])
+                jax.block_until_ready(box[0])
 
-        cases.append(h.Case(f"{task.name}: {label}", run, group=group))
+            group = f"MLP width {hidden}, batch {batch}"
+            cases.append(h.Case(f"{group}: {label}", run, group=group))
     return h.time_cases(cases, rounds=rounds)
-
-
-def settling(task: Task, quick: bool) -> list[dict[str, Any]]:
-    """Start 2**20 above and below the scale AdaptiveScale follows on this task; count the
-    steps until the scale stays within one binade of that reference run's scale."""
-    ref = np.log2(np.asarray(train(task, jdls.AdaptiveScale, F16)["scale_trace"]))
-    rows = []
-    for label, make in (("AdaptiveScale", jdls.AdaptiveScale), ("PyTorch", jdls.presets.pytorch)):
-        for offset in (20, -20):
-            start = 2.0 ** float(np.clip(np.round(ref[1]) + offset, -126, 127))
-
-            def scale(make: Any = make, start: float = start) -> jdls.LossScale:
-                s = make()
-                return s.replace(loss_scale=jnp.float32(start))
-
-            h.log(f"quality: settling {label} from 2**{math.log2(start):.0f}")
-            trace = np.log2(np.asarray(train(task, scale, F16)["scale_trace"]))
-            off = np.nonzero(np.abs(trace - ref) > 1)[0]
-            steps = int(off[-1] + 1) if off.size else 0
-            rows.append(
-                {
-                    "label": f"{label} from 2**{offset:+d}",
-                    "start_log2": math.log2(start),
-                    "settle": steps if steps < len(trace) else None,
-                    "steps": len(trace),
-                }
-            )
-    return rows
 
 
 # --------------------------------------------------------------------------------------------
@@ -481,59 +520,53 @@ def settling(task: Task, quick: bool) -> list[dict[str, Any]]:
 # --------------------------------------------------------------------------------------------
 
 COLUMNS = (
-    ("label", "task / rule", ""),
-    ("metric", "final metric", ".4f"),
-    ("skipped_1000", "skipped (first 1000)", "d"),
-    ("skipped", "skipped (all)", "d"),
-    ("settle", "settle step", "d"),
-    ("final_scale_log2", "final scale (log2)", ".1f"),
+    ("label", "rule", ""),
+    ("metric", "metric", ".4f"),
+    ("metric_std", "± (seeds)", ".4f"),
+    ("skipped", "skipped", ".1f"),
+    ("settle", "settle step", ".0f"),
+    ("final_scale_log2", "final scale (log2)", ".0f"),
     ("flushed_pct", "signal flushed %", ".2f"),
     ("seconds", "seconds", ".1f"),
 )
 
 
 def suite(quick: bool = False, rounds: int | None = None) -> list[h.Section]:
-    """The quality table (one section per task) and the step-cost table."""
+    """One section per task (every rule) and the step-cost table."""
     sections = []
-    for task in tasks(quick):
-        rows = []
-        for name, (make, dtype) in rules(quick).items():
-            h.log(f"quality: {task.name} / {name}")
-            r = train(task, make, dtype)
-            r["label"] = name
-            r["final_scale_log2"] = math.log2(r["final_scale"])
-            r["flushed_pct"] = 100 * r["flushed"]
-            rows.append(r)
-        note = f"{task.description}; {task.steps} steps; metric: {task.metric}" + (
-            " (lower is better)" if task.lower else ""
+    seeds = 2 if quick else SEEDS
+    todo = tasks(quick)
+    families: dict[tuple[str, str], list[Task]] = {}
+    for task in todo:
+        families.setdefault(_family(task), []).append(task)
+    rows_of: dict[str, list[dict[str, Any]]] = {t.name: [] for t in todo}
+    for family in families.values():
+        for name, make in rules(quick).items():
+            h.log(f"quality: {', '.join(t.name for t in family)} / {name}")
+            fmt = "float32" if name == "float32" else family[0].fmt
+            for task, r in zip(family, train_family(family, make, fmt, seeds), strict=True):
+                rows_of[task.name].append({"label": name, **r})
+    for task in todo:
+        rows = rows_of[task.name]
+        note = (
+            f"{task.why}. {task.steps} steps, {seeds} seeds, {task.fmt}; metric: {task.metric}"
+            + (" (lower is better)" if task.lower else "")
         )
         sections.append(
-            h.Section(task.name, note, rows, COLUMNS, {"steps": task.steps, "metric": task.metric})
+            h.Section(
+                task.name,
+                note,
+                rows,
+                COLUMNS,
+                {"steps": task.steps, "metric": task.metric, "kind": task.kind, "why": task.why},
+            )
         )
-    mlp = tasks(quick)[0]
-    sections.append(
-        h.Section(
-            "settling",
-            f"{mlp.name}: steps until the scale stays within one binade of the scale that "
-            "AdaptiveScale follows from its default start (empty: never, within the budget)",
-            settling(mlp, quick),
-            (
-                ("label", "rule / start", ""),
-                ("start_log2", "start (log2)", ".0f"),
-                ("settle", "settle steps", "d"),
-                ("steps", "budget", "d"),
-            ),
-        )
-    )
-    cost_rows: list[dict[str, Any]] = []
-    for task in tasks(quick)[:2]:
-        cost_rows += step_cost(task, rounds or (5 if quick else 200))
     sections.append(
         h.Section(
             "step cost",
-            "one jitted train step (float16 compute, adam); ratio: to the first case of its "
-            "group (AdaptiveScale / PyTorch's rule; telemetry on / off)",
-            cost_rows,
+            "one jitted float16 MLP train step (adam), rounds interleaved; ratio: to the "
+            "classic rule",
+            step_cost(rounds or (5 if quick else 300)),
         )
     )
     return sections
@@ -545,7 +578,7 @@ def suite(quick: bool = False, rounds: int | None = None) -> list[h.Section]:
 
 
 def plot(results: str, out: str) -> None:
-    """The loss scale used at every step, and the cumulative skipped steps, per task and rule."""
+    """The loss scale (log2) every rule used at every step, one panel per task (seed 0)."""
     import json
 
     import matplotlib
@@ -555,24 +588,27 @@ def plot(results: str, out: str) -> None:
 
     data = json.loads(Path(results).read_text())
     sections = [s for s in data["sections"] if s["rows"] and "scale_trace" in s["rows"][0]]
-    fig, axes = plt.subplots(2, len(sections), figsize=(4.2 * len(sections), 6.5), squeeze=False)
-    styles = ["-", "--", ":", "-.", "-", "--", ":"]
-    for j, section in enumerate(sections):
-        for i, row in enumerate(section["rows"]):
-            if row["label"] in ("float32", "no scaling (f16)"):
+    cols = 4
+    rows_ = math.ceil(len(sections) / cols)
+    fig, axes = plt.subplots(rows_, cols, figsize=(4.2 * cols, 3.2 * rows_), squeeze=False)
+    styles = ["-", "--", ":", "-.", "-", "--", ":", "-"]
+    for ax, section in zip(axes.flat, sections, strict=False):
+        i = 0
+        for row in section["rows"]:
+            if row["label"] in ("float32", "no scaling"):
                 continue
-            width = 2.2 if row["label"] == "AdaptiveScale" else 1.2
-            axes[0, j].plot(row["scale_trace"], styles[i], label=row["label"], linewidth=width)
-            axes[1, j].plot(row["skipped_trace"], styles[i], label=row["label"], linewidth=width)
-        axes[0, j].set_yscale("log", base=2)
-        axes[0, j].set_title(f"{section['title']}: loss scale")
-        axes[1, j].set_title(f"{section['title']}: skipped steps (cumulative)")
-        axes[1, j].set_xlabel("step")
-        for ax in axes[:, j]:
-            ax.grid(True, alpha=0.3)
-    axes[0, 0].legend(fontsize=8)
+            style = {"lw": 2.2, "color": "k"} if row["label"] == "AdaptiveScale" else {"lw": 1.1}
+            ax.plot(row["scale_trace"], styles[i % len(styles)], label=row["label"], **style)
+            i += 1
+        ax.set_title(section["title"], fontsize=10)
+        ax.set_ylabel("log2 loss scale", fontsize=8)
+        ax.set_xlabel("step", fontsize=8)
+        ax.grid(True, alpha=0.3)
+    for ax in list(axes.flat)[len(sections) :]:
+        ax.axis("off")
+    axes[0, 0].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out, dpi=100)
+    fig.savefig(out, dpi=90)
     plt.close(fig)
 
 

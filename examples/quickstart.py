@@ -46,7 +46,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     y = x @ jax.random.normal(kw, (16, 1))
     params = {"w": jnp.zeros((16, 1), jnp.float32)}  # float32 master weights
 
-    tx = jdls.wrap(optax.adam(5e-2))  # default jdls.DynamicScale(): starts at 2**15
+    tx = jdls.wrap(optax.adam(5e-2))  # default jdls.AdaptiveScale(): follows the gradients
     opt_state = tx.init(params)
 
     @jax.jit

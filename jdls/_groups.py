@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import optax
 
 from jdls._norm import amax, flatten_floats
-from jdls._scale import DynamicScale, LossScale, NoOpScale, check_scale
+from jdls._scale import AdaptiveScale, DynamicScale, LossScale, NoOpScale, check_scale
 from jdls._stats import Stats, WrapState, the_wrap_state
 from jdls._wrap import wrap
 
@@ -63,7 +63,8 @@ def wrap_groups(
     Args:
       inners: the optimizer of each group, e.g. ``{"gen": optax.adam(2e-4), "disc":
         optax.adam(2e-4)}``.
-      scale: the one loss scale; default ``jdls.DynamicScale()``.
+      scale: the one loss scale; default ``jdls.AdaptiveScale()`` (the scale
+        follows the gradients it measures; ``jdls.DynamicScale()`` for the classic rule).
       **wrap_options: options of :func:`jdls.wrap` applied to every group (``max_norm``,
         ``skip_norm_overflow``, ``skip_with``, ``track_nonfinite``): each group is clipped
         by its own global norm, as ``clip_grad_norm_`` per optimizer in PyTorch. With
@@ -106,7 +107,7 @@ def wrap_groups(
             f"jdls.wrap_groups does not support {', '.join(unsupported)}; use jdls.wrap for "
             "one optimizer, or step the groups in separate jdls.wrap optimizers"
         )
-    scale0 = DynamicScale() if scale is None else check_scale(scale, wrapping=True)
+    scale0 = AdaptiveScale() if scale is None else check_scale(scale, wrapping=True)
     groups = {name: wrap(inner, NoOpScale(), **wrap_options) for name, inner in inners.items()}
 
     def init_fn(params: Mapping[str, Any]) -> WrapState:

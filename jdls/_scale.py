@@ -100,7 +100,7 @@ class StaticScale(LossScale):
 class DynamicScale(LossScale):
     """A loss scale that a rule changes after every step.
 
-    ``DynamicScale()`` is a safe default for float16: it starts at ``2**15``, halves on every
+    ``DynamicScale()`` is jdls's classic rule for float16: it starts at ``2**15``, halves on every
     non-finite step, doubles after 2000 finite steps in a row and stays within
     ``[1, 2**24]`` (the defaults of :class:`jdls.rules.GrowBackoff`). Other rules, and the
     exact rules of PyTorch, Flax, jmp, Keras, DeepSpeed, Megatron-LM and Cerebras
@@ -284,7 +284,8 @@ def AdaptiveScale(
     compute_dtype: Any = "float16",
     **options: Any,
 ) -> DynamicScale:
-    """A :class:`DynamicScale` whose rule sets the scale from the gradients it measures.
+    """A :class:`DynamicScale` whose rule sets the scale from the gradients it measures: the
+    default scale of :func:`jdls.wrap` and :func:`jdls.wrap_groups`.
 
     ``jdls.DynamicScale(loss_scale, jdls.rules.Adaptive(compute_dtype, **options))``: after
     every finite step the scale becomes the power of two that puts the largest scaled

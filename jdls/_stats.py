@@ -151,7 +151,7 @@ def get_scale(opt_state: Any) -> LossScale:
 
     Example:
       >>> import jax.numpy as jnp, optax, jdls
-      >>> tx = optax.chain(jdls.clip(1.0), jdls.wrap(optax.sgd(0.1)))
+      >>> tx = optax.chain(jdls.clip(1.0), jdls.wrap(optax.sgd(0.1), jdls.DynamicScale()))
       >>> float(jdls.get_scale(tx.init({"w": jnp.zeros(2)})).loss_scale)
       32768.0
     """
@@ -203,7 +203,7 @@ def stats(opt_state: Any) -> Stats:
 
     Example:
       >>> import jax.numpy as jnp, optax, jdls
-      >>> tx = jdls.wrap(optax.sgd(0.1))
+      >>> tx = jdls.wrap(optax.sgd(0.1), jdls.DynamicScale())
       >>> params = {"w": jnp.zeros(2)}
       >>> _, state = tx.update({"w": jnp.array([1.0, jnp.nan])}, tx.init(params), params)
       >>> s = jdls.stats(state)

@@ -38,7 +38,7 @@ from jdls._norm import (
     tree_norm,
 )
 from jdls._retry import classify, first_attempt
-from jdls._scale import DynamicScale, LossScale, check_scale
+from jdls._scale import AdaptiveScale, DynamicScale, LossScale, check_scale
 from jdls._skip import cond_branches, keep_dtypes, select
 from jdls._stats import Stats, WrapState
 
@@ -93,7 +93,8 @@ def wrap(
     Args:
       inner: the optax transformation to protect, e.g. ``optax.adam(1e-3)`` (objects with
         ``init``/``update`` methods, such as ``optax.MultiSteps``, work too).
-      scale: the initial loss scale; default ``jdls.DynamicScale()``.
+      scale: the initial loss scale; default ``jdls.AdaptiveScale()`` (the scale
+        follows the gradients it measures; ``jdls.DynamicScale()`` for the classic rule).
       max_norm: clip the gradients to this global L2 norm (a finite number > 0).
       skip_norm_overflow: also skip a step whose gradients are all finite but whose float32
         global norm overflows, as Cerebras does (``jdls.presets.cerebras_wrap`` sets it).
@@ -144,7 +145,7 @@ def wrap(
       2018; ``torch.amp.GradScaler.step``; ``optax.apply_if_finite``.
     """
     inner_tx = _check_inner(inner)
-    scale0 = DynamicScale() if scale is None else check_scale(scale, wrapping=True)
+    scale0 = AdaptiveScale() if scale is None else check_scale(scale, wrapping=True)
     if max_norm is not None:
         max_norm = check_limit("max_norm", max_norm)
     check_sharded(axis_name, sharded, max_norm is not None, "jdls.wrap")

@@ -110,7 +110,7 @@ def test_dropping_equals_never_having_had_the_micro_batch(jit):
 def test_tolerance_exceeded_skips_the_step(jit):
     xs, ys = micro_batches()
     bad = xs.at[1].set(jnp.nan).at[3].set(jnp.inf)  # two bad micro-batches
-    tx = jdls.wrap(optax.sgd(0.1))
+    tx = jdls.wrap(optax.sgd(0.1), jdls.DynamicScale())
 
     def step(params, opt_state, batches, max_dropped):
         scale = jdls.get_scale(opt_state)
@@ -230,7 +230,7 @@ def test_multisteps_across_steps_skips_only_the_bad_micro_step():
     """``jdls.wrap(optax.MultiSteps(...))``: a bad micro-step is skipped and never enters the
     accumulator; the update is the mean of the finite micro-steps of the window."""
     xs, ys = micro_batches(k=4)
-    tx = jdls.wrap(optax.MultiSteps(optax.sgd(0.1), every_k_schedule=3))
+    tx = jdls.wrap(optax.MultiSteps(optax.sgd(0.1), every_k_schedule=3), jdls.DynamicScale())
     state = tx.init(PARAMS)
 
     @jax.jit

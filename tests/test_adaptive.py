@@ -4,6 +4,7 @@ pmap, checkpoints)."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -195,6 +196,43 @@ def test_backoff_doubles_its_bits_and_an_overflow_at_a_predicted_scale_raises_th
     assert float(scale.adjust(False, jnp.nan).loss_scale) == float(scale.loss_scale) / 2
     assert int(scale.adjust(False).state.margin) == 7  # an overflow at a predicted scale
     assert int(scale.adjust(False).adjust(False).state.margin) == 7  # once per run
+
+
+def test_only_an_overflow_soon_after_the_previous_one_raises_the_margin():
+    rule = jdls.rules.Adaptive(margin_window=3)
+    scale = jdls.DynamicScale(2.0**10, rule)
+
+    @functools.partial(jax.jit, static_argnums=1)
+    def run(scale, finite_steps):
+        for _ in range(finite_steps):
+            scale = scale.adjust(True, jnp.float32(2.0**-8))
+        return scale.adjust(False)
+
+    for jitted in (False, True):
+        step = run if jitted else run.__wrapped__
+        spike = step(scale, 3)  # 3 finite steps since the start: soon
+        assert int(spike.state.margin) == 7
+        isolated = step(scale, 4)  # 4: an isolated overflow keeps the margin
+        assert int(isolated.state.margin) == 6
+        assert float(isolated.loss_scale) == 2.0 ** (15 - 6 + 8 - 1)  # backed off one bit
+        again = step(isolated, 2)  # 2 finite steps after the previous overflow: soon
+        assert int(again.state.margin) == 7
+
+
+def test_spikes_every_fifty_steps_are_each_skipped_and_cost_no_margin():
+    scale = jdls.AdaptiveScale()
+    for step in range(400):
+        spike = step % 50 == 25
+        if spike:  # x1e4 the measured gradients: beyond the margin, an overflow
+            assert float(scale.loss_scale) * 1e4 * 2.0**-8 > 65504
+        scale = scale.adjust(not spike, None if spike else 2.0**-8)
+    assert int(scale.state.margin) == 6
+    assert float(scale.loss_scale) == 2.0 ** (15 - 6 + 8)
+
+
+def test_margin_window_is_checked():
+    with pytest.raises(ValueError, match="margin_window"):
+        jdls.rules.Adaptive(margin_window=0)
 
 
 def test_margin_lowers_after_a_run_of_finite_steps():

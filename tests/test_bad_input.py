@@ -36,11 +36,14 @@ class Case(NamedTuple):
 
 
 def _wrap_state():
-    return jdls.wrap(optax.sgd(0.1)).init(PARAMS)
+    return jdls.wrap(optax.sgd(0.1), jdls.DynamicScale()).init(PARAMS)
 
 
 def _two_wraps():
-    return optax.chain(jdls.wrap(optax.sgd(0.1)), jdls.wrap(optax.sgd(0.1))).init(PARAMS)
+    return optax.chain(
+        jdls.wrap(optax.sgd(0.1), jdls.DynamicScale()),
+        jdls.wrap(optax.sgd(0.1), jdls.DynamicScale()),
+    ).init(PARAMS)
 
 
 def _update(tx, grads, state=None, params=PARAMS):
@@ -239,7 +242,7 @@ CASES = [
     ),
     Case(
         "wrap-max-norm-over-float32",
-        lambda: jdls.wrap(optax.sgd(0.1), max_norm=1e39),
+        lambda: jdls.wrap(optax.sgd(0.1), jdls.DynamicScale(), max_norm=1e39),
         ValueError,
         r"max_norm must fit in float32 \(<= 3.40282e\+38\), got 1e\+39: it would be inf",
     ),
@@ -374,7 +377,7 @@ CASES = [
     ),
     Case(
         "wrap-scale-is-wrap",
-        lambda: jdls.wrap(optax.adam(1e-3), jdls.wrap(optax.sgd(0.1))),
+        lambda: jdls.wrap(optax.adam(1e-3), jdls.wrap(optax.sgd(0.1), jdls.DynamicScale())),
         TypeError,
         r"scale must be a jdls loss scale, got an optax transformation",
     ),
@@ -418,87 +421,89 @@ CASES = [
     # -- jdls.wrap: arguments ---------------------------------------------------------------------
     Case(
         "wrap-max-norm-0",
-        lambda: jdls.wrap(optax.sgd(0.1), max_norm=0.0),
+        lambda: jdls.wrap(optax.sgd(0.1), jdls.DynamicScale(), max_norm=0.0),
         ValueError,
         r"max_norm must be a finite number > 0, got 0.0",
     ),
     Case(
         "wrap-max-norm-negative",
-        lambda: jdls.wrap(optax.sgd(0.1), max_norm=-1.0),
+        lambda: jdls.wrap(optax.sgd(0.1), jdls.DynamicScale(), max_norm=-1.0),
         ValueError,
         r"max_norm must be a finite number > 0",
     ),
     Case(
         "wrap-max-norm-inf",
-        lambda: jdls.wrap(optax.sgd(0.1), max_norm=INF),
+        lambda: jdls.wrap(optax.sgd(0.1), jdls.DynamicScale(), max_norm=INF),
         ValueError,
         r"max_norm must be a finite number > 0, got inf",
     ),
     Case(
         "wrap-max-norm-str",
-        lambda: jdls.wrap(optax.sgd(0.1), max_norm="1.0"),
+        lambda: jdls.wrap(optax.sgd(0.1), jdls.DynamicScale(), max_norm="1.0"),
         TypeError,
         r"max_norm must be a number, got str",
     ),
     Case(
         "wrap-max-norm-vector",
-        lambda: jdls.wrap(optax.sgd(0.1), max_norm=jnp.ones(2)),
+        lambda: jdls.wrap(optax.sgd(0.1), jdls.DynamicScale(), max_norm=jnp.ones(2)),
         ValueError,
         r"max_norm must be a scalar",
     ),
     Case(
         "wrap-skip-with-unknown",
-        lambda: jdls.wrap(optax.sgd(0.1), skip_with="where"),
+        lambda: jdls.wrap(optax.sgd(0.1), jdls.DynamicScale(), skip_with="where"),
         ValueError,
         r"skip_with must be one of \('cond', 'select'\), got 'where'",
     ),
     Case(
         "wrap-track-nonfinite-str",
-        lambda: jdls.wrap(optax.sgd(0.1), track_nonfinite="yes"),
+        lambda: jdls.wrap(optax.sgd(0.1), jdls.DynamicScale(), track_nonfinite="yes"),
         TypeError,
         r"track_nonfinite must be a bool",
     ),
     Case(
         "wrap-skip-norm-overflow-str",
-        lambda: jdls.wrap(optax.sgd(0.1), skip_norm_overflow="yes"),
+        lambda: jdls.wrap(optax.sgd(0.1), jdls.DynamicScale(), skip_norm_overflow="yes"),
         TypeError,
         r"skip_norm_overflow must be a bool, got 'yes'",
     ),
     Case(
         "wrap-axis-name-clip-no-sharded",
-        lambda: jdls.wrap(optax.sgd(0.1), max_norm=1.0, axis_name="data"),
+        lambda: jdls.wrap(optax.sgd(0.1), jdls.DynamicScale(), max_norm=1.0, axis_name="data"),
         ValueError,
         r"say how the gradients are laid out across that axis: sharded=True .* sharded=False",
     ),
     Case(
         "wrap-sharded-without-axis-name",
-        lambda: jdls.wrap(optax.sgd(0.1), sharded=True),
+        lambda: jdls.wrap(optax.sgd(0.1), jdls.DynamicScale(), sharded=True),
         ValueError,
         r"sharded=True needs an axis_name",
     ),
     # -- jdls.wrap: calls -----------------------------------------------------------------------
     Case(
         "update-with-inner-state",
-        lambda: _update(jdls.wrap(optax.adam(0.1)), PARAMS, optax.adam(0.1).init(PARAMS)),
+        lambda: _update(
+            jdls.wrap(optax.adam(0.1), jdls.DynamicScale()), PARAMS, optax.adam(0.1).init(PARAMS)
+        ),
         TypeError,
         r"expects its own WrapState, got tuple: pass the state returned by this transformation's init",
     ),
     Case(
         "update-tree-mismatch",
-        lambda: _update(jdls.wrap(optax.sgd(0.1)), {"v": jnp.ones(3)}),
+        lambda: _update(jdls.wrap(optax.sgd(0.1), jdls.DynamicScale()), {"v": jnp.ones(3)}),
         ValueError,
         r"gradients do not have the tree structure of the params .*only in gradients: \['v'\].*only in params: \['w'\]",
     ),
     Case(
         "update-shape-mismatch",
-        lambda: _update(jdls.wrap(optax.sgd(0.1)), {"w": jnp.ones(1)}),
+        lambda: _update(jdls.wrap(optax.sgd(0.1), jdls.DynamicScale()), {"w": jnp.ones(1)}),
         ValueError,
         r"the gradient at \['w'\] has shape \(1,\) but its parameter has shape \(3,\); pass the gradients of the params",
     ),
     Case(
         "update-float0-gradients",
         lambda: _update(
-            jdls.wrap(optax.adam(0.1)),
+            jdls.wrap(optax.adam(0.1), jdls.DynamicScale()),
             jax.grad(lambda p: jnp.sum(p["w"] * 1.0), allow_int=True)({"w": jnp.arange(3)}),
             params={"w": jnp.arange(3)},
         ),

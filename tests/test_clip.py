@@ -175,7 +175,7 @@ def adam_with_schedule():
 
 @with_and_without_jit
 def test_chain_matches_optax_chain_on_finite_steps(jit):
-    ours = optax.chain(jdls.clip(1.0), jdls.wrap(adam_with_schedule()))
+    ours = optax.chain(jdls.clip(1.0), jdls.wrap(adam_with_schedule(), jdls.DynamicScale()))
     theirs = optax.chain(optax.clip_by_global_norm(1.0), adam_with_schedule())
     s1, s2 = ours.init(grads_of(0)), theirs.init(grads_of(0))
     up1, up2 = maybe_jit(ours.update, jit), maybe_jit(theirs.update, jit)
@@ -199,8 +199,8 @@ def test_fused_equals_chain_with_select():
 def check_fused_equals_chain(skip_with, jit):
     """wrap(inner, max_norm=c) matches chain(clip(c), wrap(inner)) through overflowing norms
     and skipped steps (same decisions, same norm, updates within a few ulps)."""
-    fused = jdls.wrap(adam_with_schedule(), max_norm=1.0, skip_with=skip_with)
-    chained = optax.chain(jdls.clip(1.0), jdls.wrap(adam_with_schedule()))
+    fused = jdls.wrap(adam_with_schedule(), jdls.DynamicScale(), max_norm=1.0, skip_with=skip_with)
+    chained = optax.chain(jdls.clip(1.0), jdls.wrap(adam_with_schedule(), jdls.DynamicScale()))
     params = grads_of(0)
     s1, s2 = fused.init(params), chained.init(params)
     up1, up2 = maybe_jit(fused.update, jit), maybe_jit(chained.update, jit)
@@ -225,7 +225,7 @@ def check_fused_equals_chain(skip_with, jit):
 
 
 def test_fused_clip_matches_optax_clip_then_adam():
-    fused = jdls.wrap(optax.adam(1e-2), max_norm=0.5)
+    fused = jdls.wrap(optax.adam(1e-2), jdls.DynamicScale(), max_norm=0.5)
     plain = optax.chain(optax.clip_by_global_norm(0.5), optax.adam(1e-2))
     s1, s2 = fused.init(grads_of(0)), plain.init(grads_of(0))
     for seed in range(2):

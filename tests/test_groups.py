@@ -161,7 +161,9 @@ def test_groups_stepped_in_turn_like_a_gan():
 
 
 def test_accessors_and_errors():
-    tx = jdls.wrap_groups({"a": optax.sgd(0.1), "b": optax.sgd(0.1)}, max_norm=1.0)
+    tx = jdls.wrap_groups(
+        {"a": optax.sgd(0.1), "b": optax.sgd(0.1)}, jdls.DynamicScale(), max_norm=1.0
+    )
     params = {"a": jnp.zeros(2), "b": jnp.zeros(2)}
     state = tx.init(params)
     assert float(jdls.get_scale(state).loss_scale) == 2.0**15
@@ -176,9 +178,9 @@ def test_accessors_and_errors():
     with pytest.raises(TypeError, match="non-empty dict of optax transformations"):
         jdls.wrap_groups(optax.sgd(0.1))
     with pytest.raises(TypeError, match="does not support retries"):
-        jdls.wrap_groups({"a": optax.sgd(0.1)}, retries=1)
+        jdls.wrap_groups({"a": optax.sgd(0.1)}, jdls.DynamicScale(), retries=1)
     with pytest.raises(ValueError, match="not made by jdls.wrap_groups"):
-        jdls.group_stats(jdls.wrap(optax.sgd(0.1)).init(params))
+        jdls.group_stats(jdls.wrap(optax.sgd(0.1), jdls.DynamicScale()).init(params))
 
 
 @with_and_without_jit

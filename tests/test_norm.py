@@ -95,7 +95,7 @@ def test_inside_shard_map_with_axis_name():
 @pytest.mark.parametrize("track", [False, True])
 def test_skipped_step_is_bit_exact(jit, track):
     params = {"w": jnp.array([1.0, -0.0, 3.0]), "b": jnp.array([[0.5]], jnp.float16)}
-    tx = jdls.wrap(optax.adam(1e-2), track_nonfinite=track)
+    tx = jdls.wrap(optax.adam(1e-2), jdls.DynamicScale(), track_nonfinite=track)
     state = tx.init(params)
     grads = {"w": jnp.array([1.0, jnp.nan, 2.0]), "b": jnp.array([[1.0]], jnp.float16)}
     updates, new_state = maybe_jit(tx.update, jit)(grads, state, params)

@@ -478,7 +478,7 @@ def test_dead_scale_skips_every_step_and_never_corrupts(scale):
 
 
 def test_skip_counters_saturate_instead_of_wrapping():
-    tx = jdls.wrap(optax.sgd(0.1))
+    tx = jdls.wrap(optax.sgd(0.1), jdls.DynamicScale())
     params = {"w": jnp.zeros(2)}
     state = tx.init(params)
     big = jnp.int32(np.iinfo(np.int32).max - 1)

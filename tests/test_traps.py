@@ -62,7 +62,9 @@ def test_from_flax_train_state_keeps_momentum_and_scale(source):
         given = serialization.msgpack_restore(serialization.to_bytes(old))
     options = {"growth_interval": 3}
     new = jdls.linen.from_train_state(
-        given, jdls.wrap(tx), flax_scale_options=None if source == "object" else options
+        given,
+        jdls.wrap(tx, jdls.DynamicScale()),
+        flax_scale_options=None if source == "object" else options,
     )
     assert isinstance(new, jdls.linen.TrainState)
     assert_bitwise_equal(new.params, old.params)
@@ -81,7 +83,9 @@ def test_from_flax_train_state_keeps_momentum_and_scale(source):
 
 def test_restoring_a_flax_checkpoint_into_a_jdls_state_is_loud():
     tx, old = _trained_flax_state()
-    target = jdls.linen.TrainState.create(apply_fn=None, params=old.params, tx=jdls.wrap(tx))
+    target = jdls.linen.TrainState.create(
+        apply_fn=None, params=old.params, tx=jdls.wrap(tx, jdls.DynamicScale())
+    )
     with pytest.raises(ValueError, match="inner_state") as info:
         serialization.from_state_dict(
             target, {**serialization.to_state_dict(old), "dynamic_scale": None}
@@ -94,9 +98,11 @@ def test_restoring_a_flax_checkpoint_into_a_jdls_state_is_loud():
 def test_from_flax_train_state_names_a_mismatch():
     tx, old = _trained_flax_state()
     with pytest.raises(ValueError, match="does not match jdls.wrap"):
-        jdls.linen.from_train_state(old, jdls.wrap(optax.adam(1e-3)))
+        jdls.linen.from_train_state(old, jdls.wrap(optax.adam(1e-3), jdls.DynamicScale()))
     with pytest.raises(ValueError, match="wrap the whole"):
-        jdls.linen.from_train_state(old, optax.chain(jdls.clip(1.0), jdls.wrap(tx)))
+        jdls.linen.from_train_state(
+            old, optax.chain(jdls.clip(1.0), jdls.wrap(tx, jdls.DynamicScale()))
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -141,7 +147,7 @@ def debug_nans():
 
 
 def test_init_and_finite_steps_under_debug_nans(debug_nans):
-    tx = jdls.wrap(optax.adam(1e-3), track_nonfinite=True)
+    tx = jdls.wrap(optax.adam(1e-3), jdls.DynamicScale(), track_nonfinite=True)
     params = {"w": jnp.ones(3)}
     state = tx.init(params)
     state = jax.jit(tx.init)(params)
@@ -172,7 +178,7 @@ def _python_scalar_state_tx():
 
 @pytest.mark.parametrize("skip_with", ["select", "cond"])
 def test_python_scalars_in_the_inner_state(skip_with):
-    tx = jdls.wrap(_python_scalar_state_tx(), skip_with=skip_with)
+    tx = jdls.wrap(_python_scalar_state_tx(), jdls.DynamicScale(), skip_with=skip_with)
     params = {"w": jnp.ones(2)}
     state = tx.init(params)
     _, state = tx.update({"w": jnp.ones(2)}, state, params)  # outside jit
@@ -209,7 +215,7 @@ def test_value_and_grad_axis_name_points_to_wrap():
         scale.value_and_grad(lambda w: jnp.sum(w), axis_name="batch")
     assert "docs/migration/flax.md" in str(info.value)
     state = jdls.linen.TrainState.create(
-        apply_fn=None, params={"w": jnp.ones(2)}, tx=jdls.wrap(optax.sgd(0.1))
+        apply_fn=None, params={"w": jnp.ones(2)}, tx=jdls.wrap(optax.sgd(0.1), jdls.DynamicScale())
     )
     with pytest.raises(TypeError, match="lax.pmean"):
         state.value_and_grad(lambda p: jnp.sum(p["w"]), axis_name="batch")
@@ -242,7 +248,8 @@ def _set_hyperparam(opt_state, name, value):
 def test_inject_hyperparams_recipe():
     """The recipe of docs/optax.md: the edited rate is the one the next step uses."""
     tx = optax.chain(
-        jdls.clip(1.0), jdls.wrap(optax.inject_hyperparams(optax.sgd)(learning_rate=0.5))
+        jdls.clip(1.0),
+        jdls.wrap(optax.inject_hyperparams(optax.sgd)(learning_rate=0.5), jdls.DynamicScale()),
     )
     params = {"w": jnp.zeros(2)}
     state = _set_hyperparam(tx.init(params), "learning_rate", 0.25)
@@ -309,7 +316,7 @@ def test_batched_scales_repr_values():
 def test_float64_gradients_near_1e183_are_finite_and_clipped():
     """Finite float64 gradients whose squares overflow float64 (x64) are not an inf."""
     with jax.enable_x64(True):
-        tx = jdls.wrap(optax.sgd(1.0), max_norm=1.0)
+        tx = jdls.wrap(optax.sgd(1.0), jdls.DynamicScale(), max_norm=1.0)
         params = {"w": jnp.zeros(3, jnp.float64), "v": jnp.zeros(2, jnp.float32)}
         grads = {"w": jnp.array([1e183, 2e183, 0.0]), "v": jnp.array([1e30, 3.0], jnp.float32)}
         updates, state = jax.jit(tx.update)(grads, tx.init(params), params)

@@ -46,10 +46,33 @@ def scheduled_adam():
 
 
 @with_and_without_jit
+def test_the_default_scale_is_adaptive_and_measures_the_gradients(jit):
+    tx = jdls.wrap(optax.sgd(0.1))
+    params = {"w": jnp.zeros(2)}
+    state = tx.init(params)
+    assert jdls.get_scale(state) == jdls.AdaptiveScale()
+    grads = {"w": jnp.array([2.0**-20, -(2.0**-30)])}
+    _, state = maybe_jit(tx.update, jit)(grads, state, params)
+    # float16's max is 2**15.9993, margin 6 bits: 2**-20 * 2**(15 - 6 + 20) <= 2**(16 - 6)
+    assert loss_scale_of(state) == 2.0 ** (15 - 6 + 20)
+    _, state = maybe_jit(tx.update, jit)({"w": jnp.array([jnp.inf, 0.0])}, state, params)
+    assert loss_scale_of(state) == 2.0 ** (15 - 6 + 20 - 1)  # an overflow backs off a bit
+
+
+def test_the_default_scale_trains_through_a_flax_train_state():
+    state = jdls.linen.TrainState.create(
+        apply_fn=None, params={"w": jnp.ones(2)}, tx=jdls.wrap(optax.sgd(0.1))
+    )
+    state = jax.jit(state.apply_gradients)(grads={"w": jnp.array([2.0**-10, 0.0])})
+    assert float(state.loss_scale) == 2.0 ** (15 - 6 + 10)
+    assert int(state.step) == 1 and int(state.stats.skipped_steps) == 0
+
+
+@with_and_without_jit
 def test_finite_step_is_the_inner_step(jit):
     params = small_params()
     grads = random_like(0, params)
-    tx = jdls.wrap(optax.adam(0.1))
+    tx = jdls.wrap(optax.adam(0.1), jdls.DynamicScale())
     updates, state = maybe_jit(tx.update, jit)(grads, tx.init(params), params)
     inner = optax.adam(0.1)
     expected, expected_state = jax.jit(inner.update)(grads, inner.init(params), params)
@@ -122,7 +145,7 @@ def test_skips_match_the_plain_inner_optimizer():
     grads_seq = [random_like(t, params) for t in range(4)]
     bad = poison(grads_seq[1], np.random.default_rng(0))
     inner = scheduled_adam()
-    tx = jdls.wrap(inner)
+    tx = jdls.wrap(inner, jdls.DynamicScale())
     wrapped, plain = jax.jit(tx.update), jax.jit(inner.update)
     apply = jax.jit(optax.apply_updates)
 
@@ -173,7 +196,7 @@ def test_extra_args_reach_the_inner_transformation():
         return jax.tree_util.tree_map(lambda g: g * factor, updates), state
 
     inner = optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(), update)
-    tx = jdls.wrap(inner)
+    tx = jdls.wrap(inner, jdls.DynamicScale())
     params = {"w": jnp.zeros(2)}
     updates, _ = jax.jit(tx.update)({"w": jnp.ones(2)}, tx.init(params), params, factor=3.0)
     np.testing.assert_array_equal(updates["w"], [3.0, 3.0])
@@ -183,14 +206,14 @@ def test_extra_args_reach_the_inner_transformation():
         return jax.tree_util.tree_map(lambda g: fn(g) + offset + sum(more), updates), state
 
     inner = optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(), update2)
-    tx = jdls.wrap(inner)
+    tx = jdls.wrap(inner, jdls.DynamicScale())
     for offset in (1.0, 2.0):
         updates, _ = tx.update(
             {"w": jnp.ones(2)}, tx.init(params), params, fn=jnp.exp, offset=offset, more=[1.0]
         )
         np.testing.assert_allclose(updates["w"], np.exp(1.0) + offset + 1.0, rtol=1e-6)
     # An inner transformation without extra-args support ignores them.
-    tx = jdls.wrap(optax.sgd(1.0))
+    tx = jdls.wrap(optax.sgd(1.0), jdls.DynamicScale())
     updates, _ = tx.update({"w": jnp.ones(2)}, tx.init(params), params, factor=3.0)
     np.testing.assert_array_equal(updates["w"], [-1.0, -1.0])
 
@@ -222,7 +245,7 @@ def test_cerebras_wrap_brings_its_clipping():
 
 def test_finite_gradients_whose_squares_overflow_are_not_skipped():
     params = {"a": jnp.zeros(2), "b": jnp.zeros(2)}
-    tx = jdls.wrap(optax.sgd(1.0))
+    tx = jdls.wrap(optax.sgd(1.0), jdls.DynamicScale())
     step = jax.jit(tx.update)
     # Squares overflow float32 (1e40), the norm (2e20) does not.
     grads = {"a": jnp.array([1e20, -1e20]), "b": jnp.array([1e20, 1e20])}
@@ -239,7 +262,7 @@ def test_finite_gradients_whose_squares_overflow_are_not_skipped():
 
 def test_float16_gradients_are_checked_in_float32():
     params = {"w": jnp.zeros(2, jnp.float16)}
-    tx = jdls.wrap(optax.sgd(1.0))
+    tx = jdls.wrap(optax.sgd(1.0), jdls.DynamicScale())
     grads = {"w": jnp.array([300.0, 400.0], jnp.float16)}  # squares overflow float16
     updates, state = tx.update(grads, tx.init(params), params)
     assert not bool(jdls.stats(state).skipped)
@@ -256,14 +279,14 @@ def test_init_copies_the_scale_so_donation_is_safe():
 
 
 def test_stats_before_any_step():
-    tx = jdls.wrap(optax.sgd(1.0))
+    tx = jdls.wrap(optax.sgd(1.0), jdls.DynamicScale())
     s = jdls.stats(tx.init({"w": jnp.zeros(2)}))
     assert bool(s.finite) and int(s.skipped_steps) == 0
     assert float(s.grad_norm) == 0.0 and s.nonfinite is None  # not NaN: jax_debug_nans
 
 
 def test_stats_inside_jit():
-    tx = jdls.wrap(optax.sgd(1.0))
+    tx = jdls.wrap(optax.sgd(1.0), jdls.DynamicScale())
     params = {"w": jnp.zeros(2)}
 
     @jax.jit
@@ -294,7 +317,7 @@ def test_names_the_leaves(jit):
     grads = jax.tree_util.tree_map(jnp.ones_like, params)
     grads["params"]["dense"]["kernel"] = jnp.array([[1.0, INF], [0.0, 0.0]])
     grads["params"]["head"]["kernel"] = jnp.array([NAN, 0.0, 0.0])
-    tx = jdls.wrap(optax.identity(), track_nonfinite=True)
+    tx = jdls.wrap(optax.identity(), jdls.DynamicScale(), track_nonfinite=True)
     _, state = maybe_jit(tx.update, jit)(grads, tx.init(params), params)
     assert jdls.nonfinite_paths(state) == [
         "['params']['dense']['kernel']",
@@ -310,14 +333,14 @@ def test_names_the_leaves(jit):
 
 def test_overflowing_squares_are_not_flagged():
     params = {"a": jnp.zeros(2), "b": jnp.zeros(2)}
-    tx = jdls.wrap(optax.identity(), track_nonfinite=True)
+    tx = jdls.wrap(optax.identity(), jdls.DynamicScale(), track_nonfinite=True)
     grads = {"a": jnp.array([3e38, 3e38]), "b": jnp.array([1.0, -INF])}
     _, state = jax.jit(tx.update)(grads, tx.init(params), params)
     assert jdls.nonfinite_paths(state) == ["['b']"]
 
 
 def test_needs_tracking():
-    tx = jdls.wrap(optax.identity())
+    tx = jdls.wrap(optax.identity(), jdls.DynamicScale())
     with pytest.raises(ValueError, match="track_nonfinite=True"):
         jdls.nonfinite_paths(tx.init({"w": jnp.zeros(1)}))
 
@@ -328,7 +351,7 @@ def test_needs_tracking():
 
 
 def test_gradients_not_matching_params():
-    tx = jdls.wrap(optax.sgd(1.0))
+    tx = jdls.wrap(optax.sgd(1.0), jdls.DynamicScale())
     params = {"a": jnp.zeros(2), "b": jnp.zeros(2)}
     state = tx.init(params)
     with pytest.raises(ValueError, match=r"only in params: \['b'\]"):
@@ -344,7 +367,7 @@ def test_gradients_not_matching_params():
 @with_and_without_jit
 def test_integer_bool_and_none_leaves(jit):
     params = {"w": jnp.zeros(2), "n": jnp.array([1, 2]), "flag": jnp.array(True), "x": None}
-    tx = jdls.wrap(optax.identity(), track_nonfinite=True)
+    tx = jdls.wrap(optax.identity(), jdls.DynamicScale(), track_nonfinite=True)
     grads = {
         "w": jnp.ones(2),
         "n": jnp.array([7, 2**31 - 1]),
@@ -366,7 +389,7 @@ def test_integer_bool_and_none_leaves(jit):
 
 @with_and_without_jit
 def test_empty_tree(jit):
-    tx = jdls.wrap(optax.adam(1e-3), max_norm=1.0, track_nonfinite=True)
+    tx = jdls.wrap(optax.adam(1e-3), jdls.DynamicScale(), max_norm=1.0, track_nonfinite=True)
     updates, state = maybe_jit(tx.update, jit)({}, tx.init({}), {})
     assert updates == {}
     assert bool(jdls.stats(state).finite) and float(jdls.stats(state).grad_norm) == 0.0
@@ -394,20 +417,20 @@ def test_inner_must_be_a_transformation():
 
 def test_bad_options():
     with pytest.raises(ValueError, match="skip_with"):
-        jdls.wrap(optax.sgd(1.0), skip_with="where")
+        jdls.wrap(optax.sgd(1.0), jdls.DynamicScale(), skip_with="where")
     for bad in (0.0, -1.0, INF, NAN):
         with pytest.raises(ValueError, match="max_norm"):
-            jdls.wrap(optax.sgd(1.0), max_norm=bad)
+            jdls.wrap(optax.sgd(1.0), jdls.DynamicScale(), max_norm=bad)
     with pytest.raises(TypeError, match="track_nonfinite"):
-        jdls.wrap(optax.sgd(1.0), track_nonfinite=1)
+        jdls.wrap(optax.sgd(1.0), jdls.DynamicScale(), track_nonfinite=1)
     with pytest.raises(ValueError, match="sharded=True"):
-        jdls.wrap(optax.sgd(1.0), max_norm=1.0, axis_name="i")
+        jdls.wrap(optax.sgd(1.0), jdls.DynamicScale(), max_norm=1.0, axis_name="i")
     with pytest.raises(ValueError, match="needs an axis_name"):
-        jdls.wrap(optax.sgd(1.0), sharded=True)
+        jdls.wrap(optax.sgd(1.0), jdls.DynamicScale(), sharded=True)
 
 
 def test_foreign_state():
-    tx = jdls.wrap(optax.sgd(1.0))
+    tx = jdls.wrap(optax.sgd(1.0), jdls.DynamicScale())
     with pytest.raises(TypeError, match="WrapState"):
         tx.update({"w": jnp.ones(1)}, optax.sgd(1.0).init({"w": jnp.ones(1)}))
 
@@ -524,7 +547,7 @@ def test_nonfinite_value_skips_the_step_exactly(bad, jit):
         assert_bitwise_equal(new.inner_state, state.inner_state)
         assert loss_scale_of(new) == 512.0
     # The recorder's state did advance on the finite step.
-    tx = jdls.wrap(value_recorder())
+    tx = jdls.wrap(value_recorder(), jdls.DynamicScale())
     _, state = maybe_jit(tx.update, jit)(grads, tx.init(params), params, value=jnp.float32(2.0))
     assert int(state.inner_state[0]) == 1 and float(state.inner_state[1]) == 2.0
 
@@ -533,7 +556,7 @@ def test_nonfinite_value_skips_the_step_exactly(bad, jit):
 def test_max_consecutive_skips(jit):
     """The third skip in a row raises, naming the count; a finite step resets the count."""
     params = {"w": jnp.zeros(2)}
-    tx = jdls.wrap(optax.sgd(1.0), max_consecutive_skips=3)
+    tx = jdls.wrap(optax.sgd(1.0), jdls.DynamicScale(), max_consecutive_skips=3)
     step = maybe_jit(tx.update, jit)
     ok, bad = {"w": jnp.ones(2)}, {"w": jnp.array([NAN, 1.0])}
     state = tx.init(params)
@@ -546,7 +569,7 @@ def test_max_consecutive_skips(jit):
         _, state = step(bad, state, params)
         jax.block_until_ready(state)
     # Without the limit, the same steps go on.
-    tx = jdls.wrap(optax.sgd(1.0))
+    tx = jdls.wrap(optax.sgd(1.0), jdls.DynamicScale())
     step = maybe_jit(tx.update, jit)
     state = tx.init(params)
     for _ in range(4):

@@ -53,9 +53,14 @@ class Adaptive(Rule):
 
     A non-finite step backs off by ``2**-b``, where ``b`` doubles with each overflow in a
     row (1, 2, 4, ... bits, at most ``max_backoff_bits``): a start far too high is left in a
-    few steps. An overflow at a predicted scale (the first after a finite step) also raises
-    the margin by one bit (at most ``max_margin``); every ``margin_interval`` finite steps in
-    a row lower it by one bit (at least ``min_margin``).
+    few steps, and the next finite step measures again. An overflow at a predicted scale that
+    comes soon after the previous one (within ``margin_window`` finite steps) raises the
+    margin by one bit (at most ``max_margin``): the gradients vary from step to step by more
+    than the margin. An isolated overflow (a loss spike, a bad batch) leaves the margin as it
+    is: a wider margin would not have avoided it, would cost every later step some range, and
+    would let the next spike's gradient through instead of skipping it. Every
+    ``margin_interval`` finite steps in a row lower the margin by one bit (at least
+    ``min_margin``).
 
     Without a measurement, :meth:`jdls.DynamicScale.adjust` refuses a finite step (a
     ValueError that says how to give one) and backs off on an overflow (``adjust(False)``).
@@ -73,6 +78,8 @@ class Adaptive(Rule):
       min_margin: smallest headroom, >= 0.
       max_margin: largest headroom.
       margin_interval: finite steps in a row after which the margin is lowered, >= 1.
+      margin_window: an overflow at a predicted scale raises the margin only if at most
+        this many finite steps came since the start or the previous overflow, >= 1.
       growth_interval: without measurements, finite steps in a row before a doubling, >= 1.
       max_backoff_bits: the largest backoff on one step, in bits, >= 1.
       min_loss_scale: lower bound (None: ``2**-126``).
@@ -100,6 +107,7 @@ class Adaptive(Rule):
     max_backoff_bits: int = 8
     min_loss_scale: float | None = None
     max_loss_scale: float | None = None
+    margin_window: int = 16
 
     State = AdaptiveState
     #: :func:`jdls.wrap` measures the gradients' largest magnitude for this rule.
@@ -117,6 +125,7 @@ class Adaptive(Rule):
             )
         check_int("margin_interval", self.margin_interval, 1)
         check_int("growth_interval", self.growth_interval, 1)
+        check_int("margin_window", self.margin_window, 1)
         check_int("max_backoff_bits", self.max_backoff_bits, 1)
         check_bounds(self.min_loss_scale, self.max_loss_scale)
 
@@ -179,14 +188,20 @@ class Adaptive(Rule):
         self, loss_scale: jax.Array, state: AdaptiveState
     ) -> tuple[jax.Array, AdaptiveState]:
         """Back off ``2**-b`` bits, ``b`` doubling with consecutive overflows; raise the margin
-        on the first overflow after a finite step."""
+        on the first overflow after at most ``margin_window`` finite steps."""
         bits = jnp.minimum(
             jnp.left_shift(_I32(1), jnp.minimum(state.overflows, _I32(30))),
             _I32(self.max_backoff_bits),
         )
         backed_off = self._clamp(loss_scale * _pow2(-bits))
-        # At a predicted scale: a finite step came since the start or the last overflow.
-        predicted = (state.overflows == 0) & (state.counter > 0)
+        # At a predicted scale (a finite step came since the start or the last overflow), and
+        # soon after it: the gradients vary by more than the margin. An isolated overflow
+        # (a spike) keeps the margin, so that the next spike overflows and is skipped too.
+        predicted = (
+            (state.overflows == 0)
+            & (state.counter > 0)
+            & (state.counter <= _I32(self.margin_window))
+        )
         margin = jnp.where(
             predicted, jnp.minimum(state.margin + 1, _I32(self.max_margin)), state.margin
         )

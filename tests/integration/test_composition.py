@@ -38,8 +38,12 @@ def run(tx, seq, params=PARAMS):
 def test_chain_and_named_chain():
     sched = optax.linear_schedule(1.0, 0.1, 4)
     for tx in (
-        optax.chain(jdls.clip(1.0), jdls.wrap(optax.sgd(sched)), optax.scale(0.5)),
-        optax.named_chain(("clip", jdls.clip(1.0)), ("opt", jdls.wrap(optax.sgd(sched)))),
+        optax.chain(
+            jdls.clip(1.0), jdls.wrap(optax.sgd(sched), jdls.DynamicScale()), optax.scale(0.5)
+        ),
+        optax.named_chain(
+            ("clip", jdls.clip(1.0)), ("opt", jdls.wrap(optax.sgd(sched), jdls.DynamicScale()))
+        ),
     ):
         p_bad, s_bad = run(tx, [grads(0), bad_grads(1), grads(2)])
         p_ref, _ = run(tx, [grads(0), grads(2)])
@@ -52,7 +56,7 @@ def test_schedule_in_a_chain_inside_wrap_does_not_advance_on_skips():
     inner = optax.chain(
         optax.scale_by_adam(), optax.scale_by_schedule(optax.cosine_decay_schedule(1.0, 5))
     )
-    tx = jdls.wrap(inner)
+    tx = jdls.wrap(inner, jdls.DynamicScale())
     p_bad, s_bad = run(tx, [grads(0), bad_grads(1, NAN), bad_grads(2), grads(3)])
     p_ref, s_ref = run(tx, [grads(0), grads(3)])
     assert_bitwise_equal(p_bad, p_ref)
@@ -107,9 +111,9 @@ def test_multisteps_inside_wrap_skips_micro_batches():
 
 
 def test_wrap_inside_inject_hyperparams():
-    tx = optax.inject_hyperparams(lambda learning_rate: jdls.wrap(optax.sgd(learning_rate)))(
-        learning_rate=0.5
-    )
+    tx = optax.inject_hyperparams(
+        lambda learning_rate: jdls.wrap(optax.sgd(learning_rate), jdls.DynamicScale())
+    )(learning_rate=0.5)
     params, state = run(tx, [grads(0), bad_grads(1)])
     np.testing.assert_allclose(params["w"], PARAMS["w"] - 0.5 * grads(0)["w"], rtol=1e-6)
     assert loss_scale_of(state) == 2.0**14 and bool(jdls.stats(state).skipped)
@@ -120,7 +124,7 @@ def test_wrap_inside_inject_hyperparams():
 
 def test_inject_hyperparams_inside_wrap():
     sched = optax.exponential_decay(0.1, 1, 0.5)
-    tx = jdls.wrap(optax.inject_hyperparams(optax.adam)(learning_rate=sched))
+    tx = jdls.wrap(optax.inject_hyperparams(optax.adam)(learning_rate=sched), jdls.DynamicScale())
     p_bad, s_bad = run(tx, [grads(0), bad_grads(1), grads(2), bad_grads(3, -INF)])
     p_ref, s_ref = run(tx, [grads(0), grads(2)])
     assert_bitwise_equal(p_bad, p_ref)
@@ -138,7 +142,7 @@ LABELS = {"w": "main", "b": "frozen"}
 
 def test_wrap_around_multi_transform():
     inner = optax.multi_transform({"main": optax.adam(0.1), "frozen": optax.set_to_zero()}, LABELS)
-    tx = jdls.wrap(inner)
+    tx = jdls.wrap(inner, jdls.DynamicScale())
     # An inf in the frozen part still skips the whole step.
     frozen_bad = grads(1)
     frozen_bad["b"] = frozen_bad["b"].at[0].set(INF)
@@ -150,7 +154,8 @@ def test_wrap_around_multi_transform():
 
 def test_wrap_inside_multi_transform():
     tx = optax.multi_transform(
-        {"main": jdls.wrap(optax.sgd(1.0)), "frozen": optax.set_to_zero()}, LABELS
+        {"main": jdls.wrap(optax.sgd(1.0), jdls.DynamicScale()), "frozen": optax.set_to_zero()},
+        LABELS,
     )
     params, state = run(tx, [bad_grads(0)])
     assert_bitwise_equal(params, PARAMS)
@@ -159,7 +164,11 @@ def test_wrap_inside_multi_transform():
 
 def test_two_wraps_are_ambiguous():
     tx = optax.multi_transform(
-        {"main": jdls.wrap(optax.sgd(1.0)), "frozen": jdls.wrap(optax.sgd(1.0))}, LABELS
+        {
+            "main": jdls.wrap(optax.sgd(1.0), jdls.DynamicScale()),
+            "frozen": jdls.wrap(optax.sgd(1.0), jdls.DynamicScale()),
+        },
+        LABELS,
     )
     state = tx.init(PARAMS)
     with pytest.raises(ValueError, match=r"found 2 jdls.wrap states \(at .*'frozen'.*'main'"):
@@ -175,7 +184,9 @@ def test_two_wraps_are_ambiguous():
 
 def test_flax_train_state():
     state = train_state.TrainState.create(
-        apply_fn=lambda p, x: p["w"] @ x, params=PARAMS, tx=jdls.wrap(optax.adam(0.1))
+        apply_fn=lambda p, x: p["w"] @ x,
+        params=PARAMS,
+        tx=jdls.wrap(optax.adam(0.1), jdls.DynamicScale()),
     )
     assert jdls.get_scale(state) is jdls.get_scale(state.opt_state)
 
@@ -209,7 +220,7 @@ def test_errors():
         jdls.get_scale(optax.adam(0.1).init(PARAMS))
     with pytest.raises(ValueError, match="found no jdls.wrap state"):
         jdls.set_scale({}, jdls.DynamicScale())
-    state = jdls.wrap(optax.sgd(1.0)).init(PARAMS)
+    state = jdls.wrap(optax.sgd(1.0), jdls.DynamicScale()).init(PARAMS)
     with pytest.raises(TypeError, match="must be a jdls loss scale"):
         jdls.set_scale(state, 1024.0)
 
@@ -222,7 +233,7 @@ def test_restore_a_pytorch_scaler():
         "growth_interval": 3,
         "_growth_tracker": 2,
     }
-    tx = optax.chain(jdls.clip(1.0), jdls.wrap(optax.sgd(1.0)))
+    tx = optax.chain(jdls.clip(1.0), jdls.wrap(optax.sgd(1.0), jdls.DynamicScale()))
     state = jdls.set_scale(tx.init(PARAMS), jdls.presets.from_pytorch_state_dict(sd))
     _, state = jax.jit(tx.update)(grads(0), state, PARAMS)
     assert loss_scale_of(state) == 2048.0  # the third finite step in a row: growth
@@ -234,7 +245,7 @@ def test_restore_a_pytorch_scaler():
 
 
 def test_set_under_jit():
-    tx = jdls.wrap(optax.sgd(1.0))
+    tx = jdls.wrap(optax.sgd(1.0), jdls.DynamicScale())
 
     @jax.jit
     def halve(state):

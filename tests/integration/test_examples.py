@@ -62,9 +62,9 @@ def test_help(name, capsys):
 
 def test_quickstart():
     result = load("quickstart").main(["--steps", "60", "--quiet"])
-    # The first steps overflow float16 (a squared error of ~16 times 2**15) and are skipped.
-    assert result["skipped_steps"] == 2
-    assert result["loss_scale"] == 2.0**13
+    # The default scale starts at 1 and then follows the largest gradient: no step overflows.
+    assert result["skipped_steps"] == 0
+    assert result["loss_scale"] == 2.0**11
     assert result["loss"] < 1.0
 
 

@@ -249,7 +249,11 @@ def _run(dtype, sharding, optimizer, skip, inner=None, kind="dict"):
         if inner is not None:
             return inner
         return jdls.wrap(
-            _optimizer(optimizer), skip_with=skip, axis_name=axis_name, sharded=sharded
+            _optimizer(optimizer),
+            jdls.DynamicScale(),
+            skip_with=skip,
+            axis_name=axis_name,
+            sharded=sharded,
         )
 
     def both(train):

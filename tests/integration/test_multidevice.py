@@ -59,7 +59,12 @@ def make_step(tx, mean=True):
 
 def test_data_parallel_after_pmean():
     tx = jdls.wrap(
-        optax.adam(0.1), max_norm=0.5, axis_name="i", sharded=False, track_nonfinite=True
+        optax.adam(0.1),
+        jdls.DynamicScale(),
+        max_norm=0.5,
+        axis_name="i",
+        sharded=False,
+        track_nonfinite=True,
     )
     step = make_step(tx)
     params, state = replicate(PARAMS), jax.pmap(tx.init)(replicate(PARAMS))
@@ -67,7 +72,7 @@ def test_data_parallel_after_pmean():
     params, state, stats = step(params, state, g)
     # Same as one device with the mean gradient (pmean sums in another order: allclose).
     mean = jax.tree_util.tree_map(lambda x: jnp.mean(x, axis=0), g)
-    ref_tx = jdls.wrap(optax.adam(0.1), max_norm=0.5)
+    ref_tx = jdls.wrap(optax.adam(0.1), jdls.DynamicScale(), max_norm=0.5)
     ref_u, _ = jax.jit(ref_tx.update)(mean, ref_tx.init(PARAMS), PARAMS)
     np.testing.assert_allclose(stats.grad_norm, float(optax.tree.norm(mean)), rtol=1e-6)
     for k in PARAMS:
@@ -85,14 +90,14 @@ def test_data_parallel_after_pmean():
 
 def test_the_decision_is_agreed_without_pmean():
     g = local_grads(2, bad_device=5, value=NAN)
-    tx = jdls.wrap(optax.sgd(1.0), axis_name="i")
+    tx = jdls.wrap(optax.sgd(1.0), jdls.DynamicScale(), axis_name="i")
     _, _, stats = make_step(tx, mean=False)(
         replicate(PARAMS), jax.pmap(tx.init)(replicate(PARAMS)), g
     )
     np.testing.assert_array_equal(stats.skipped, [True] * N)
     assert np.all(np.isnan(stats.grad_norm))  # not known without `sharded`
     # Without axis_name only the device holding the NaN skips: the devices diverge.
-    tx = jdls.wrap(optax.sgd(1.0))
+    tx = jdls.wrap(optax.sgd(1.0), jdls.DynamicScale())
     _, _, stats = make_step(tx, mean=False)(
         replicate(PARAMS), jax.pmap(tx.init)(replicate(PARAMS)), g
     )
@@ -169,7 +174,7 @@ def test_sharded_gradients_use_the_global_norm():
     kw = dict(max_norm=1.0, axis_name=MESH_AXIS, sharded={"w": True, "b": False})
     grads = global_grads(0)
     updates, state = run_sharded(jdls.wrap(optax.sgd(1.0), **kw), grads)
-    tx1 = jdls.wrap(optax.sgd(1.0), max_norm=1.0)
+    tx1 = jdls.wrap(optax.sgd(1.0), jdls.DynamicScale(), max_norm=1.0)
     ref, ref_state = tx1.update(jax.tree_util.tree_map(jnp.asarray, grads), tx1.init(grads))
     np.testing.assert_allclose(
         float(jdls.stats(state).grad_norm), float(jdls.stats(ref_state).grad_norm), rtol=1e-6
@@ -183,6 +188,7 @@ def test_sharded_gradients_use_the_global_norm():
 @pytest.mark.parametrize("skip_with", ["cond", "select"])
 def test_one_shard_overflowing_skips_everywhere(skip_with):
     kw = dict(
+        scale=jdls.DynamicScale(),
         max_norm=1.0,
         axis_name=MESH_AXIS,
         sharded=True,
@@ -225,7 +231,7 @@ def test_overflow_of_the_summed_norm_is_not_a_skip():
 
 def test_jit_over_a_mesh_needs_no_axis_name():
     m = mesh()
-    tx = jdls.wrap(optax.adam(0.1), max_norm=1.0, track_nonfinite=True)
+    tx = jdls.wrap(optax.adam(0.1), jdls.DynamicScale(), max_norm=1.0, track_nonfinite=True)
     params = put({"w": np.ones(2 * N, np.float32), "b": np.ones(3, np.float32)}, m)
 
     step = jax.jit(apply_step(tx))

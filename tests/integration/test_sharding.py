@@ -112,7 +112,7 @@ def run(tx, mesh, steps, bad_value):
 @pytest.mark.parametrize("skip_with", ["cond", "select"])
 def test_explicit_mesh_skipped_step_is_bit_identical_to_leaving_it_out(skip_with, bad_value):
     mesh = explicit_mesh()
-    tx = jdls.wrap(optax.adam(0.1), skip_with=skip_with)
+    tx = jdls.wrap(optax.adam(0.1), jdls.DynamicScale(), skip_with=skip_with)
     with jax.set_mesh(mesh):
         params, state = run(tx, mesh, range(N_STEPS), bad_value)
         ref_params, ref_state = run(
@@ -194,7 +194,7 @@ def shard_mapped_update(tx, params):
 @pytest.mark.parametrize("skip_with", ["cond", "select"])
 def test_shard_map_differing_gradients_agree_on_the_skip(skip_with):
     params = {"w": jnp.array([1.0, -2.0, 0.5, 0.0]), "b": jnp.array([0.25, -0.0])}
-    tx = jdls.wrap(optax.adam(0.1), axis_name=AXIS, skip_with=skip_with)
+    tx = jdls.wrap(optax.adam(0.1), jdls.DynamicScale(), axis_name=AXIS, skip_with=skip_with)
     step, state0 = shard_mapped_update(tx, params)
 
     # A clean step: taken everywhere, each device with its own gradients, as one device would.
@@ -202,7 +202,7 @@ def test_shard_map_differing_gradients_agree_on_the_skip(skip_with):
     updates, state, finite = step(g, state0, params)
     assert per_device(finite).ravel().tolist() == [True] * N
     assert not bool(jdls.stats(state).skipped) and int(state.inner_state[0].count) == 1
-    one = jdls.wrap(optax.adam(0.1))
+    one = jdls.wrap(optax.adam(0.1), jdls.DynamicScale())
     for k in PARAM_SHAPES:
         rows = per_device(updates[k])
         assert len({r.tobytes() for r in rows}) == N  # the devices differ ...
@@ -232,7 +232,7 @@ def test_shard_map_differing_gradients_agree_on_the_skip(skip_with):
 def test_shard_map_without_axis_name_decides_per_device():
     """No axis_name: each device decides for itself, under the default check_vma."""
     mesh = jax.make_mesh((8,), ("d",))
-    tx = jdls.wrap(optax.sgd(1.0))
+    tx = jdls.wrap(optax.sgd(1.0), jdls.DynamicScale())
 
     def local(g, p):
         u, state = tx.update(g, tx.init(p), p)
