@@ -53,7 +53,7 @@ import optax
 
 import jdls
 from benchmarks import _harness as h
-from benchmarks.bench_quality import _batches, digits
+from benchmarks.bench_quality import digits
 
 F16, F32 = jnp.float16, jnp.float32
 PROBE_EVERY = 20
@@ -61,6 +61,14 @@ DEPTH, WIDTH = 12, 64
 TRAINABLE_BIAS, SATURATED_BIAS = 1.5, 3.0
 AUX_WEIGHT = 1e-4
 SEEDS = 3
+
+
+def _batches(n: int, batch: int, steps: int, seed: int = 0) -> np.ndarray:
+    """``steps`` batches of ``batch`` indices into ``n`` examples, epochs shuffled by ``seed``."""
+    rng = np.random.default_rng(seed)
+    per = n // batch
+    order = [rng.permutation(n)[: per * batch] for _ in range(math.ceil(steps / per))]
+    return np.concatenate(order).reshape(-1, batch)[:steps].astype(np.int32)
 
 
 def _dense(key: jax.Array, n_in: int, n_out: int, bias: float = 0.0) -> dict[str, jax.Array]:
