@@ -137,7 +137,7 @@ def nnx_layer_scaled_value_and_grad(
                 groups[name].append((path, value))
         if outside:
             raise ValueError(
-                "nnx_layer_scaled_value_and_grad gives a scale to each direct child module of "
+                "jdls.nnx.layer_scaled_value_and_grad gives a scale to each direct child module of "
                 f"the model that holds parameters ({sorted(layers)}); these parameters lie "
                 f"outside every child: {outside}. Move them into a child module, or mark the "
                 "layers yourself with jdls.layer_boundary and use "

@@ -10,8 +10,8 @@ whole call alike. A probe acts only in the trace of its own differentiation: one
 transformation of the loss (an inner ``jit``, ``checkpoint``, ``scan``, inner ``vmap``) is
 refused at trace time (``docs/contributing.md``, "Python state at trace time").
 
-:func:`probe_linen` probes every Flax linen module's output without editing the model
-(``flax.linen.intercept_methods``); :func:`probe_nnx` does the same for an NNX model.
+:func:`jdls.linen.probes` probes every Flax linen module's output without editing the model
+(``flax.linen.intercept_methods``); :func:`jdls.nnx.probes` does the same for an NNX model.
 """
 
 from __future__ import annotations
@@ -248,8 +248,8 @@ def probed_value_and_grad(
 ) -> Callable[..., tuple[Any, Any, Telemetry]]:
     """``scale.value_and_grad(fun)`` that also returns what the probes in ``fun`` measured.
 
-    Every :func:`probe` reached while ``fun`` runs (also through :func:`probe_linen` or
-    :func:`probe_nnx`) gets a zero dummy input; their gradients are the statistics.
+    Every :func:`probe` reached while ``fun`` runs (also through :func:`jdls.linen.probes` or
+    :func:`jdls.nnx.probes`) gets a zero dummy input; their gradients are the statistics.
 
     Args:
       fun: the loss function (returns a scalar, or ``(scalar, aux)`` with ``has_aux``).

@@ -299,7 +299,7 @@ class _Model(nnx.Module):
 
 @kinds_jit_and_some_eager
 def test_nnx_optimizer(kind, jit):
-    """``set_nnx_scale``, then ``nnx_value_and_grad`` and ``optimizer.update`` each step."""
+    """``jdls.nnx.set_scale``, then ``jdls.nnx.value_and_grad`` and ``optimizer.update`` each step."""
     model = _Model()
     optimizer = nnx.Optimizer(model, jdls.wrap(optax.sgd(0.1), jdls.DynamicScale()), wrt=nnx.Param)
     jdls.nnx.set_scale(optimizer, KINDS[kind]())

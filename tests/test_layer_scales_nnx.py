@@ -265,7 +265,7 @@ def test_nnx_errors_say_what_to_do() -> None:
 
 
 def test_nnx_boundaries_and_probes_nest() -> None:
-    """layer_boundaries_nnx and probe_nnx share the class swap: open together, in either
+    """jdls.nnx.layer_boundaries and jdls.nnx.probes share the class swap: open together, in either
     order, both act on each child's output, and the classes are restored."""
     model = tanh_mlp(depth=1)
     x = jnp.ones((2, 16))

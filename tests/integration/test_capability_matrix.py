@@ -1,8 +1,8 @@
 """The composition matrix of the advanced capabilities: never a silently different result.
 
-Capabilities: per-layer scales (hand-placed ``jdls.layer_boundary``, ``layer_boundaries_linen``,
-NNX ``nnx_layer_scaled_value_and_grad``) and probes (``jdls.probe``, ``probe_linen``,
-``probe_nnx``). Compositions: none, an outer ``jax.jit``, an inner ``jax.jit`` of the forward,
+Capabilities: per-layer scales (hand-placed ``jdls.layer_boundary``, ``jdls.linen.layer_boundaries``,
+NNX ``jdls.nnx.layer_scaled_value_and_grad``) and probes (``jdls.probe``, ``jdls.linen.probes``,
+``jdls.nnx.probes``). Compositions: none, an outer ``jax.jit``, an inner ``jax.jit`` of the forward,
 ``nn.jit`` / ``nnx.jit``, ``jax.checkpoint`` / ``nn.remat`` / ``nnx.remat``, ``lax.scan`` over
 layers / ``nn.scan``, an inner and an outer ``vmap``, ``shard_map`` with ``check_vma`` on and
 off, ``pmap``, positional Python arguments (bool, str, callable), ``has_aux``. Parameter
