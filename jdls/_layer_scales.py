@@ -20,9 +20,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jdls._checks import all_finite, is_float
+from jdls._checks import all_finite
 from jdls._context import ContextStack, current_trace, refuse_changed, refuse_nested
 from jdls._filter import filtered_eval_shape, filtered_value_and_grad
+from jdls._norm import tree_amax
 from jdls._scale import DynamicScale, LossScale, check_scale
 
 __all__ = [
@@ -309,17 +310,6 @@ def group_by_layer(grads: Any, names: Iterable[str]) -> dict[str, list[jax.Array
     return out
 
 
-def _amax(tree: Any) -> jax.Array:
-    """The largest magnitude over the float leaves of ``tree`` (float32): NaN or inf when any
-    element is, so one reduction per leaf gives both the rule's input and finiteness."""
-    leaves = [
-        jnp.max(jnp.abs(x)).astype(_F32)
-        for x in jax.tree_util.tree_leaves(tree)
-        if is_float(x) and x.size
-    ]
-    return jnp.max(jnp.stack(leaves)) if leaves else jnp.zeros((), _F32)
-
-
 def adjust_layer_scales(scales: Mapping[str, LossScale], grads: Any) -> dict[str, LossScale]:
     """The next per-layer scales after a step: the rule, layer by layer, with a global skip.
 
@@ -347,7 +337,7 @@ def adjust_layer_scales(scales: Mapping[str, LossScale], grads: Any) -> dict[str
       (True, True)
     """
     by_layer = group_by_layer(grads, scales)
-    amax = {k: _amax(g) for k, g in by_layer.items()}
+    amax = {k: tree_amax(g) for k, g in by_layer.items()}
     finite = {k: jnp.isfinite(a) for k, a in amax.items()}
     everything = jnp.all(jnp.stack(list(finite.values()))) if finite else jnp.array(True)
     out: dict[str, LossScale] = {}

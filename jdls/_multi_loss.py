@@ -1,7 +1,7 @@
 """Per-loss scales: several losses, each differentiated at its own scale, combined exactly.
 
 ``backward="one"`` (the default): ``fun`` is traced to a jaxpr, every value gets the set of
-losses that depend on it (``jdls._loss_sets``), and one backward pass keeps each value's
+losses that depend on it (``_loss_sets.py``), and one backward pass keeps each value's
 cotangent at its set's scale: the region of the backward pass that only loss ``i`` reaches (its
 head) runs at ``s_i``, a region shared by several losses at the smallest of their scales. Each
 parameter's gradient is unscaled by its region's scale: the gradients equal ``jax.grad`` of the
@@ -21,10 +21,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jdls import _loss_sets
 from jdls._checks import all_finite, is_float
 from jdls._filter import Split, is_jax_type, split_arguments
-from jdls._norm import amax
+from jdls._loss_sets import EMPTY, Levels, all_sets, analyze, evaluate, var_set
+from jdls._norm import tree_amax
 from jdls._scale import DynamicScale, LossScale, check_scale
 
 __all__ = ["adjust_loss_scales", "multi_loss_value_and_grad"]
@@ -223,12 +223,6 @@ def _weighted(grads: Any, weight: Any) -> Any:
     )
 
 
-def _amax(tree: Any) -> jax.Array:
-    """The largest magnitude over the float leaves of ``tree`` (float32; 0 for none; NaN or
-    inf when any element is), as :func:`jdls.wrap` measures it for an observing rule."""
-    return amax([x for x in jax.tree_util.tree_leaves(tree) if is_float(x)])
-
-
 def _add(a: Any, b: Any) -> Any:
     """``a + b``; an integer argument's ``float0`` gradient stays as it is."""
     return a + b if is_float(a) else a
@@ -249,8 +243,8 @@ def _dependence(
         return [losses[k] for k in loss_keys]
 
     closed = jax.make_jaxpr(traced)(*flat)
-    scope = _loss_sets.analyze(closed, [True] * len(flat), [frozenset({i}) for i in order])
-    return [_loss_sets.var_set(scope, v) for v in closed.jaxpr.invars]
+    scope = analyze(closed, [True] * len(flat), [frozenset({i}) for i in order])
+    return [var_set(scope, v) for v in closed.jaxpr.invars]
 
 
 def _per_loss(
@@ -289,7 +283,7 @@ def _per_loss(
         ]
         own = [g for g, on in zip(leaves, depends, strict=True) if i in on]
         finite.append(all_finite(own))
-        amaxes.append(_amax(own) if measure else None)
+        amaxes.append(tree_amax(own) if measure else None)
         grads = _weighted(jax.tree_util.tree_unflatten(tree, leaves), weight_list[i])
         total = grads if total is None else jax.tree_util.tree_map(_add, total, grads)
     return losses, aux, total, finite, amaxes
@@ -325,17 +319,17 @@ def _one_pass(
     order: list[int] = found["order"]
     n = len(order)
     live = [is_float(x) for x in flat]
-    out_sets = [frozenset({i}) for i in order] + [_loss_sets.EMPTY] * (len(closed.out_avals) - n)
-    scope = _loss_sets.analyze(closed, live, out_sets)
+    out_sets = [frozenset({i}) for i in order] + [EMPTY] * (len(closed.out_avals) - n)
+    scope = analyze(closed, live, out_sets)
     weights = [None if w is None else jnp.asarray(w, _F32) for w in weight_list]
-    levels = _loss_sets.Levels([s.loss_scale for s in scale_list], weights)
-    sets = _loss_sets.all_sets(scope)
+    levels = Levels([s.loss_scale for s in scale_list], weights)
+    sets = all_sets(scope)
     levels.index = {s: k for k, s in enumerate(sets)}
 
     def interpreted(*args: Any) -> tuple[list[Any], list[Any]]:
         *leaves, bad, entered, size, exits = args
         levels.sinks = (bad, entered, size, exits)
-        outs = _loss_sets.evaluate(scope, levels, closed.consts, leaves)
+        outs = evaluate(scope, levels, closed.consts, leaves)
         return outs[:n], outs[n:]
 
     sinks = [jnp.zeros((len(sets),), _F32)] * 2 + [jnp.zeros((len(keys),), _F32)] * 2
@@ -345,7 +339,7 @@ def _one_pass(
     loss_values, vjp_fn, traced_aux = jax.vjp(interpreted, *flat, *sinks, has_aux=True)
     outvars = closed.jaxpr.outvars
     seeds = [
-        jnp.ones_like(v) * levels.seed(_loss_sets.var_set(scope, ov), i).astype(jnp.result_type(v))
+        jnp.ones_like(v) * levels.seed(var_set(scope, ov), i).astype(jnp.result_type(v))
         for v, ov, i in zip(loss_values, outvars[:n], order, strict=True)
     ]
     *cotangents, bad, entered, size, exits = vjp_fn(seeds)
@@ -353,7 +347,7 @@ def _one_pass(
     grads: list[Any] = []
     by_set: dict[frozenset[int], list[Any]] = {}
     for g, v in zip(cotangents, closed.jaxpr.invars, strict=True):
-        s = _loss_sets.var_set(scope, v)
+        s = var_set(scope, v)
         if not s:
             grads.append(
                 jnp.zeros(jnp.shape(g), jnp.promote_types(g.dtype, _F32)) if is_float(g) else g
@@ -374,7 +368,7 @@ def _one_pass(
             nonfinite = nonfinite | ~all_finite(by_set[s])
             if measure:  # measured by those it would blame: of tied scales, the largest's
                 culprits = levels.culprits(s, size)
-                a = _amax(by_set[s])
+                a = tree_amax(by_set[s])
                 top = jnp.where((culprits > 0) & jnp.isfinite(a), a, 0.0)
                 measured = jnp.maximum(measured, top)
         blamed = blamed + nonfinite.astype(_F32) * levels.culprits(s, size)

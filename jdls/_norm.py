@@ -32,6 +32,7 @@ __all__ = [
     "flatten_floats",
     "global_norm",
     "sharded_flags",
+    "tree_amax",
     "tree_norm",
     "vary_like",
     "wide",
@@ -316,3 +317,9 @@ def amax(leaves: Sequence[jax.Array], *, axis_name: AxisName | None = None) -> j
     if axis_name is not None:
         out = lax.pmax(out, axis_name)
     return out
+
+
+def tree_amax(tree: Any) -> jax.Array:
+    """:func:`amax` of the float leaves of ``tree`` (float32; 0 for none; NaN or inf when any
+    element is, so one reduction per leaf gives both an observing rule's input and finiteness)."""
+    return amax(flatten_floats(tree).floats)
