@@ -86,17 +86,8 @@ def mlp_512_workload(quick: bool) -> bench_step.Workload:
         if quick
         else m.MLPConfig(widths=(512, 1024, 1024, 1024, 10), batch=256)
     )
-    return bench_step.Workload(
-        "mlp-512",
-        "Full train step, MLP " + "-".join(map(str, config.widths)),
-        m.mlp_loss,
-        m.mlp_init(config),
-        m.mlp_batch(config),
-        m.mlp_batch(config, poison=True),
-        config.n_params,
-        f"MLP {'-'.join(map(str, config.widths))}, {config.n_params:,} float32 parameters, "
-        f"float16 compute, batch {config.batch}",
-        config,
+    return bench_step.mlp_workload_of(
+        config, "mlp-512", "Full train step, MLP " + "-".join(map(str, config.widths))
     )
 
 

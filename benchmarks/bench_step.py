@@ -225,9 +225,14 @@ class Workload:
 
 def mlp_workload(quick: bool) -> Workload:
     config = m.MLPConfig(widths=(64, 128, 64), batch=32) if quick else m.MLPConfig()
+    return mlp_workload_of(config, "mlp", "Full train step, MLP")
+
+
+def mlp_workload_of(config: m.MLPConfig, name: str, title: str) -> Workload:
+    """The full train step of the MLP ``config`` (float16 compute), as a workload."""
     return Workload(
-        "mlp",
-        "Full train step, MLP",
+        name,
+        title,
         m.mlp_loss,
         m.mlp_init(config),
         m.mlp_batch(config),
