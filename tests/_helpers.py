@@ -16,6 +16,8 @@ subprocess workers of ``tests/integration/`` are run as scripts, not by pytest: 
 from __future__ import annotations
 
 import functools
+import os
+import random
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -156,3 +158,31 @@ def torch_gradscaler(**kwargs: Any) -> tuple[Any, Callable[[bool], None]]:
         scaler.update()
 
     return scaler, step
+
+
+# --------------------------------------------------------------------------------------------
+# Composition matrices: the full matrix or a fixed sample.
+# --------------------------------------------------------------------------------------------
+
+#: ``JDLS_FULL_MATRIX=1`` runs every cell of the composition matrices; otherwise a fixed sample.
+FULL_MATRIX = os.environ.get("JDLS_FULL_MATRIX") == "1"
+
+
+def covering_sample(
+    cells: Sequence[tuple[Any, ...]], axes: Sequence[Sequence[Any]], size: int, seed: int
+) -> list[tuple[Any, ...]]:
+    """A fixed pseudo-random subset of ``cells`` (at least ``size``, if there are as many) in
+    which every value of every axis appears, in the order of ``cells``."""
+    shuffled = list(cells)
+    random.Random(seed).shuffle(shuffled)
+    chosen: list[tuple[Any, ...]] = []
+    for axis, values in enumerate(axes):
+        for value in values:
+            if not any(c[axis] == value for c in chosen):
+                chosen.append(next(c for c in shuffled if c[axis] == value and c not in chosen))
+    for c in shuffled:
+        if len(chosen) >= size:
+            break
+        if c not in chosen:
+            chosen.append(c)
+    return sorted(chosen, key=list(cells).index)

@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import functools
 import itertools
-import os
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _helpers import FULL_MATRIX
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -104,7 +104,7 @@ def _sample():
     return sorted(cells, key=_all_combinations().index)
 
 
-FULL = os.environ.get("JDLS_FULL_MATRIX") == "1"
+FULL = FULL_MATRIX
 CELLS = _all_combinations() if FULL else _sample()
 
 

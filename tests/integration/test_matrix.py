@@ -19,15 +19,13 @@ from __future__ import annotations
 
 import functools
 import itertools
-import os
-import random
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _helpers import assert_bitwise_equal
+from _helpers import FULL_MATRIX, assert_bitwise_equal, covering_sample
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -60,20 +58,7 @@ def _all_combinations():
 
 def _sample(size=SAMPLE_SIZE, seed=12):
     """A fixed pseudo-random subset in which every value of every axis appears."""
-    combos = _all_combinations()
-    rng = random.Random(seed)
-    rng.shuffle(combos)
-    chosen = []
-    for axis, values in enumerate((DTYPES, SHARDINGS, OPTIMIZERS, SKIPS)):
-        for value in values:
-            if not any(c[axis] == value for c in chosen):
-                chosen.append(next(c for c in combos if c[axis] == value and c not in chosen))
-    for c in combos:
-        if len(chosen) >= size:
-            break
-        if c not in chosen:
-            chosen.append(c)
-    return sorted(chosen, key=_all_combinations().index)
+    return covering_sample(_all_combinations(), (DTYPES, SHARDINGS, OPTIMIZERS, SKIPS), size, seed)
 
 
 def _kind_sample(kind):
@@ -85,7 +70,7 @@ def _kind_sample(kind):
     ]
 
 
-FULL = os.environ.get("JDLS_FULL_MATRIX") == "1"
+FULL = FULL_MATRIX
 COMBINATIONS = _all_combinations() if FULL else _sample()
 KIND_COMBINATIONS = [
     (kind, *c)

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import os
-import random
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _helpers import FULL_MATRIX, covering_sample
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -76,23 +75,10 @@ def _all_cells() -> list[tuple[str, ...]]:
 
 def _sample(size: int = SAMPLE_SIZE, seed: int = 21) -> list[tuple[str, ...]]:
     """A fixed pseudo-random subset in which every value of every axis appears."""
-    cells = _all_cells()
-    rng = random.Random(seed)
-    rng.shuffle(cells)
-    chosen: list[tuple[str, ...]] = []
-    for axis, values in enumerate(AXES):
-        for value in values:
-            if not any(c[axis] == value for c in chosen):
-                chosen.append(next(c for c in cells if c[axis] == value and c not in chosen))
-    for c in cells:
-        if len(chosen) >= size:
-            break
-        if c not in chosen:
-            chosen.append(c)
-    return sorted(chosen, key=_all_cells().index)
+    return covering_sample(_all_cells(), AXES, size, seed)
 
 
-FULL = os.environ.get("JDLS_FULL_MATRIX") == "1"
+FULL = FULL_MATRIX
 CELLS = _all_cells() if FULL else _sample()
 
 
