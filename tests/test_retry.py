@@ -289,6 +289,17 @@ def _layout_tx(axis_name=None):
     return jdls.wrap(optax.sgd(1.0), _scale(), axis_name=axis_name)
 
 
+def _shard_map_inputs():
+    """The mesh, a wrap over ``"d"``, replicated parameters and state, ``ROWS`` split by row."""
+    mesh = _mesh()
+    tx = _layout_tx("d")
+    rep = NamedSharding(mesh, P())
+    params = jax.device_put({"w": jnp.ones(3)}, rep)
+    state = jax.device_put(tx.init({"w": jnp.ones(3)}), rep)
+    c = jax.device_put(jnp.asarray(ROWS), NamedSharding(mesh, P("d")))
+    return mesh, tx, params, state, c
+
+
 def test_jit_with_shardings_equals_the_direct_step():
     mesh = _mesh()
     tx = _layout_tx()
@@ -324,12 +335,7 @@ def _per_device_reference(tx, params, state, scale, c, vary=False):
 def test_shard_map_equals_the_direct_step(check_vma):
     """Each device differentiates its own loss: the update is the mean gradient's (not the
     sum's), one retry, one halving, on every device."""
-    mesh = _mesh()
-    tx = _layout_tx("d")
-    rep = NamedSharding(mesh, P())
-    params = jax.device_put({"w": jnp.ones(3)}, rep)
-    state = jax.device_put(tx.init({"w": jnp.ones(3)}), rep)
-    c = jax.device_put(jnp.asarray(ROWS), NamedSharding(mesh, P("d")))
+    mesh, tx, params, state, c = _shard_map_inputs()
 
     def local(params, state, c):
         params, state, loss = jdls.retrying(loss_fn, tx, axis_name="d")(params, state, c[0])
@@ -348,12 +354,7 @@ def test_shard_map_equals_the_direct_step(check_vma):
 
 
 def test_shard_map_refuses_a_loss_averaged_across_devices():
-    mesh = _mesh()
-    tx = _layout_tx("d")
-    rep = NamedSharding(mesh, P())
-    params = jax.device_put({"w": jnp.ones(3)}, rep)
-    state = jax.device_put(tx.init({"w": jnp.ones(3)}), rep)
-    c = jax.device_put(jnp.asarray(ROWS), NamedSharding(mesh, P("d")))
+    mesh, tx, params, state, c = _shard_map_inputs()
 
     def averaged(p, c):
         return jax.lax.pmean(loss_fn(p, c), "d")
