@@ -31,7 +31,6 @@ from jdls._norm import (
     AxisName,
     FloatLeaves,
     GlobalNorm,
-    amax,
     check_sharded,
     clip_by_norm,
     flatten_floats,
@@ -216,8 +215,16 @@ def wrap(
 
         # Decide: one sum of squares gives finiteness and the global norm; a non-finite loss
         # given as ``value`` (optax's extra argument) makes the step non-finite too.
+        observes = isinstance(state.scale, DynamicScale) and state.scale.rule.observes
+
         def measure(tree: FloatLeaves) -> tuple[GlobalNorm, jax.Array]:
-            n = tree_norm(tree, axis_name=axis_name, sharded=sharded, per_leaf=track_nonfinite)
+            n = tree_norm(
+                tree,
+                axis_name=axis_name,
+                sharded=sharded,
+                per_leaf=track_nonfinite,
+                largest=observes,
+            )
             return n, (n.finite & ~n.robust if skip_norm_overflow else n.finite)
 
         n, finite = measure(tree)
@@ -246,19 +253,17 @@ def wrap(
         stats = _record(state.stats, finite, n, tree, step.tries, cause)
         if max_consecutive_skips is not None:
             _fail_if_stuck(stats.consecutive_skips, max_consecutive_skips)
-        return new_updates, WrapState(
-            _adjust(step.scale, finite, tree, axis_name), inner_state, stats
-        )
+        return new_updates, WrapState(_adjust(step.scale, finite, n), inner_state, stats)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _adjust(
-    scale: LossScale, finite: jax.Array, tree: FloatLeaves, axis_name: AxisName | None
-) -> LossScale:
-    """The next scale; rules that ask for it (``rule.observes``) get the gradients' amax."""
+def _adjust(scale: LossScale, finite: jax.Array, n: GlobalNorm) -> LossScale:
+    """The next scale; rules that ask for it (``rule.observes``) get the gradients' largest
+    magnitude, measured with the norm (``largest=True``)."""
     if isinstance(scale, DynamicScale) and scale.rule.observes:
-        return scale.adjust(finite, amax(tree.floats, axis_name=axis_name))
+        assert n.amax is not None  # measured when the rule observes
+        return scale.adjust(finite, n.amax)
     return scale.adjust(finite)
 
 

@@ -231,16 +231,22 @@ class Adaptive(Rule):
         puts it ``margin`` bits below the format's maximum (pure; see the class docstring)."""
         log2_max, log2_sub = self.format_range()
         backed_off, on_overflow = self._overflow(loss_scale, state)
-        log2_scale = jnp.log2(loss_scale.astype(_F32))
-        # log2 of the largest scaled gradient; none measured (all flushed to zero): below
-        # half the smallest subnormal, so the scale may grow by the whole range at once.
-        amax = jnp.abs(grad_amax).astype(_F32)
-        scaled = jnp.where(
-            amax > 0, jnp.log2(jnp.where(amax > 0, amax, 1)) + log2_scale, _F32(log2_sub - 1)
-        )
-        target = jnp.floor(_F32(log2_max) - state.margin.astype(_F32) - scaled + log2_scale)
         lo, hi = self._exponent_bounds()
-        target = jnp.clip(jnp.nan_to_num(target, nan=float(lo)), lo, hi).astype(_I32)
+        amax = jnp.abs(grad_amax).astype(_F32)
+        # The largest k with amax * 2**k <= fmax * 2**-margin, in integers (exact; a float
+        # log2 is off by one near the boundary): with amax = a * 2**e and fmax = f * 2**g,
+        # a and f in [0.5, 1), k = g - margin - e, one less when a > f.
+        f, g = math.frexp(2.0**log2_max)
+        a, e = jnp.frexp(jnp.where(amax > 0, amax, 1))
+        k = _I32(g) - state.margin - e - (a > _F32(f)).astype(_I32)
+        # None measured (all flushed to zero): the largest scaled gradient is below half the
+        # smallest subnormal, so the scale may grow by the whole range at once.
+        log2_scale = jnp.log2(loss_scale.astype(_F32))
+        flushed = jnp.floor(_F32(log2_max - log2_sub + 1) - state.margin.astype(_F32) + log2_scale)
+        flushed = jnp.clip(jnp.nan_to_num(flushed, nan=float(lo)), lo, hi).astype(_I32)
+        target = jnp.where(amax > 0, jnp.clip(k, lo, hi), flushed)
+        # An inf or NaN measurement (a hand-made adjust on a non-finite step): the lowest.
+        target = jnp.where(jnp.isfinite(amax), target, _I32(lo))
         predicted = self._clamp(_pow2(target))
 
         counted = jnp.minimum(state.counter, _I32(2**30)) + 1
