@@ -337,8 +337,10 @@ def adjust_layer_scales(scales: Mapping[str, LossScale], grads: Any) -> dict[str
       (True, True)
     """
     by_layer = group_by_layer(grads, scales)
+    # Finiteness from its own reduction: XLA's max reduction may drop a NaN (on CPU it does
+    # for large arrays), so the largest magnitude cannot tell a NaN gradient.
+    finite = {k: all_finite(g) for k, g in by_layer.items()}
     amax = {k: tree_amax(g) for k, g in by_layer.items()}
-    finite = {k: jnp.isfinite(a) for k, a in amax.items()}
     everything = jnp.all(jnp.stack(list(finite.values()))) if finite else jnp.array(True)
     out: dict[str, LossScale] = {}
     for key, scale in scales.items():

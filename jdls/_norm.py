@@ -254,7 +254,7 @@ class GlobalNorm(NamedTuple):
     down: jax.Array  # 2**-96 (float32) when robust (a runtime value: XLA must not fold it)
     scaled_norm: jax.Array  # the norm of the gradients multiplied by ``down``
     leaf_nonfinite: jax.Array | None  # bool[number of float leaves], when asked for
-    #: the largest magnitude (float32; NaN or inf on a non-finite step), when asked for
+    #: the largest magnitude (float32; meaningless on a non-finite step), when asked for
     amax: jax.Array | None = None
 
 
@@ -416,8 +416,10 @@ def clip_by_norm(
 
 
 def amax(leaves: Sequence[jax.Array], *, axis_name: AxisName | None = None) -> jax.Array:
-    """The largest magnitude of the float ``leaves`` as float32 (0 for none; NaN propagates),
-    agreed across ``axis_name`` (a ``pmax``: right whether the leaves are split or not)."""
+    """The largest magnitude of the float ``leaves`` as float32 (0 for none), agreed across
+    ``axis_name`` (a ``pmax``: right whether the leaves are split or not). An inf gives inf;
+    a NaN may be dropped (XLA's max reduction on CPU drops it in large arrays), so decide
+    finiteness with ``all_finite`` or the norm, not with this."""
     maxima = [_leaf_amax(x) for x in leaves if x.size > 0]
     out = jnp.max(jnp.stack(maxima)) if maxima else jnp.zeros((), _F32)
     if axis_name is not None:
@@ -426,6 +428,6 @@ def amax(leaves: Sequence[jax.Array], *, axis_name: AxisName | None = None) -> j
 
 
 def tree_amax(tree: Any) -> jax.Array:
-    """:func:`amax` of the float leaves of ``tree`` (float32; 0 for none; NaN or inf when any
-    element is, so one reduction per leaf gives both an observing rule's input and finiteness)."""
+    """:func:`amax` of the float leaves of ``tree`` (float32; 0 for none; not a finiteness
+    test: a NaN may be dropped)."""
     return amax(flatten_floats(tree).floats)

@@ -81,16 +81,16 @@ def _statistics(g: jax.Array, compute_dtype: Any) -> jax.Array:
     c = jnp.asarray(g).astype(_F32)
     n = max(c.size, 1)
     nonzero = jnp.sum(c != 0)
-    amax = jnp.max(jnp.abs(c)) if c.size else jnp.zeros((), _F32)  # NaN or inf if any is
+    amax = jnp.max(jnp.abs(c)) if c.size else jnp.zeros((), _F32)
+    # its own reduction: XLA's max may drop a NaN (on CPU it does in large arrays)
+    nonfinite = ~jnp.all(jnp.isfinite(c))
     if not isinstance(compute_dtype, FloatFormat) and jnp.dtype(g.dtype) == jnp.dtype(
         compute_dtype
     ):
         flushed = jnp.zeros((), _F32)  # already in the compute format: nothing flushes
     else:
         flushed = jnp.sum(_flush_to_zero(c, compute_dtype)) / jnp.maximum(nonzero, 1)
-    return jnp.stack([amax, flushed, 1 - nonzero / n, (~jnp.isfinite(amax)).astype(_F32)]).astype(
-        _F32
-    )
+    return jnp.stack([amax, flushed, 1 - nonzero / n, nonfinite.astype(_F32)]).astype(_F32)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))

@@ -390,3 +390,21 @@ def test_checkpoint_round_trip():
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
     restored = jax.tree_util.tree_unflatten(*reversed(jax.tree_util.tree_flatten(scale)))
     assert restored.rule == scale.rule
+
+
+@pytest.mark.parametrize("fmt", ["float16", "bfloat16", "cbfloat16", "float8_e4m3fn"])
+@with_and_without_jit
+def test_prediction_is_exact_at_the_boundary(fmt, jit):
+    """The next scale is the largest 2**k with amax * 2**k <= fmax * 2**-margin, exactly: an
+    amax one unit in the last place above the boundary gets the lower power of two (a float
+    log2 rounded it up and gave the higher one)."""
+    rule = jdls.rules.Adaptive(compute_dtype=fmt, margin=6)
+    limit = float(jdls.finfo(fmt).max) * 2.0**-6
+    adjust = maybe_jit(lambda s, a: s.adjust(True, grad_amax=a).loss_scale, jit)
+    for k in range(-60, 61, 7):
+        if limit * 2.0**k > float(np.finfo(np.float32).max):
+            continue  # beyond float32 (bfloat16's range is float32's)
+        at = np.float32(limit * 2.0**k)
+        for amax in (at, np.nextafter(at, np.float32(0)), np.nextafter(at, np.float32(np.inf))):
+            scale = float(adjust(jdls.DynamicScale(1.0, rule), jnp.float32(amax)))
+            assert float(amax) * scale <= limit < float(amax) * 2 * scale, (k, amax, scale)

@@ -119,6 +119,16 @@ def test_any_non_finite_gradient_skips_growth_and_backs_off_that_layer() -> None
     assert float(new["b"].loss_scale) == 2.0**10  # unchanged: the step is skipped
 
 
+@with_and_without_jit
+def test_a_nan_in_a_large_layer_gradient_backs_off(jit) -> None:
+    """XLA's max reduction drops a NaN in a large array on CPU: finiteness is its own test."""
+    scales = {"a": jdls.AdaptiveScale(2.0**10), "b": jdls.AdaptiveScale(2.0**10)}
+    grads = {"a": jnp.full(20_000, 1e-3).at[5].set(jnp.nan), "b": jnp.ones(3)}
+    new = maybe_jit(jdls.adjust_layer_scales, jit)(scales, grads)
+    assert float(new["a"].loss_scale) == 2.0**9  # backed off (was: grew to 2**19)
+    assert float(new["b"].loss_scale) == 2.0**10  # unchanged: the step is skipped
+
+
 def test_scales_stay_within_their_bounds() -> None:
     rule = jdls.rules.Adaptive(min_loss_scale=2.0**-4, max_loss_scale=2.0**20)
     scales = {"a": jdls.DynamicScale(1.0, rule), "b": jdls.DynamicScale(1.0, rule)}

@@ -20,7 +20,7 @@ from _helpers import maybe_jit
 from jax.sharding import PartitionSpec as P
 
 import jdls
-from jdls._norm import global_norm
+from jdls._norm import amax, global_norm
 
 
 def _leaves(dtype: str, big: float) -> list[jax.Array]:
@@ -110,3 +110,125 @@ def test_skipped_step_is_bit_exact(jit, track):
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
     if track:
         assert bool(new_state.stats.nonfinite["w"]) and not bool(new_state.stats.nonfinite["b"])
+
+
+# --------------------------------------------------------------------------------------------
+# The largest magnitude from the squares (what an observing rule such as AdaptiveScale gets).
+# --------------------------------------------------------------------------------------------
+
+
+def _abs_max(leaves: list[jax.Array]) -> np.ndarray:
+    """The reference: ``max(|x|)`` over every leaf, rounded to float32, as XLA computes it
+    (on CPU it flushes subnormal inputs to zero)."""
+    return np.asarray(jax.jit(amax)(leaves))
+
+
+def _random_tree(rng: np.random.Generator, exponent: int) -> list[jax.Array]:
+    leaves = []
+    for _ in range(int(rng.integers(1, 5))):
+        size = int(rng.choice([1, 7, 300, 20_000]))  # small leaves share one reduction
+        dtype = rng.choice(["float32", "float16", "bfloat16"])
+        x = rng.standard_normal(size) * 2.0 ** (exponent + int(rng.integers(-4, 4)))
+        with np.errstate(over="ignore"):
+            leaves.append(jnp.asarray(x.astype(np.float32)).astype(dtype))
+    return leaves
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_largest_is_the_abs_max_bit_for_bit(jit):
+    """Across the whole float32 range, small and large leaves, 16-bit and float32: the largest
+    magnitude measured from the squares equals max(|x|) exactly, and the norm is unchanged
+    where the squares are normal floats (below, XLA may flush the shared squares to zero)."""
+    rng = np.random.default_rng(1)
+    measure = maybe_jit(lambda ls: global_norm(ls, largest=True), jit)
+    plain = maybe_jit(lambda ls: global_norm(ls).norm, jit)
+    for exponent in [-140, -100, -70, -64, -63, -62, -30, 0, 30, 62, 63, 64, 100, 126]:
+        for _ in range(3):
+            leaves = _random_tree(rng, exponent)
+            n = measure(leaves)
+            assert n.amax is not None and n.amax.dtype == jnp.float32
+            if bool(n.finite):
+                assert np.asarray(n.amax).tobytes() == _abs_max(leaves).tobytes(), exponent
+                if -55 <= exponent <= 60:
+                    assert np.asarray(n.norm).tobytes() == np.asarray(plain(leaves)).tobytes()
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize(
+    "leaves",
+    [
+        [jnp.zeros(3)],  # nothing measured
+        [jnp.zeros(20_000), jnp.array([3e-20, 0.0])],  # a zero large leaf, a tiny small one
+        [jnp.full(20_000, 1e-30, jnp.float32)],  # squares below the smallest normal
+        [jnp.full(20_000, 1e-30, jnp.float32), jnp.array([0.25], jnp.float16)],
+        [jnp.array([3e38, -3e38, 1.0])],  # the sum of squares overflows: still finite
+        [jnp.full(20_000, 2e19, jnp.float32), jnp.array([1.0])],  # squares overflow
+        [jnp.array([1 + 2j, 3 - 4j], jnp.complex64), jnp.array([1e-30])],
+    ],
+    ids=["zeros", "zero-large", "tiny-large", "tiny-and-normal", "huge", "huge-large", "complex"],
+)
+def test_largest_is_exact_at_the_edges(jit, leaves):
+    n = maybe_jit(lambda ls: global_norm(ls, largest=True), jit)(leaves)
+    assert bool(n.finite)
+    assert np.asarray(n.amax).tobytes() == _abs_max(leaves).tobytes()
+
+
+def test_largest_in_float64():
+    with jax.enable_x64(True):
+        rng = np.random.default_rng(2)
+        for exponent in [-600, -520, -511, -300, 0, 300, 511, 600]:
+            leaves = [
+                jnp.asarray(rng.standard_normal(20_000) * 2.0**exponent),
+                jnp.asarray(rng.standard_normal(5) * 2.0 ** (exponent - 3)),
+            ]
+            n = jax.jit(lambda ls: global_norm(ls, largest=True))(leaves)
+            assert np.asarray(n.amax).tobytes() == _abs_max(leaves).tobytes(), exponent
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("bad", [np.inf, np.nan])
+def test_observing_wrap_skips_a_nan_in_a_large_leaf(jit, bad):
+    """XLA's max reduction drops a NaN in a large array on CPU: finiteness must come from the
+    sum of squares, never from the largest magnitude."""
+    assert float(jax.jit(jnp.max)(jnp.ones(20_000).at[3].set(np.nan))) == 1.0  # the trap
+    params = {"w": jnp.zeros(20_000), "b": jnp.zeros(3)}
+    tx = jdls.wrap(optax.sgd(0.1), jdls.AdaptiveScale(2.0**10))
+    state = tx.init(params)
+    grads = {"w": jnp.full(20_000, 1e-3).at[3].set(bad), "b": jnp.ones(3)}
+    updates, state = maybe_jit(tx.update, jit)(grads, state, params)
+    assert bool(jdls.stats(state).skipped)
+    assert float(jdls.get_scale(state).loss_scale) == 2.0**9
+    assert not np.asarray(updates["w"]).any()
+
+
+def test_largest_inside_shard_map_is_agreed():
+    mesh = jax.make_mesh((4,), ("d",))
+    leaves = [jnp.arange(64.0) / 8 - 7.0, jnp.linspace(-3.0, 2.0, 80_000)]
+    leaves[1] = leaves[1].at[70_000].set(41.0)  # on the last device only
+
+    def local(ls):
+        return global_norm(ls, axis_name="d", sharded=[True, True], largest=True).amax
+
+    run = jax.jit(
+        jax.shard_map(local, mesh=mesh, in_specs=(P("d"),), out_specs=P(), check_vma=True)
+    )
+    put = lambda ls: jax.device_put(ls, jax.sharding.NamedSharding(mesh, P("d")))  # noqa: E731
+    assert float(run(put(leaves))) == 41.0
+
+
+def test_wrap_measures_from_the_squares_only():
+    """The observing wrap reads the gradients once for the norm and the largest magnitude: no
+    ``abs`` of the gradients outside the branches that run only on rare steps."""
+    params = {"w": jnp.ones((200, 100)), "b": jnp.ones(100), "c": jnp.ones((3, 4), jnp.float16)}
+    tx = jdls.wrap(optax.sgd(0.1), jdls.AdaptiveScale())
+    state = tx.init(params)
+    jaxpr = jax.make_jaxpr(lambda g, s: tx.update(g, s, params))(params, state)
+    top = [e.primitive.name for e in jaxpr.jaxpr.eqns]
+    assert not [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "abs" and e.invars[0].aval.ndim]
+    # the large leaf, the small ones together, then the largest of those two
+    assert top.count("reduce_max") == 3
+    # and the scale follows the largest gradient as before: 2**(16 - 6 - 1) for amax 1.0
+    grads = jax.tree_util.tree_map(lambda p: p * 0.5, params)
+    grads["w"] = grads["w"].at[7, 3].set(-1.0)
+    _, state = jax.jit(tx.update)(grads, state, params)
+    assert float(jdls.get_scale(state).loss_scale) == 2.0**9

@@ -35,6 +35,22 @@ def test_statistics_of_the_scaled_cotangent(jit):
     assert float(t.headroom_bits()[0]) == pytest.approx(math.log2(65504 / 64))
 
 
+@with_and_without_jit
+def test_a_nan_in_a_large_cotangent_is_flagged(jit):
+    """XLA's max reduction drops a NaN in a large array on CPU: the nonfinite statistic must
+    not be read off the largest magnitude."""
+
+    def loss(w):
+        h = jdls.probe(w * 2.0, "h")
+        return jnp.sum(h * jnp.ones(20_000).at[3].set(jnp.nan))
+
+    _, _, t = maybe_jit(jdls.probed_value_and_grad(loss, jdls.StaticScale(1.0)), jit)(
+        jnp.ones(20_000)
+    )
+    assert float(t.nonfinite[0]) == 1.0
+    assert t.first_nonfinite() == "h"
+
+
 def test_probes_leave_the_gradients_bit_for_bit_unchanged():
     def loss(w):
         return jnp.sum(jnp.tanh(jdls.probe(w.astype(jnp.float16) * 3, "a")).astype(jnp.float32))
