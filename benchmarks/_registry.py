@@ -93,6 +93,12 @@ SUITES: dict[str, Suite] = {
             in_all=False,
         ),
         Suite(
+            "default-cost",
+            "benchmarks.bench_quality",
+            "suite_step_cost",
+            "step time of the default scale (AdaptiveScale) against the classic rule, four models",
+        ),
+        Suite(
             "span",
             "benchmarks.bench_span",
             "suite",

@@ -480,39 +480,96 @@ def settle_step(scales: np.ndarray) -> int:
 # --------------------------------------------------------------------------------------------
 
 
-def step_cost(rounds: int) -> list[dict[str, Any]]:
-    """Median time of one jitted float16 MLP step (adam) per rule, rounds interleaved: the
-    suite's MLP (width 64, batch 128) and a wider one (width 512, batch 256)."""
+#: Each timed sample runs this long (several steps of a short one), so that one sample is not
+#: dominated by the timer and the dispatch of one call.
+SAMPLE_SECONDS = 0.01
+
+
+def _cost_workloads(quick: bool) -> list[tuple[str, Callable[..., Any], Any, Any]]:
+    """(name, loss(params, batch), params, batch) of the step-cost workloads."""
+    from benchmarks import bench_step
+
     xtr, _, ytr, _ = (jnp.asarray(a) for a in digits())
     loss = _loss(mlp, "float16")
     data = _task_data(TASKS[0], 2)
-    cases = []
-    for hidden, batch in ((HIDDEN, BATCH), (512, 256)):
+
+    def suite_mlp(hidden: int, batch: int) -> tuple[str, Callable[..., Any], Any, Any]:
         x, y = xtr[:batch], ytr[:batch]
+        return (
+            f"MLP width {hidden}, batch {batch}",
+            lambda p, b, x=x, y=y: loss(p, x, y, data, 1),
+            init_mlp(jax.random.key(0), 12, hidden),
+            None,
+        )
+
+    out = [suite_mlp(HIDDEN, BATCH)]
+    if not quick:
+        out.append(suite_mlp(512, 256))
+        for work in (bench_step.mlp_workload(False), bench_step.transformer_workload(False)):
+            out.append((work.description, work.loss, work.params, work.batch))
+    return out
+
+
+def step_cost(rounds: int, quick: bool = False) -> list[dict[str, Any]]:
+    """Time of one jitted float16 train step (adam) per rule, rounds interleaved, on the
+    suite's MLP and on larger models; each sample runs ``k`` steps (the same ``k`` for every
+    rule of a workload, about :data:`SAMPLE_SECONDS`); ratio: to the classic rule."""
+    cases = []
+    for group, loss, params0, batch in _cost_workloads(quick):
+        k = 0
         for label, make in (
             ("jdls classic", jdls.DynamicScale),
             ("PyTorch", jdls.presets.pytorch),
             ("AdaptiveScale", jdls.AdaptiveScale),
         ):
-            tx = jdls.wrap(optax.adam(1e-3), make())
-            params = init_mlp(jax.random.key(0), 12, hidden)
+            tx = jdls.wrap(optax.adam(1e-4), make())
 
             @functools.partial(jax.jit, donate_argnums=0)
-            def step(carry: Any, tx: Any = tx, x: Any = x, y: Any = y) -> Any:
+            def step(carry: Any, tx: Any = tx, loss: Any = loss, batch: Any = batch) -> Any:
                 params, opt_state = carry
-                _, grads = jdls.get_scale(opt_state).value_and_grad(loss)(params, x, y, data, 1)
+                scale = jdls.get_scale(opt_state)
+                _, grads = scale.value_and_grad(loss)(params, batch)
                 updates, opt_state = tx.update(grads, opt_state, params)
                 return optax.apply_updates(params, updates), opt_state
 
+            params = jax.tree_util.tree_map(jnp.copy, params0)
             box = [(params, tx.init(params))]
-
-            def run(step: Any = step, box: list[Any] = box) -> None:
+            for _ in range(3):  # compile, settle the scale
                 box[0] = step(box[0])
+            jax.block_until_ready(box[0])
+            if not k:  # from the first rule's step time
+                start = time.perf_counter()
+                for _ in range(5):
+                    box[0] = step(box[0])
+                jax.block_until_ready(box[0])
+                k = max(1, round(SAMPLE_SECONDS * 5 / (time.perf_counter() - start)))
+
+            def run(step: Any = step, box: list[Any] = box, k: int = k) -> None:
+                for _ in range(k):
+                    box[0] = step(box[0])
                 jax.block_until_ready(box[0])
 
-            group = f"MLP width {hidden}, batch {batch}"
-            cases.append(h.Case(f"{group}: {label}", run, group=group))
-    return h.time_cases(cases, rounds=rounds)
+            cases.append(h.Case(f"{group}: {label}", run, group=group, info={"steps": k}))
+    rows = h.time_cases(cases, rounds=rounds)
+    for row in rows:  # per step
+        for key in ("median_ms", "q1_ms", "q3_ms", "iqr_ms", "min_ms"):
+            row[key] /= row["steps"]
+        row["times_ms"] = [t / row["steps"] for t in row["times_ms"]]
+    return rows
+
+
+def suite_step_cost(quick: bool = False, rounds: int | None = None) -> list[h.Section]:
+    """The step cost of the default scale against the classic rule, alone."""
+    return [_cost_section(quick, rounds)]
+
+
+def _cost_section(quick: bool, rounds: int | None) -> h.Section:
+    return h.Section(
+        "step cost",
+        "one jitted float16 train step (adam) per sample of several steps, rounds "
+        "interleaved; ratio: median of the per-round ratios to the classic rule",
+        step_cost(rounds or (3 if quick else 60), quick),
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -561,14 +618,7 @@ def suite(quick: bool = False, rounds: int | None = None) -> list[h.Section]:
                 {"steps": task.steps, "metric": task.metric, "kind": task.kind, "why": task.why},
             )
         )
-    sections.append(
-        h.Section(
-            "step cost",
-            "one jitted float16 MLP train step (adam), rounds interleaved; ratio: to the "
-            "classic rule",
-            step_cost(rounds or (5 if quick else 300)),
-        )
-    )
+    sections.append(_cost_section(quick, rounds))
     return sections
 
 
