@@ -506,16 +506,20 @@ def _cost_workloads(quick: bool) -> list[tuple[str, Callable[..., Any], Any, Any
     if not quick:
         out.append(suite_mlp(512, 256))
         for work in (bench_step.mlp_workload(False), bench_step.transformer_workload(False)):
-            out.append((work.description, work.loss, work.params, work.batch))
+            name = f"{work.title.rsplit(', ', 1)[-1]} {work.n_params / 1e6:.1f}M"
+            out.append((name, work.loss, work.params, work.batch))
     return out
 
 
 def step_cost(rounds: int, quick: bool = False) -> list[dict[str, Any]]:
     """Time of one jitted float16 train step (adam) per rule, rounds interleaved, on the
     suite's MLP and on larger models; each sample runs ``k`` steps (the same ``k`` for every
-    rule of a workload, about :data:`SAMPLE_SECONDS`); ratio: to the classic rule."""
-    cases = []
+    rule of a workload, about :data:`SAMPLE_SECONDS`); ratio: to the classic rule. The rules
+    are interleaved within a workload, one workload after the other: a large model's step
+    between two small ones would leave the small ones cold caches."""
+    rows = []
     for group, loss, params0, batch in _cost_workloads(quick):
+        cases = []
         k = 0
         for label, make in (
             ("jdls classic", jdls.DynamicScale),
@@ -550,7 +554,7 @@ def step_cost(rounds: int, quick: bool = False) -> list[dict[str, Any]]:
                 jax.block_until_ready(box[0])
 
             cases.append(h.Case(f"{group}: {label}", run, group=group, info={"steps": k}))
-    rows = h.time_cases(cases, rounds=rounds)
+        rows += h.time_cases(cases, rounds=rounds)
     for row in rows:  # per step
         for key in ("median_ms", "q1_ms", "q3_ms", "iqr_ms", "min_ms"):
             row[key] /= row["steps"]
@@ -567,7 +571,9 @@ def _cost_section(quick: bool, rounds: int | None) -> h.Section:
     return h.Section(
         "step cost",
         "one jitted float16 train step (adam) per sample of several steps, rounds "
-        "interleaved; ratio: median of the per-round ratios to the classic rule",
+        "interleaved; ratio: median of the per-round ratios to the classic rule. MLP width "
+        "64/512: the quality suite's digits MLP; MLP 8.4M and transformer 3.7M: the models "
+        "of `python -m benchmarks step` and `transformer`",
         step_cost(rounds or (3 if quick else 60), quick),
     )
 
