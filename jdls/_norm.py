@@ -10,11 +10,11 @@ docs/optax.md explains the choices.
 
 A rule that observes the largest gradient magnitude (:func:`jdls.AdaptiveScale`) gets it from
 the same squares: ``max(x*x)`` reads what the sum of squares reads, so XLA makes no second
-copy of the gradients (a separate ``max(abs(x))`` cost 2-5% of a train step on CPU); the
-squares of small leaves share one reduction. The square root of a normal float square
-``fl(x*x)`` is ``|x|`` exactly (binary floating point, round to nearest); when no largest
-square is normal (every ``|x| < 2**-63`` in float32) or the sum overflowed, the largest
-magnitude is measured again from ``abs(x)`` inside a ``lax.cond``, free on ordinary steps.
+copy of the gradients (a separate ``max(abs(x))`` cost 2-5% of a train step on CPU). The
+square root of a normal float square ``fl(x*x)`` is ``|x|`` exactly (binary floating point,
+round to nearest); when no largest square is normal (every ``|x| < 2**-63`` in float32) or
+the sum overflowed, the largest magnitude is measured again from ``abs(x)`` inside a
+``lax.cond``, free on ordinary steps.
 """
 
 from __future__ import annotations
@@ -190,41 +190,30 @@ def _exact_root(m: jax.Array) -> jax.Array:
     return r
 
 
-#: Leaves of at most this many elements share one reduction for their largest square (their
-#: squares are concatenated): on CPU a reduction per small leaf costs more than the copy.
-_SMALL_LEAF = 2**14
-
-
 def _amax_of_squares(xs: Sequence[jax.Array], squares: Sequence[jax.Array]) -> jax.Array:
     """The largest magnitude of ``xs`` (float32) from their elementwise ``squares``; exact
     when the squares are finite (see the module docstring)."""
     exact: list[jax.Array] = []
-    peaks: list[jax.Array] = []  # largest squares
-    small: dict[Any, list[jax.Array]] = {}
+    peaks: dict[Any, list[jax.Array]] = {}  # the largest square of each leaf, by dtype
     for x, q in zip(xs, squares, strict=True):
         if jnp.iscomplexobj(x):  # |z| is not the root of re**2 + im**2 in floating point
             exact.append(_leaf_amax(x))
-        elif q.size <= _SMALL_LEAF:
-            small.setdefault(q.dtype, []).append(q.ravel())
         else:
-            peaks.append(jnp.max(q))
-    for group in small.values():
-        # the barrier keeps XLA from splitting the max of a concatenation back into one
-        # reduction per leaf
-        flat = group[0] if len(group) == 1 else lax.optimization_barrier(jnp.concatenate(group))
-        peaks.append(jnp.max(flat))
+            peaks.setdefault(q.dtype, []).append(jnp.max(q))
     if not peaks:
         return jnp.max(jnp.stack(exact))
-    normal = [p >= jnp.finfo(p.dtype).tiny for p in peaks]
+    # The root is monotonic: one root of the largest square per dtype.
+    tops = [jnp.max(jnp.stack(p)) for p in peaks.values()]
+    normal = [m >= jnp.finfo(m.dtype).tiny for m in tops]
     roots = [
-        jnp.where(ok, _exact_root(jnp.where(ok, p, 1)), 0).astype(_F32)
-        for ok, p in zip(normal, peaks, strict=True)
+        jnp.where(ok, _exact_root(jnp.where(ok, m, 1)), 0).astype(_F32)
+        for ok, m in zip(normal, tops, strict=True)
     ]
     best = jnp.max(jnp.stack(exact + roots))
     # A leaf whose largest square is normal dominates every leaf whose is not (|x| < 2**-63
     # in float32, 2**-511 in float64), and so does any magnitude of at least 2**-63; without
     # either, measure again from abs.
-    bound = max(float(np.sqrt(jnp.finfo(p.dtype).tiny)) for p in peaks)
+    bound = max(float(np.sqrt(jnp.finfo(m.dtype).tiny)) for m in tops)
     again = ~jnp.any(jnp.stack(normal)) & (best < _F32(bound))
     return lax.cond(again, _amax_of_abs, _given, list(xs), best)
 

@@ -216,6 +216,23 @@ def test_largest_inside_shard_map_is_agreed():
     assert float(run(put(leaves))) == 41.0
 
 
+@pytest.mark.parametrize("axis_type", ["Explicit", "Auto"])
+def test_largest_with_leaves_sharded_differently(axis_type):
+    """Leaves with different shardings under jit, explicit or automatic: exact, and no
+    gradient gathered across devices for it (only the reductions' all-reduces)."""
+    mesh = jax.make_mesh((4,), ("d",), axis_types=(getattr(jax.sharding.AxisType, axis_type),))
+    rng = np.random.default_rng(3)
+    shapes = {"w": (64, 32), "b": (64,), "s": (5,), "v": (32, 4)}
+    specs = {"w": P("d"), "b": P("d"), "s": P(), "v": P(None, "d")}
+    raw = {k: jnp.asarray(rng.standard_normal(v), jnp.float32) for k, v in shapes.items()}
+    raw["s"] = raw["s"].at[2].set(-9.5)
+    tree = jax.device_put(raw, {k: jax.sharding.NamedSharding(mesh, s) for k, s in specs.items()})
+    with jax.set_mesh(mesh):
+        measure = jax.jit(lambda t: global_norm(jax.tree_util.tree_leaves(t), largest=True).amax)
+        assert float(measure(tree)) == 9.5
+        assert "all-gather" not in measure.lower(tree).compile().as_text()
+
+
 def test_wrap_measures_from_the_squares_only():
     """The observing wrap reads the gradients once for the norm and the largest magnitude: no
     ``abs`` of the gradients outside the branches that run only on rare steps."""
@@ -225,8 +242,8 @@ def test_wrap_measures_from_the_squares_only():
     jaxpr = jax.make_jaxpr(lambda g, s: tx.update(g, s, params))(params, state)
     top = [e.primitive.name for e in jaxpr.jaxpr.eqns]
     assert not [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "abs" and e.invars[0].aval.ndim]
-    # the large leaf, the small ones together, then the largest of those two
-    assert top.count("reduce_max") == 3
+    # one per leaf over its squares, two over scalars (the largest square, the largest root)
+    assert top.count("reduce_max") == 5
     # and the scale follows the largest gradient as before: 2**(16 - 6 - 1) for amax 1.0
     grads = jax.tree_util.tree_map(lambda p: p * 0.5, params)
     grads["w"] = grads["w"].at[7, 3].set(-1.0)
