@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jdls._norm import amax, flatten_floats
+from jdls._norm import tree_amax
 from jdls._scale import AdaptiveScale, DynamicScale, LossScale, NoOpScale, check_scale
 from jdls._stats import Stats, WrapState, the_wrap_state
 from jdls._wrap import wrap
@@ -202,7 +202,7 @@ def _adjust(scale: LossScale, finite: jax.Array, grads: Mapping[str, Any]) -> Lo
     """The next scale, as ``jdls.wrap`` adjusts it: a rule that observes (``rule.observes``)
     gets the largest magnitude of the gradients of the groups given."""
     if isinstance(scale, DynamicScale) and scale.rule.observes:
-        return scale.adjust(finite, amax(flatten_floats(dict(grads)).floats))
+        return scale.adjust(finite, tree_amax(dict(grads)))
     return scale.adjust(finite)
 
 

@@ -219,7 +219,7 @@ def _amax_of_squares(xs: Sequence[jax.Array], squares: Sequence[jax.Array]) -> j
 
 
 def _amax_of_abs(xs: Sequence[jax.Array], best: Any = None) -> jax.Array:
-    return jnp.max(jnp.stack([_leaf_amax(x) for x in xs]))
+    return amax(xs)
 
 
 def _given(xs: Sequence[jax.Array], best: jax.Array) -> jax.Array:

@@ -236,7 +236,7 @@ class Adaptive(Rule):
         # The largest k with amax * 2**k <= fmax * 2**-margin, in integers (exact; a float
         # log2 is off by one near the boundary): with amax = a * 2**e and fmax = f * 2**g,
         # a and f in [0.5, 1), k = g - margin - e, one less when a > f.
-        f, g = math.frexp(2.0**log2_max)
+        f, g = math.frexp(float(finfo(self.compute_dtype).max))  # exact, not 2**log2_max
         a, e = jnp.frexp(jnp.where(amax > 0, amax, 1))
         k = _I32(g) - state.margin - e - (a > _F32(f)).astype(_I32)
         # None measured (all flushed to zero): the largest scaled gradient is below half the
