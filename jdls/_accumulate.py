@@ -129,8 +129,9 @@ def accumulate(
     def loss_only(p: Any, batch: Any) -> Any:
         return loss_fn(p, batch)[0] if has_aux else loss_fn(p, batch)
 
+    # zeros_like of the abstract gradients keeps their shardings (explicit meshes).
     zeros = jax.tree_util.tree_map(
-        lambda g: jnp.zeros(g.shape, g.dtype),
+        jnp.zeros_like,
         jax.eval_shape(
             lambda s: s.value_and_grad(loss_only)(params, _first(micro_batches))[1], scale
         ),

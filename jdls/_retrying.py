@@ -174,10 +174,10 @@ def retrying(
                 loss_finite = agree(all_finite(out[0] if has_aux else out))
                 return s, out, grads, agree(all_finite(grads)), loss_finite, n + 1
 
+            # zeros_like of the abstract values keeps their shardings (the type of an array
+            # under an explicit mesh), so the carry has the type the body returns.
             shapes = jax.eval_shape(lambda: differentiate(scale))
-            out, grads = jax.tree_util.tree_map(
-                lambda t: vary_like(jnp.zeros(t.shape, t.dtype), t), shapes
-            )
+            out, grads = jax.tree_util.tree_map(lambda t: vary_like(jnp.zeros_like(t), t), shapes)
             carry = (scale, out, grads, jnp.array(False), jnp.array(True), jnp.int32(0))
 
             # Only the gradients (and the scale, the loss) pass through the loop, never the

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _helpers import INF, NAN, assert_bitwise_equal, host_bytes
+from _helpers import INF, NAN, assert_bitwise_equal, host_bytes, maybe_jit
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -319,3 +319,66 @@ def test_explicit_mesh_per_layer_and_per_loss_gradients_keep_their_shardings(jit
         assert bool(finite[k])
         assert adjusted[k].loss_scale.sharding.is_fully_replicated, k
     assert all(bool(f) for f in loss_finite.values())
+
+
+# --------------------------------------------------------------------------------------------
+# jdls.retrying and jdls.accumulate with a sharded parameter, explicit and automatic meshes:
+# their loop carries take the shardings of the arrays they stand for.
+# --------------------------------------------------------------------------------------------
+
+
+def f16_loss(p, x):
+    """float16 compute: the scaled backward is ``x * scale`` in float16, inf for |x| >= 2 at
+    2**15 and finite at 2**14. Small integers: every sum is exact in any order."""
+    return jnp.sum((p["w"].astype(jnp.float16) * x.astype(jnp.float16)).astype(jnp.float32))
+
+
+def retry_inputs():
+    w = np.arange(32, dtype=np.float32).reshape(8, 4) % 5 - 2
+    xs = np.ones((3, 8, 4), np.float32)
+    xs[1, 6, 3] = 3.0  # the second micro-batch (and the whole batch) overflows at 2**15
+    return {"w": w}, xs
+
+
+def retried_run(mesh, jit):
+    """``jdls.retrying`` and ``jdls.accumulate`` (both with one retry) on the same batch;
+    ``mesh=None``: unsharded."""
+    params, xs = retry_inputs()
+    if mesh is not None:
+        params = {"w": jax.device_put(params["w"], NamedSharding(mesh, P("data", "model")))}
+        xs = jax.device_put(xs, NamedSharding(mesh, P(None, "data", "model")))
+    else:
+        params, xs = {"w": jnp.asarray(params["w"])}, jnp.asarray(xs)
+    tx = jdls.wrap(optax.adam(0.5), jdls.DynamicScale(2.0**15))
+    step = maybe_jit(jdls.retrying(f16_loss, tx, retries=1), jit)
+    retried = step(params, tx.init(params), xs[1])
+
+    def accumulated(params, opt_state, xs):
+        scale = jdls.get_scale(opt_state)
+        loss, grads, info = jdls.accumulate(f16_loss, scale, params, xs, retries=1)
+        updates, opt_state = tx.update(grads, jdls.set_scale(opt_state, info.scale), params)
+        return optax.apply_updates(params, updates), opt_state, loss, info
+
+    acc = maybe_jit(accumulated, jit)(params, tx.init(params), xs)
+    return retried, acc
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto], ids=["explicit", "auto"])
+def test_retrying_and_accumulate_with_a_sharded_parameter_match_the_unsharded_step(axis_type, jit):
+    expected_retried, expected_acc = retried_run(None, jit)
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(axis_type,) * 2)
+    with jax.set_mesh(mesh):
+        retried, acc = retried_run(mesh, jit)
+
+    params, state, loss = retried
+    assert int(jdls.stats(state).retries) == 1 and not bool(jdls.stats(state).skipped)
+    assert float(jdls.get_scale(state).loss_scale) == 2.0**14
+    assert host_bytes((params, state, loss)) == host_bytes(expected_retried)
+    assert params["w"].sharding == NamedSharding(mesh, P("data", "model"))
+
+    params, state, loss, info = acc
+    assert (int(info.kept), int(info.dropped), int(info.retries)) == (3, 0, 1)
+    assert not bool(jdls.stats(state).skipped)
+    assert host_bytes((params, state, loss, info)) == host_bytes(expected_acc)
+    assert params["w"].sharding == NamedSharding(mesh, P("data", "model"))
