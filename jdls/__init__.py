@@ -1,6 +1,6 @@
 """jdls: dynamic loss scaling for mixed-precision training in JAX and optax."""
 
-from jdls import linen, nnx, presets, rules
+from jdls import fp8, linen, nnx, presets, rules
 from jdls._accumulate import AccumulateInfo, accumulate
 from jdls._checks import all_finite
 from jdls._clip import clip
@@ -63,6 +63,7 @@ __all__ = [
     "compress",
     "decompress",
     "finfo",
+    "fp8",
     "get_policy",
     "get_scale",
     "group_stats",

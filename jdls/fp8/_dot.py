@@ -1,0 +1,188 @@
+"""The FP8 dot: ``lax.dot_general`` on quantized operands, with a custom VJP.
+
+Forward: both operands are quantized by the recipe (``lhs``, ``rhs`` roles), multiplied with
+accumulation in the recipe's ``compute_dtype`` and dequantized. Backward: the output gradient
+is quantized (the ``grad`` role, e5m2 by default) and the two transposed dots run on quantized
+values. The measurements of the three quantize points leave as the cotangent of the state's
+meter; the recipe states themselves get zero cotangents.
+
+On XLA:CPU a float8 dot is computed by upcasting to float32, so results are exact emulation;
+on a GPU with FP8 units XLA fuses the scaled dot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jdls.fp8._recipe import Quantized
+from jdls.fp8._state import DotState, Meter
+
+__all__ = ["dot_general"]
+
+Dims = tuple[tuple[tuple[int, ...], tuple[int, ...]], tuple[tuple[int, ...], tuple[int, ...]]]
+
+
+def _scaled_dot(a: Quantized, b: Quantized, dims: Any, acc: Any, precision: Any) -> jax.Array:
+    """``dequantize(a) . dequantize(b)`` accumulated in ``acc``."""
+    if a.scale.ndim == 0 and b.scale.ndim == 0:
+        out = lax.dot_general(
+            a.values, b.values, dims, precision=precision, preferred_element_type=acc
+        )
+        return out.astype(acc) * (a.scale * b.scale).astype(acc)
+    return lax.dot_general(
+        a.dequantize(acc),
+        b.dequantize(acc),
+        dims,
+        precision=precision,
+        preferred_element_type=acc,
+    )
+
+
+def _kept(ndim: int, contract: Sequence[int], batch: Sequence[int]) -> list[int]:
+    return [i for i in range(ndim) if i not in contract and i not in batch]
+
+
+def _transpose_dims(
+    own_ndim: int, other_ndim: int, dims: Dims, own_is_lhs: bool
+) -> tuple[Any, tuple[int, ...], list[int], tuple[int, ...]]:
+    """How the gradient of one operand is the dot of the output gradient with the other.
+
+    Returns the dimension numbers of ``dot(g, other)``, the axes of ``g`` it contracts, the
+    other's contracted axes, and the permutation that puts the result in the operand's order.
+    """
+    (lc, rc), (lb, rb) = dims
+    own_c, other_c, own_b, other_b = (lc, rc, lb, rb) if own_is_lhs else (rc, lc, rb, lb)
+    own_kept = _kept(own_ndim, own_c, own_b)
+    other_kept = _kept(other_ndim, other_c, other_b)
+    n_batch = len(lb)
+    # The output's axes: batch, then the lhs's kept axes, then the rhs's kept axes.
+    lhs_kept_n = len(own_kept) if own_is_lhs else len(other_kept)
+    start = n_batch + lhs_kept_n if own_is_lhs else n_batch
+    g_other = tuple(range(start, start + len(other_kept)))
+    dot_dims = ((g_other, tuple(other_kept)), (tuple(range(n_batch)), tuple(other_b)))
+    # dot(g, other) has the axes: batch, the operand's kept axes, then the other's remaining
+    # (contracted) axes in their own order, which are the operand's contracted axes.
+    own_c_in_other_order = [own_c[j] for j in np.argsort(other_c)]
+    perm = tuple(int(i) for i in np.argsort([*own_b, *own_kept, *own_c_in_other_order]))
+    return dot_dims, g_other, other_kept, perm
+
+
+def _grad_of(
+    g: Quantized, other: Quantized, own_ndim: int, dims: Dims, own_is_lhs: bool, acc: Any
+) -> jax.Array:
+    dot_dims, _, _, perm = _transpose_dims(own_ndim, other.values.ndim, dims, own_is_lhs)
+    out = _scaled_dot(g, other, dot_dims, acc, lax.Precision.HIGHEST)
+    return jnp.transpose(out, perm)
+
+
+def _acc_dtype(state: DotState, out_dtype: Any) -> Any:
+    compute = state.recipe.compute_dtype
+    return out_dtype if compute is None else compute
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _fp8_dot(
+    lhs: jax.Array, rhs: jax.Array, state: DotState, dims: Dims, precision: Any, out_dtype: Any
+) -> jax.Array:
+    return _fp8_dot_fwd(lhs, rhs, state, dims, precision, out_dtype)[0]
+
+
+def _fp8_dot_fwd(
+    lhs: jax.Array, rhs: jax.Array, state: DotState, dims: Dims, precision: Any, out_dtype: Any
+) -> tuple[jax.Array, Any]:
+    recipe = state.recipe
+    (lc, rc), _ = dims
+    ql, ml = recipe.quantize(lhs, state.lhs, "lhs", lc)
+    qr, mr = recipe.quantize(rhs, state.rhs, "rhs", rc)
+    out = _scaled_dot(ql, qr, dims, _acc_dtype(state, out_dtype), precision).astype(out_dtype)
+    return out, (lhs, rhs, ql, qr, state, ml, mr)
+
+
+def _fp8_dot_bwd(
+    dims: Dims, precision: Any, out_dtype: Any, residuals: Any, g: jax.Array
+) -> tuple[jax.Array, jax.Array, DotState]:
+    del precision
+    lhs, rhs, ql, qr, state, ml, mr = residuals
+    recipe = state.recipe
+    acc = _acc_dtype(state, out_dtype)
+    if recipe.requantize_backward:
+        # Block scales follow the contraction: quantize again along the backward dots' axes.
+        _, g_axes_l, rhs_axes, _ = _transpose_dims(lhs.ndim, rhs.ndim, dims, True)
+        _, g_axes_r, lhs_axes, _ = _transpose_dims(rhs.ndim, lhs.ndim, dims, False)
+        qg_l, mg_l = recipe.quantize(g, state.grad, "grad", g_axes_l)
+        qg_r, mg_r = recipe.quantize(g, state.grad, "grad", g_axes_r)
+        qr, _ = recipe.quantize(rhs, state.rhs, "rhs", tuple(rhs_axes))
+        ql, _ = recipe.quantize(lhs, state.lhs, "lhs", tuple(lhs_axes))
+        mg = mg_l.combine(mg_r)
+    else:
+        qg_l, mg = recipe.quantize(g, state.grad, "grad", ())
+        qg_r = qg_l
+    grad_lhs = _grad_of(qg_l, qr, lhs.ndim, dims, True, acc).astype(lhs.dtype)
+    grad_rhs = _grad_of(qg_r, ql, rhs.ndim, dims, False, acc).astype(rhs.dtype)
+    zeros = jax.tree.map(jnp.zeros_like, state)
+    cotangent = dataclasses.replace(zeros, meter=Meter(lhs=ml, rhs=mr, grad=mg))
+    return grad_lhs, grad_rhs, cotangent
+
+
+_fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
+
+
+def _normalize_dims(dimension_numbers: Any) -> Dims:
+    (lc, rc), (lb, rb) = dimension_numbers
+    return ((tuple(lc), tuple(rc)), (tuple(lb), tuple(rb)))
+
+
+def dot_general(
+    lhs: Any,
+    rhs: Any,
+    dimension_numbers: Any,
+    precision: Any = None,
+    preferred_element_type: Any = None,
+    *,
+    state: DotState,
+) -> jax.Array:
+    """``lax.dot_general`` computed in FP8 with the scales of ``state``.
+
+    Both operands are quantized by ``state.recipe`` (e4m3 by default), multiplied with
+    float32 accumulation and dequantized. In the backward pass the output gradient is
+    quantized (e5m2 by default) and both operand gradients are FP8 dots. An inf or NaN at
+    any quantize point reaches the output or the gradients (it is never clipped to a finite
+    value), so ``jdls.wrap`` skips the step. Differentiate with respect to ``state`` to get
+    the step's measurement, and pass it to :func:`jdls.fp8.update`.
+
+    Args:
+      lhs, rhs, dimension_numbers, precision, preferred_element_type: as for
+        ``jax.lax.dot_general``; ``precision`` applies to the forward dot.
+      state: the dot's :class:`jdls.fp8.DotState` (from :func:`jdls.fp8.init`).
+
+    Returns:
+      The dot, of dtype ``preferred_element_type`` (default: the operands' result type).
+
+    Example:
+      >>> import jax.numpy as jnp, jdls
+      >>> state = jdls.fp8.init(jdls.fp8.CurrentScaling())
+      >>> x, w = jnp.array([[1.0, 2.0]]), jnp.array([[3.0], [0.1]])
+      >>> y = jdls.fp8.dot_general(x, w, (((1,), (0,)), ((), ())), state=state)
+      >>> round(float(y[0, 0]), 4)  # 0.1 is not an e4m3 value: the exact dot is 3.2
+      3.2009
+    """
+    if not isinstance(state, DotState):
+        raise TypeError(
+            f"state must be a jdls.fp8.DotState (make one with jdls.fp8.init(recipe)), got "
+            f"{type(state).__name__}"
+        )
+    lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+    out_dtype = (
+        jnp.result_type(lhs, rhs)
+        if preferred_element_type is None
+        else jnp.dtype(preferred_element_type)
+    )
+    return _fp8_dot(lhs, rhs, state, _normalize_dims(dimension_numbers), precision, out_dtype)

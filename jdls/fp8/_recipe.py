@@ -1,0 +1,195 @@
+"""What an FP8 recipe is: the protocol, the quantized tensor and the measurement it returns.
+
+A recipe is plain, hashable configuration (a frozen dataclass) that knows four things:
+
+* ``init(role)``: the state of one tensor of a dot (a pytree of arrays, possibly empty);
+* ``quantize(x, state, role, axes)``: ``x`` cast to its element format with its scale, as a
+  :class:`Quantized`, and what was seen on the way, a :class:`Measurement`;
+* ``update(state, measurement, role, skipped)``: the state of the next step;
+* ``compute_dtype``: the dtype the dot accumulates in (``None``: the operands' dtype);
+* ``requantize_backward``: whether the backward dots quantize the operands again along their
+  own contraction axes (block scaling) or reuse the forward's quantized operands (per tensor).
+
+``role`` is ``"lhs"``, ``"rhs"`` or ``"grad"`` (the output gradient); ``axes`` are the axes of
+``x`` that the dot contracts, for recipes whose scales are per block along them.
+
+A :class:`Quantized` holds ``values`` (float8, or float32 holding a jdls.FloatFormat's
+values) and ``scale``, the dequantization scale: ``values * scale`` approximates ``x``. The
+scale is either a scalar (one per tensor) or an array of the same rank as ``values`` whose
+every dimension divides the values' one: each scale covers a block of
+``values.shape[i] // scale.shape[i]`` elements along axis ``i``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Protocol
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jdls.fp8._formats import cast, format_max
+
+__all__ = [
+    "Measurement",
+    "Quantized",
+    "Recipe",
+    "Role",
+    "measure",
+    "quantize_with_scale",
+    "scale_from_amax",
+]
+
+Role = Literal["lhs", "rhs", "grad"]
+ROLES: tuple[Role, ...] = ("lhs", "rhs", "grad")
+
+
+@struct.dataclass
+class Measurement:
+    """What a quantize point saw in one step; float32 scalars, combined by ``max``.
+
+    Attributes:
+      amax: the largest magnitude of the tensor before scaling; ``inf`` when the tensor held
+        an inf or a NaN.
+      saturated: fraction of values clipped to the format's largest finite value.
+      flushed: fraction of non-zero values that became zero.
+    """
+
+    amax: jax.Array
+    saturated: jax.Array
+    flushed: jax.Array
+
+    @classmethod
+    def zeros(cls) -> Measurement:
+        """The zero measurement: the value of a site's meter before the backward pass."""
+        z = jnp.zeros((), jnp.float32)
+        return cls(amax=z, saturated=z, flushed=z)
+
+    def combine(self, other: Measurement) -> Measurement:
+        """The measurement of two uses (micro-batches, data shards): the maximum of each."""
+        return jax.tree.map(jnp.maximum, self, other)
+
+
+@struct.dataclass
+class Quantized:
+    """A tensor in an FP8 (or emulated) format with its dequantization scale.
+
+    Attributes:
+      values: the element values (float8, or float32 for a jdls.FloatFormat).
+      scale: float32, a scalar or a per-block array of the values' rank (see the module
+        docstring); ``values * scale`` approximates the original tensor.
+    """
+
+    values: jax.Array
+    scale: jax.Array
+
+    def dequantize(self, dtype: Any = jnp.float32) -> jax.Array:
+        """``values * scale`` in ``dtype``, each scale repeated over its block."""
+        scale = self.scale.astype(dtype)
+        if scale.ndim:
+            for axis, (n, k) in enumerate(zip(self.values.shape, scale.shape, strict=True)):
+                if n != k:
+                    scale = jnp.repeat(scale, n // k, axis=axis)
+        return self.values.astype(dtype) * scale
+
+
+class Recipe(Protocol):
+    """The interface every FP8 recipe implements (see the module docstring)."""
+
+    @property
+    def requantize_backward(self) -> bool: ...
+
+    @property
+    def compute_dtype(self) -> Any: ...
+
+    def init(self, role: Role) -> Any: ...
+
+    def quantize(
+        self, x: jax.Array, state: Any, role: Role, axes: tuple[int, ...]
+    ) -> tuple[Quantized, Measurement]: ...
+
+    def update(
+        self, state: Any, measurement: Measurement, role: Role, skipped: jax.Array
+    ) -> Any: ...
+
+
+def scale_from_amax(
+    amax: jax.Array,
+    previous: jax.Array,
+    fmax: float,
+    margin: float = 0,
+    power_of_two: bool = False,
+) -> jax.Array:
+    """The dequantization scale that maps ``amax`` to the format's largest value ``fmax``.
+
+    The scaling factor is ``(fmax / amax) / 2**margin`` (TransformerEngine's formula), rounded
+    down to a power of two when ``power_of_two``; the returned scale is its reciprocal. When
+    ``amax`` is 0, inf or NaN, or the factor would overflow, the ``previous`` scale is kept.
+
+    Args:
+      amax: float32, the amax the scale is for.
+      previous: float32, the scale kept when ``amax`` cannot give one.
+      fmax: the largest finite value of the element format.
+      margin: the factor is divided by ``2**margin``.
+      power_of_two: round the factor down to a power of two (the scale up).
+
+    Returns:
+      float32, the dequantization scale.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jdls.fp8 import scale_from_amax
+      >>> float(scale_from_amax(jnp.float32(3.5), jnp.float32(1.0), 448.0))
+      0.0078125
+      >>> float(scale_from_amax(jnp.float32(jnp.inf), jnp.float32(0.5), 448.0))
+      0.5
+    """
+    factor = (fmax / amax) / (2.0**margin)
+    if power_of_two:
+        _, exponent = jnp.frexp(factor)
+        factor = jnp.ldexp(jnp.ones_like(factor), exponent - 1)
+    ok = (amax > 0.0) & jnp.isfinite(amax) & jnp.isfinite(factor)
+    factor = jnp.where(ok, factor, 1.0 / previous)
+    return 1.0 / factor
+
+
+def measure(x: jax.Array, scaled: jax.Array, values: jax.Array, fmax: jax.Array) -> Measurement:
+    """The :class:`Measurement` of quantizing ``x``: ``scaled = x / scale`` became ``values``."""
+    finite = jnp.isfinite(scaled)
+    amax = jnp.max(jnp.abs(x)).astype(jnp.float32) if x.size else jnp.float32(0)
+    # A NaN can be dropped by a max reduction on some backends: test finiteness on its own.
+    amax = jnp.where(jnp.all(jnp.isfinite(x)), amax, jnp.inf)
+    saturated = jnp.mean((jnp.abs(scaled) > fmax) & finite, dtype=jnp.float32)
+    flushed = jnp.mean((x != 0) & (values == 0), dtype=jnp.float32)
+    return Measurement(amax=amax, saturated=saturated, flushed=flushed)
+
+
+def quantize_with_scale(
+    x: jax.Array, scale: jax.Array, fmt: Any, compute_dtype: Any | None
+) -> tuple[Quantized, Measurement]:
+    """Quantizes ``x`` with one dequantization ``scale`` for the whole tensor.
+
+    ``x / scale`` is computed in ``compute_dtype`` (``None``: ``x``'s dtype), clipped to the
+    format's finite range and rounded to ``fmt``. An inf or NaN is not clipped: it stays
+    non-finite (a NaN in formats without inf), so that it reaches the gradients and the step is
+    skipped.
+    """
+    dtype = x.dtype if compute_dtype is None else compute_dtype
+    x = x.astype(dtype)
+    fmax = jnp.asarray(format_max(fmt), dtype)
+    scaled = x / jnp.broadcast_to(scale.astype(dtype), x.shape)
+    clipped = jnp.where(jnp.isfinite(scaled), jnp.clip(scaled, -fmax, fmax), scaled)
+    values = cast(clipped, fmt)
+    return Quantized(values=values, scale=scale.astype(jnp.float32)), measure(
+        x, scaled, values, fmax
+    )
+
+
+def element_format(formats: Any, role: Role) -> Any:
+    """The element format of ``role``: ``formats.backward`` for the gradient, else forward."""
+    return formats.backward if role == "grad" else formats.forward
+
+
+def check_role(role: str) -> None:
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
