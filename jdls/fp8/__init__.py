@@ -22,6 +22,7 @@ from jdls.fp8._current import CurrentScaling, CurrentState
 from jdls.fp8._delayed import DelayedScaling, DelayedState
 from jdls.fp8._dot import dot_general
 from jdls.fp8._formats import Formats, format_max
+from jdls.fp8._presets import flax_fp8_ops, transformer_engine
 from jdls.fp8._recipe import Measurement, Quantized, Recipe, scale_from_amax
 from jdls.fp8._state import DotState, Meter, init, measurements, reduce, update
 
@@ -37,10 +38,12 @@ __all__ = [
     "Quantized",
     "Recipe",
     "dot_general",
+    "flax_fp8_ops",
     "format_max",
     "init",
     "measurements",
     "reduce",
     "scale_from_amax",
+    "transformer_engine",
     "update",
 ]

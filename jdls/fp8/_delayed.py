@@ -65,6 +65,9 @@ class DelayedScaling:
         ``"hybrid"``, ``"e4m3"``, ``"fnuz"``).
       compute_dtype: dtype of the quantization arithmetic and of the dot's accumulation;
         ``None`` uses the operands' dtype (Flax's choice).
+      dequantize_first: dequantize both operands, then multiply them in ``compute_dtype``
+        (Flax's quantize-dequantize ops); by default the float8 values are multiplied and the
+        product is scaled once.
 
     Example:
       >>> import jax.numpy as jnp, jdls
@@ -82,6 +85,7 @@ class DelayedScaling:
     power_of_two: bool = False
     formats: Formats | str = "hybrid"
     compute_dtype: Any = jnp.float32
+    dequantize_first: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.history_length, int) or self.history_length < 1:

@@ -30,9 +30,15 @@ __all__ = ["dot_general"]
 Dims = tuple[tuple[tuple[int, ...], tuple[int, ...]], tuple[tuple[int, ...], tuple[int, ...]]]
 
 
-def _scaled_dot(a: Quantized, b: Quantized, dims: Any, acc: Any, precision: Any) -> jax.Array:
-    """``dequantize(a) . dequantize(b)`` accumulated in ``acc``."""
-    if a.scale.ndim == 0 and b.scale.ndim == 0:
+def _scaled_dot(
+    a: Quantized, b: Quantized, dims: Any, acc: Any, precision: Any, dequantize_first: bool
+) -> jax.Array:
+    """``dequantize(a) . dequantize(b)`` accumulated in ``acc``.
+
+    With one scale per operand the float8 values are multiplied and the product is scaled
+    once; with block scales (or ``dequantize_first``) each operand is dequantized first.
+    """
+    if a.scale.ndim == 0 and b.scale.ndim == 0 and not dequantize_first:
         out = lax.dot_general(
             a.values, b.values, dims, precision=precision, preferred_element_type=acc
         )
@@ -76,11 +82,22 @@ def _transpose_dims(
 
 
 def _grad_of(
-    g: Quantized, other: Quantized, own_ndim: int, dims: Dims, own_is_lhs: bool, acc: Any
+    g: Quantized,
+    other: Quantized,
+    own_ndim: int,
+    dims: Dims,
+    own_is_lhs: bool,
+    acc: Any,
+    dequantize_first: bool,
 ) -> jax.Array:
     dot_dims, _, _, perm = _transpose_dims(own_ndim, other.values.ndim, dims, own_is_lhs)
-    out = _scaled_dot(g, other, dot_dims, acc, lax.Precision.HIGHEST)
+    out = _scaled_dot(g, other, dot_dims, acc, lax.Precision.HIGHEST, dequantize_first)
     return jnp.transpose(out, perm)
+
+
+def _dequantize_first(state: DotState) -> bool:
+    # An optional recipe attribute: recipes without it multiply float8 values.
+    return bool(getattr(state.recipe, "dequantize_first", False))
 
 
 def _acc_dtype(state: DotState, out_dtype: Any) -> Any:
@@ -102,7 +119,8 @@ def _fp8_dot_fwd(
     (lc, rc), _ = dims
     ql, ml = recipe.quantize(lhs, state.lhs, "lhs", lc)
     qr, mr = recipe.quantize(rhs, state.rhs, "rhs", rc)
-    out = _scaled_dot(ql, qr, dims, _acc_dtype(state, out_dtype), precision).astype(out_dtype)
+    acc = _acc_dtype(state, out_dtype)
+    out = _scaled_dot(ql, qr, dims, acc, precision, _dequantize_first(state)).astype(out_dtype)
     return out, (lhs, rhs, ql, qr, state, ml, mr)
 
 
@@ -125,8 +143,9 @@ def _fp8_dot_bwd(
     else:
         qg_l, mg = recipe.quantize(g, state.grad, "grad", ())
         qg_r = qg_l
-    grad_lhs = _grad_of(qg_l, qr, lhs.ndim, dims, True, acc).astype(lhs.dtype)
-    grad_rhs = _grad_of(qg_r, ql, rhs.ndim, dims, False, acc).astype(rhs.dtype)
+    first = _dequantize_first(state)
+    grad_lhs = _grad_of(qg_l, qr, lhs.ndim, dims, True, acc, first).astype(lhs.dtype)
+    grad_rhs = _grad_of(qg_r, ql, rhs.ndim, dims, False, acc, first).astype(rhs.dtype)
     zeros = jax.tree.map(jnp.zeros_like, state)
     cotangent = dataclasses.replace(zeros, meter=Meter(lhs=ml, rhs=mr, grad=mg))
     return grad_lhs, grad_rhs, cotangent
