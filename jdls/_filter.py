@@ -6,10 +6,14 @@ An Equinox model is a pytree whose leaves include non-arrays (activation functio
 ``None`` for every other leaf. jdls does the same wherever it differentiates for the user:
 
 * an argument whose leaves are all differentiable by JAX (floating-point arrays and Python
-  floats) is differentiated by ``jax.value_and_grad`` exactly as before;
-* an argument with any other leaf is split: its floating-point arrays (JAX or NumPy, as
-  ``eqx.is_inexact_array``) are differentiated, every other leaf (functions, integer and
-  boolean arrays, Python numbers, strings) is held fixed and gets ``None`` as gradient;
+  floats) and that holds no Equinox module is differentiated by ``jax.value_and_grad``
+  exactly as before;
+* an argument with any other leaf, or holding an Equinox module, is split: its floating-point
+  arrays (JAX or NumPy, as ``eqx.is_inexact_array``) are differentiated, every other leaf
+  (functions, integer and boolean arrays, Python numbers, strings) is held fixed and gets
+  ``None`` as gradient. An Equinox model's Python ``float`` field thus gets ``None``, as
+  ``eqx.filter_value_and_grad`` gives it and as ``eqx.filter(model, eqx.is_array)`` (the
+  parameters given to the optimizer) leaves it;
 * an argument with no floating-point array at all is an error that says what to do.
 """
 
@@ -51,6 +55,11 @@ def _differentiable(x: Any) -> bool:
 def _is_nnx(x: Any) -> bool:
     """Whether ``x`` is a Flax NNX object (module, variable), without importing Flax."""
     return any(c.__module__.startswith("flax.nnx") for c in type(x).__mro__)
+
+
+def _is_equinox(x: Any) -> bool:
+    """Whether ``x`` is an Equinox module, without importing Equinox."""
+    return any(c.__module__.startswith("equinox") for c in type(x).__mro__)
 
 
 def _describe(leaves: list[Any]) -> str:
@@ -109,13 +118,17 @@ def split_arguments(
 ) -> Split | None:
     """``None`` when JAX differentiates ``values`` as they are, else how to split them.
 
+    ``values`` holding an Equinox module are always split (Equinox's rule: only the
+    floating-point arrays are differentiated, a Python ``float`` field is held fixed).
     ``nums`` are the positions (``argnums``) of ``values``, for the error message. ``as_is``
     says which leaves JAX takes as they are (default: floating-point arrays, Python floats;
     ``is_jax_type`` for ``jax.vjp``, which gives integer arrays ``float0`` gradients).
     """
     flat = [jax.tree_util.tree_flatten(v) for v in values]
     as_is = _differentiable if as_is is None else as_is
-    if all(as_is(x) for leaves, _ in flat for x in leaves):
+    if all(as_is(x) for leaves, _ in flat for x in leaves) and not any(
+        map(_is_equinox, jax.tree_util.tree_leaves(values, is_leaf=_is_equinox))
+    ):
         return None
     for n, value in zip(nums, values, strict=True):
         if any(map(_is_nnx, jax.tree_util.tree_leaves(value, is_leaf=_is_nnx))):

@@ -144,9 +144,10 @@ class LossScale:
         Pytrees with non-array leaves (an Equinox model, with its activation functions and
         static fields) are differentiated as ``eqx.filter_value_and_grad`` does: the
         floating-point arrays get gradients, every other leaf (functions, integer and boolean
-        arrays, Python numbers) gets ``None``. An argument whose leaves are all floating-point
-        arrays or Python floats is differentiated by ``jax.value_and_grad`` as it is; one with
-        no floating-point array at all is a TypeError that says what to do.
+        arrays, Python numbers) gets ``None``; so does an Equinox model's Python ``float``
+        field. Any other argument whose leaves are all floating-point arrays or Python floats
+        is differentiated by ``jax.value_and_grad`` as it is; one with no floating-point array
+        at all is a TypeError that says what to do.
 
         Args:
           fun: the loss function; returns a scalar, or ``(scalar, aux)`` with ``has_aux``.

@@ -45,8 +45,9 @@ def value_and_grad(
     Equinox's conventions hold: the first argument is differentiated, its floating-point
     arrays get gradients and every other leaf ``None``; the other arguments are held fixed.
     ``scale.value_and_grad(fun, has_aux=has_aux)`` gives the same gradients for an Equinox
-    model; this function differs only where Equinox's rules differ from jdls's (a Python
-    float beside arrays is held fixed here, as in Equinox).
+    model (its Python ``float`` fields included: ``None``); this function differs only on
+    other pytrees, where jdls follows ``jax.value_and_grad`` and Equinox does not (a plain
+    dict of arrays and Python floats: the floats are held fixed here).
 
     Args:
       fun: the loss function of the model (first argument) and anything else; returns a

@@ -166,6 +166,53 @@ def test_python_float_beside_arrays_is_held_as_in_equinox():
     assert float(grads["a"]) == 3.0 and float(grads["b"]) == 2.0
 
 
+class Scaled(eqx.Module):
+    """Arrays and a Python ``float`` field, nothing else: every leaf is one JAX differentiates."""
+
+    linear: eqx.nn.Linear
+    factor: float
+
+
+def scaled_model():
+    return Scaled(eqx.nn.Linear(4, 2, key=jax.random.key(3)), 0.5)
+
+
+def scaled_loss(model, x, y):
+    return jnp.mean((jax.vmap(model.linear)(x) * model.factor - y) ** 2)
+
+
+@jit_ids
+def test_python_float_field_of_an_equinox_module_gets_none(jit):
+    model, (x, y) = scaled_model(), data()
+    scale = jdls.StaticScale(2.0**10)
+    loss, grads = maybe_filter_jit(scale.value_and_grad(scaled_loss), jit)(model, x, y)
+    ref = maybe_filter_jit(eqx.filter_value_and_grad(scaled_loss), jit)(model, x, y)
+    assert grads.factor is None
+    assert_bitwise_equal((loss, grads), ref)
+    # the same tree as the parameters given to the optimizer
+    params = eqx.filter(model, eqx.is_array)
+    assert jax.tree_util.tree_structure(grads) == jax.tree_util.tree_structure(params)
+
+
+def test_documented_step_with_a_python_float_field_trains_and_skips():
+    """The train step of docs/equinox.md, on a model with a Python ``float`` field: it trains,
+    and a step at an overflowing scale leaves the model as it was."""
+    tx = optax.chain(jdls.clip(1.0), jdls.wrap(optax.adam(1e-2)))
+    model, (x, y) = scaled_model(), data()
+    opt_state = tx.init(eqx.filter(model, eqx.is_array))
+    step = make_step(tx, jit=True, loss=scaled_loss)
+    losses = []
+    for _ in range(20):
+        model, opt_state, loss = step(model, opt_state, x, y)
+        losses.append(float(loss))
+    assert model.factor == 0.5 and isinstance(model.factor, float)
+    assert int(jdls.stats(opt_state).skipped_steps) == 0 and losses[-1] < losses[0]
+    # an inf in the batch: the step is skipped, the model kept bit for bit
+    new, opt_state, _ = step(model, opt_state, x.at[0, 0].set(jnp.inf), y)
+    assert bool(jdls.stats(opt_state).skipped)
+    assert_bitwise_equal(eqx.filter(new, eqx.is_array), eqx.filter(model, eqx.is_array))
+
+
 def test_no_floating_point_array_says_what_to_do():
     scale = jdls.DynamicScale()
     with pytest.raises(
@@ -292,12 +339,12 @@ def test_retrying_with_an_equinox_model():
 # --------------------------------------------------------------------------------------------
 
 
-def make_step(tx, jit=True):
+def make_step(tx, jit=True, loss=loss_fn):
     def train_step(model, opt_state, x, y):
         scale = jdls.get_scale(opt_state)
-        loss, grads = scale.value_and_grad(loss_fn)(model, x, y)
+        loss_value, grads = scale.value_and_grad(loss)(model, x, y)
         updates, opt_state = tx.update(grads, opt_state, eqx.filter(model, eqx.is_array))
-        return jdls.equinox.apply_updates(model, updates), opt_state, loss
+        return jdls.equinox.apply_updates(model, updates), opt_state, loss_value
 
     return maybe_filter_jit(train_step, jit)
 
