@@ -20,7 +20,7 @@ from jdls._bits import from_bits_fn, round_float64, round_fn, storage_dtype, to_
 from jdls._checks import I32_MAX, check_int, is_float_array
 from jdls._finfo import FormatInfo, format_info
 
-__all__ = ["FloatFormat", "cbfloat16", "compress", "decompress", "finfo"]
+__all__ = ["FloatFormat", "canonical_format", "cbfloat16", "compress", "decompress", "finfo"]
 
 T = TypeVar("T")
 
@@ -324,6 +324,40 @@ def finfo(dtype: Any) -> FormatInfo | np.finfo:
             f"finfo expects a floating-point dtype, a jdls.FloatFormat or one of "
             f"{sorted(_NAMED_FORMATS)}, got {dtype!r} ({err})"
         ) from None
+
+
+def canonical_format(dtype: Any) -> np.dtype | FloatFormat:
+    """The one spelling of a float format that static configuration keeps.
+
+    Equal formats spelled differently (``jnp.float16``, ``np.dtype("float16")``,
+    ``"float16"``; ``"cbfloat16"`` and ``jdls.cbfloat16``) become one value, so that the
+    objects holding them compare, hash and key ``jax.jit``'s cache alike: a
+    :class:`FloatFormat` for an emulated format (given as one, or by the name
+    ``"cbfloat16"``), else numpy's dtype object.
+
+    Args:
+      dtype: anything :func:`finfo` accepts.
+
+    Returns:
+      ``dtype`` as a :class:`FloatFormat` or a ``numpy.dtype``.
+
+    Raises:
+      TypeError: ``dtype`` is not a floating-point type or format.
+
+    Example:
+      >>> import jax.numpy as jnp, numpy as np, jdls
+      >>> from jdls._formats import canonical_format
+      >>> canonical_format(jnp.float16) == canonical_format("float16") == np.dtype("float16")
+      True
+      >>> canonical_format("cbfloat16") is jdls.cbfloat16
+      True
+    """
+    if isinstance(dtype, FloatFormat):
+        return dtype
+    info = finfo(dtype)  # a clear error for anything else
+    if isinstance(info, FormatInfo):  # a name: "cbfloat16"
+        return info.dtype
+    return np.dtype(info.dtype)
 
 
 # --------------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from _helpers import F32_MAX, maybe_jit, with_and_without_jit
 
@@ -430,6 +431,57 @@ def test_scales_compare_by_value():
     assert batch == jax.tree_util.tree_map(jnp.copy, batch)
     assert batch != jax.tree_util.tree_map(lambda x: x.at[1].add(1), batch)
     assert batch != scale
+
+
+SPELLINGS = {
+    "float16": ("float16", jnp.float16, np.float16, np.dtype("float16")),
+    "bfloat16": ("bfloat16", jnp.bfloat16, np.dtype(jnp.bfloat16)),
+    "cbfloat16": ("cbfloat16", jdls.cbfloat16, jdls.FloatFormat(6, 9, name="my_cb16")),
+}
+
+
+@pytest.mark.parametrize("fmt", list(SPELLINGS))
+def test_a_format_spelled_any_way_makes_one_rule(fmt):
+    """``compute_dtype`` is kept in one form, whatever its spelling: equal rules and scales
+    compare equal (transitively), hash alike, key jit's cache once and pass through a scan
+    carry; the format is the same (finfo)."""
+    spellings = SPELLINGS[fmt]
+    rules = [jdls.rules.Adaptive(compute_dtype=d) for d in spellings]
+    scales = [jdls.AdaptiveScale(compute_dtype=d) for d in spellings]
+    for rule, scale in zip(rules, scales, strict=True):
+        assert rule == rules[0] and hash(rule) == hash(rules[0])
+        assert scale == scales[0] and scale.rule == rule
+        assert jax.tree_util.tree_structure(scale) == jax.tree_util.tree_structure(scales[0])
+        assert rule.format_range() == rules[0].format_range()
+        assert jdls.finfo(rule.compute_dtype).max == jdls.finfo(spellings[0]).max
+    if fmt == "cbfloat16":
+        assert all(isinstance(r.compute_dtype, jdls.FloatFormat) for r in rules)
+        assert rules[2].compute_dtype.name == "my_cb16"  # the label given is kept
+    else:
+        assert all(r.compute_dtype == np.dtype(fmt) for r in rules)
+    assert rules[0] != jdls.rules.Adaptive(compute_dtype="float32")
+
+    traces = []
+
+    @jax.jit
+    def f(scale):
+        traces.append(1)
+        return scale.loss_scale * 2
+
+    for scale in scales:
+        f(scale)
+    assert len(traces) == 1
+
+    # set_scale with another spelling inside lax.scan: the carry keeps its type
+    tx = jdls.wrap(optax.sgd(0.1), scales[0])
+    params = {"w": jnp.ones(2)}
+
+    def body(state, scale):
+        return jdls.set_scale(state, scale), None
+
+    for scale in scales[1:]:
+        state, _ = jax.lax.scan(lambda s, _, scale=scale: body(s, scale), tx.init(params), None, 2)
+        assert jdls.get_scale(state) == scales[0]
 
 
 def test_scale_equality_under_tracing_is_an_error_and_scales_are_unhashable():

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jdls._checks import check_int
-from jdls._formats import FloatFormat, finfo
+from jdls._formats import FloatFormat, canonical_format, finfo
 from jdls.rules._rule import Rule, check_bounds, check_within
 
 __all__ = ["Adaptive", "AdaptiveState"]
@@ -73,7 +73,8 @@ class Adaptive(Rule):
     Args:
       compute_dtype: the format the scaled gradients are computed in: ``"float16"``
         (default), ``"bfloat16"``, ``"float8_e4m3fn"``, ``"cbfloat16"``, a dtype or a
-        :class:`jdls.FloatFormat`.
+        :class:`jdls.FloatFormat`; kept in one form whatever the spelling (numpy's dtype, or
+        the :class:`jdls.FloatFormat` of an emulated format), so that equal rules are equal.
       margin: initial headroom in bits, within ``[min_margin, max_margin]``.
       min_margin: smallest headroom, >= 0.
       max_margin: largest headroom.
@@ -115,6 +116,9 @@ class Adaptive(Rule):
 
     def __post_init__(self) -> None:
         self.format_range()  # validates compute_dtype
+        # One spelling per format (jnp.float16, "float16", np.dtype("float16")), so that equal
+        # rules compare, hash and key jit's cache alike.
+        object.__setattr__(self, "compute_dtype", canonical_format(self.compute_dtype))
         check_int("min_margin", self.min_margin, 0)
         check_int("max_margin", self.max_margin, self.min_margin)
         margin = check_int("margin", self.margin, -(2**31))
