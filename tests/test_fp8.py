@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import optax
 import pytest
 from _helpers import assert_bitwise_equal, maybe_jit, with_and_without_jit
 from flax.linen import fp8_ops
 
+import jdls
 from jdls import fp8
+from jdls._site import update_sites
 
 DN = (((1,), (0,)), ((), ()))
 
@@ -36,13 +40,13 @@ def _flax_step(op, x, w, ct, meta, compute):
     return y, dx, dw, new_meta
 
 
-def _jdls_step(x, w, ct, state):
-    def f(x, w, state):
-        return fp8.dot_general(x, w, DN, state=state)
+def _jdls_step(x, w, ct, site):
+    def f(x, w, site):
+        return fp8.dot_general(x, w, DN, site=site)
 
-    y, vjp = jax.vjp(f, x, w, state)
-    dx, dw, dstate = vjp(ct)
-    return y, dx, dw, fp8.update(state, dstate)
+    y, vjp = jax.vjp(f, x, w, site)
+    dx, dw, measured = vjp(ct)
+    return y, dx, dw, update_sites(site, measured)
 
 
 def _flax_meta(length):
@@ -70,19 +74,206 @@ def test_flax_preset_is_bit_identical_to_flax(op, dtype, jit):
     """Outputs, gradients, scales and histories equal Flax's fp8_ops bit for bit, step by step."""
     length = 4
     meta = _flax_meta(length)
-    state = fp8.init(fp8.flax_fp8_ops(length, op=op))
+    site = fp8.init(fp8.flax_fp8_ops(length, op=op))
     flax_step = (
         maybe_jit(_flax_step, jit) if not jit else jax.jit(_flax_step, static_argnums=(0, 5))
     )
     jdls_step = maybe_jit(_jdls_step, jit)
     for step in range(12):
         x, w, ct = _inputs(step, dtype)
-        used = state  # jdls keeps the scale a step will use; Flax returns it as its gradient
+        used = site.value  # jdls keeps the scale a step will use; Flax returns it as a gradient
         y0, dx0, dw0, meta = flax_step(op, x, w, ct, meta, dtype)
-        y1, dx1, dw1, state = jdls_step(x, w, ct, state)
+        y1, dx1, dw1, site = jdls_step(x, w, ct, site)
         assert_bitwise_equal(y1, y0)
         assert_bitwise_equal(dx1, dx0)
         assert_bitwise_equal(dw1, dw0)
         for role in ("lhs", "rhs", "grad"):
             assert_bitwise_equal(getattr(used, role).scale, meta[f"{role}_scale"][0])
-            assert_bitwise_equal(getattr(state, role).history, meta[f"{role}_amax_history"])
+            assert_bitwise_equal(getattr(site.value, role).history, meta[f"{role}_amax_history"])
+
+
+# --------------------------------------------------------------------------------------------
+# Skip-awareness: Flax's failures reproduced, and jdls's behaviour on the same inputs.
+# --------------------------------------------------------------------------------------------
+
+
+def _amaxes():
+    return [1.0, 1.0, 1.0, float("inf")] + [100.0] * 19
+
+
+def _e5m2_scale(amax):
+    """Flax's and jdls's scale for ``amax`` in float32: ``1 / (57344 / amax)``."""
+    return float(np.float32(1.0) / (np.float32(57344.0) / np.float32(amax)))
+
+
+def test_flax_freezes_the_scale_for_a_window_after_an_inf():
+    """Flax keeps the pre-inf scale while the inf is in the history (16 steps of 16)."""
+    length, e5 = 16, jnp.float8_e5m2
+    scale, history = jnp.ones((1,), jnp.float32), jnp.zeros((length,), jnp.float32)
+    used = []
+    for a in _amaxes():
+        scale, history = fp8_ops.update_fp8_meta(jnp.full((4,), a), e5, scale, history)
+        used.append(float(scale[0]))
+    # update_fp8_meta returns the scale step t quantizes with: steps 4 to 19, while the true
+    # amax is 100, keep amax 1's scale (100x saturation); step 20, when the inf has left the
+    # window, tracks the amax again.
+    assert used[4:20] == [_e5m2_scale(1.0)] * 16
+    assert used[20:] == [_e5m2_scale(100.0)] * 3
+
+
+def test_jdls_scale_follows_the_amax_one_step_after_an_inf():
+    """The inf does not enter the history: the first finite step after it sets the scale."""
+    recipe = fp8.DelayedScaling(history_length=16)
+    state = recipe.init("grad")
+    used = []
+    for a in _amaxes():
+        used.append(float(state.scale))
+        m = fp8.Measurement(jnp.float32(a), jnp.float32(0), jnp.float32(0))
+        state = recipe.update(state, m, "grad", jnp.bool_(not np.isfinite(a)))
+    # used[t] is the scale of step t. Step 4, the first after the inf, has only amax 1 in
+    # its history (delayed scaling always lags a jump by a step); step 5 tracks amax 100.
+    assert used[3:5] == [_e5m2_scale(1.0)] * 2
+    assert used[5:] == [_e5m2_scale(100.0)] * 18
+
+
+def test_flax_launders_an_inf_cotangent_into_finite_gradients():
+    meta = _flax_meta(4)
+    x, w, ct = _inputs(0, jnp.float32)
+    ct = ct.at[0, 0].set(jnp.inf)
+    _, dx, dw, _ = _flax_step("direct", x, w, ct, meta, jnp.float32)
+    assert bool(jnp.all(jnp.isfinite(dx))) and bool(jnp.all(jnp.isfinite(dw)))
+
+
+@pytest.mark.parametrize("recipe", [fp8.DelayedScaling(4), fp8.CurrentScaling()], ids=str)
+@pytest.mark.parametrize("where", ["lhs", "rhs", "grad"])
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+@with_and_without_jit
+def test_an_inf_or_nan_at_a_quantize_point_reaches_the_gradients(recipe, where, bad, jit):
+    x, w, ct = _inputs(1, jnp.float32)
+    x = x.at[0, 0].set(bad) if where == "lhs" else x
+    w = w.at[0, 0].set(bad) if where == "rhs" else w
+    ct = ct.at[0, 0].set(bad) if where == "grad" else ct
+    y, dx, dw, site = maybe_jit(_jdls_step, jit)(x, w, ct, fp8.init(recipe))
+    grads_finite = bool(jnp.all(jnp.isfinite(dx))) and bool(jnp.all(jnp.isfinite(dw)))
+    assert not grads_finite
+    assert float(getattr(site.value.meter, where).amax) == np.inf
+    if where != "grad":
+        assert not bool(jnp.all(jnp.isfinite(y)))
+
+
+def test_jdls_wrap_skips_a_step_whose_fp8_gradient_overflowed():
+    site = fp8.init(fp8.DelayedScaling(4))
+    x, w, ct = _inputs(2, jnp.float32)
+    ct = ct.at[1, 1].set(jnp.inf)
+    _, _, dw, _ = _jdls_step(x, w, ct, site)
+    tx = jdls.wrap(optax.sgd(0.1), jdls.StaticScale(1.0))
+    opt_state = tx.init(w)
+    _, opt_state = tx.update(dw, opt_state, w)
+    assert int(jdls.stats(opt_state).skipped_steps) == 1
+
+
+# --------------------------------------------------------------------------------------------
+# Telemetry and the recipes' arithmetic.
+# --------------------------------------------------------------------------------------------
+
+
+def test_measurement_counts_saturated_and_flushed_values():
+    recipe = fp8.DelayedScaling(4)
+    state = recipe.init("lhs")  # scale 1: e4m3 saturates above 448, flushes below 2**-10
+    x = jnp.array([1000.0, -500.0, 1.0, 2.0**-12, 0.0, 3.0, 2.0**-11, -(2.0**-20)])
+    q, m = recipe.quantize(x, state, "lhs")
+    assert float(m.amax) == 1000.0
+    assert float(m.saturated) == 2 / 8
+    assert float(m.flushed) == 3 / 8  # 2**-12, 2**-11 (a tie, to even: 0), -2**-20
+    assert q.values.astype(jnp.float32).tolist()[:3] == [448.0, -448.0, 1.0]
+
+
+@pytest.mark.parametrize("algorithm", ["max", "most_recent"])
+@pytest.mark.parametrize("margin", [0, 1, 3])
+def test_transformer_engine_preset_follows_te_formulas(algorithm, margin):
+    """TE: history[0] = amax; sf = (fmax / amax) / 2**margin from max(history) or history[0],
+    keeping the old sf for amax <= 0 or non-finite; roll(-1) then history[0] = 0."""
+    length, fmax = 5, np.float32(448.0)
+    recipe = fp8.transformer_engine(length, algorithm, margin)
+    state = recipe.init("lhs")
+    te_history, te_sf = np.zeros(length, np.float32), np.float32(1.0)
+    rng = np.random.default_rng(0)
+    for step in range(30):
+        amax = np.float32(10.0 ** rng.uniform(-3, 3)) if step % 7 else np.float32(0.0)
+        te_history[0] = amax
+        chosen = te_history.max() if algorithm == "max" else te_history[0]
+        sf = (fmax / chosen) / np.float32(2.0**margin) if chosen > 0 else te_sf
+        te_sf = np.float32(sf) if np.isfinite(sf) else te_sf
+        te_history = np.roll(te_history, -1)
+        te_history[0] = 0.0
+        m = fp8.Measurement(jnp.float32(amax), jnp.float32(0), jnp.float32(0))
+        state = recipe.update(state, m, "lhs")
+        assert float(state.scale) == float(np.float32(1.0) / te_sf)
+
+
+def test_power_of_two_scales_round_the_factor_down():
+    scale = fp8.scale_from_amax(jnp.float32(3.0), jnp.float32(1.0), 448.0, power_of_two=True)
+    assert float(scale) == 2.0**-7  # 448 / 3 = 149.3 -> 128
+    scale = fp8.scale_from_amax(jnp.float32(3.0), jnp.float32(1.0), 448.0, 2, True)
+    assert float(scale) == 2.0**-5  # 149.3 / 4 = 37.3 -> 32
+
+
+def test_a_tiny_amax_keeps_the_previous_scale():
+    """Flax's factor overflows to inf for amax below fmax / f32max (scale 0, then NaN)."""
+    scale = fp8.scale_from_amax(jnp.float32(1e-40), jnp.float32(0.25), 448.0)
+    assert float(scale) == 0.25
+
+
+@pytest.mark.parametrize(
+    "formats", ["hybrid", "e4m3", "fnuz", "e4m3fnuz", fp8.Formats(jdls.FloatFormat(4, 3), "e5m2")]
+)
+@with_and_without_jit
+def test_dot_equals_the_float32_dot_of_the_quantized_values(formats, jit):
+    """With power-of-two scales the FP8 dot and its gradients are exactly the float32 dots of
+    the dequantized values (general dimension numbers: batch and two contracted axes)."""
+    recipe = fp8.CurrentScaling(power_of_two=True, formats=formats)
+    dn = (((2, 3), (1, 3)), ((0,), (0,)))
+    k = jax.random.split(jax.random.key(3), 3)
+    x = jax.random.normal(k[0], (2, 3, 4, 5))
+    w = jax.random.normal(k[1], (2, 4, 6, 5)) * 30
+    ct = jax.random.normal(k[2], (2, 3, 6)) * 1e-3
+
+    def f(x, w, site):
+        return fp8.dot_general(x, w, dn, site=site)
+
+    y, vjp = jax.vjp(maybe_jit(f, jit), x, w, fp8.init(recipe))
+    dx, dw, _ = vjp(ct)
+    qx, _ = recipe.quantize(x, recipe.init("lhs"), "lhs")
+    qw, _ = recipe.quantize(w, recipe.init("rhs"), "rhs")
+    qg, _ = recipe.quantize(ct, recipe.init("grad"), "grad")
+    hp = jax.lax.Precision.HIGHEST
+
+    def ref(a, b):
+        return jax.lax.dot_general(a, b, dn, precision=hp, preferred_element_type=jnp.float32)
+
+    y_ref, ref_vjp = jax.vjp(ref, qx.dequantize(), qw.dequantize())
+    dx_ref, dw_ref = ref_vjp(qg.dequantize())
+    np.testing.assert_array_equal(y, y_ref)
+    np.testing.assert_array_equal(dx, dx_ref)
+    np.testing.assert_array_equal(dw, dw_ref)
+
+
+def test_formats_parse_and_reject():
+    assert fp8.Formats.parse("fnuz").forward == jnp.float8_e4m3fnuz
+    with pytest.raises(ValueError, match="hybrid"):
+        fp8.Formats.parse("e3m4")
+    with pytest.raises(ValueError, match="FloatFormat"):
+        fp8.Formats(jnp.float16)
+
+
+def test_site_state_round_trips_through_pytrees_and_jit():
+    site = fp8.init(fp8.DelayedScaling(8, "most_recent", margin=1, formats="e4m3"))
+    leaves, treedef = jax.tree_util.tree_flatten(site)
+    back = jax.tree_util.tree_unflatten(treedef, leaves)
+    assert back.kind == site.kind
+    assert jax.jit(lambda s: s)(site).kind == site.kind
+
+
+def test_dot_refuses_what_is_not_an_fp8_site():
+    with pytest.raises(TypeError, match=r"jdls\.fp8\.init"):
+        fp8.dot_general(jnp.ones((2, 2)), jnp.ones((2, 2)), DN, site=None)

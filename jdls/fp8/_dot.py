@@ -22,8 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jdls._site import Site
 from jdls.fp8._recipe import Quantized
-from jdls.fp8._state import DotState, Meter
+from jdls.fp8._state import DotState, Fp8, Meter
 
 __all__ = ["dot_general"]
 
@@ -95,42 +96,54 @@ def _grad_of(
     return jnp.transpose(out, perm)
 
 
-def _dequantize_first(state: DotState) -> bool:
+def _dequantize_first(kind: Fp8) -> bool:
     # An optional recipe attribute: recipes without it multiply float8 values.
-    return bool(getattr(state.recipe, "dequantize_first", False))
+    return bool(getattr(kind.recipe, "dequantize_first", False))
 
 
-def _acc_dtype(state: DotState, out_dtype: Any) -> Any:
-    compute = state.recipe.compute_dtype
+def _acc_dtype(kind: Fp8, out_dtype: Any) -> Any:
+    compute = kind.recipe.compute_dtype
     return out_dtype if compute is None else compute
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
 def _fp8_dot(
-    lhs: jax.Array, rhs: jax.Array, state: DotState, dims: Dims, precision: Any, out_dtype: Any
+    lhs: jax.Array,
+    rhs: jax.Array,
+    state: DotState,
+    kind: Fp8,
+    dims: Dims,
+    precision: Any,
+    out_dtype: Any,
 ) -> jax.Array:
-    return _fp8_dot_fwd(lhs, rhs, state, dims, precision, out_dtype)[0]
+    return _fp8_dot_fwd(lhs, rhs, state, kind, dims, precision, out_dtype)[0]
 
 
 def _fp8_dot_fwd(
-    lhs: jax.Array, rhs: jax.Array, state: DotState, dims: Dims, precision: Any, out_dtype: Any
+    lhs: jax.Array,
+    rhs: jax.Array,
+    state: DotState,
+    kind: Fp8,
+    dims: Dims,
+    precision: Any,
+    out_dtype: Any,
 ) -> tuple[jax.Array, Any]:
-    recipe = state.recipe
+    recipe = kind.recipe
     (lc, rc), _ = dims
     ql, ml = recipe.quantize(lhs, state.lhs, "lhs", lc)
     qr, mr = recipe.quantize(rhs, state.rhs, "rhs", rc)
-    acc = _acc_dtype(state, out_dtype)
-    out = _scaled_dot(ql, qr, dims, acc, precision, _dequantize_first(state)).astype(out_dtype)
+    acc = _acc_dtype(kind, out_dtype)
+    out = _scaled_dot(ql, qr, dims, acc, precision, _dequantize_first(kind)).astype(out_dtype)
     return out, (lhs, rhs, ql, qr, state, ml, mr)
 
 
 def _fp8_dot_bwd(
-    dims: Dims, precision: Any, out_dtype: Any, residuals: Any, g: jax.Array
+    kind: Fp8, dims: Dims, precision: Any, out_dtype: Any, residuals: Any, g: jax.Array
 ) -> tuple[jax.Array, jax.Array, DotState]:
     del precision
     lhs, rhs, ql, qr, state, ml, mr = residuals
-    recipe = state.recipe
-    acc = _acc_dtype(state, out_dtype)
+    recipe = kind.recipe
+    acc = _acc_dtype(kind, out_dtype)
     if recipe.requantize_backward:
         # Block scales follow the contraction: quantize again along the backward dots' axes.
         _, g_axes_l, rhs_axes, _ = _transpose_dims(lhs.ndim, rhs.ndim, dims, True)
@@ -143,12 +156,14 @@ def _fp8_dot_bwd(
     else:
         qg_l, mg = recipe.quantize(g, state.grad, "grad", ())
         qg_r = qg_l
-    first = _dequantize_first(state)
+    first = _dequantize_first(kind)
     grad_lhs = _grad_of(qg_l, qr, lhs.ndim, dims, True, acc, first).astype(lhs.dtype)
     grad_rhs = _grad_of(qg_r, ql, rhs.ndim, dims, False, acc, first).astype(rhs.dtype)
+    meter = Meter(lhs=ml, rhs=mr, grad=mg)
+    if kind.axis_name is not None:
+        meter = jax.tree.map(lambda v: lax.pmax(v, kind.axis_name), meter)
     zeros = jax.tree.map(jnp.zeros_like, state)
-    cotangent = dataclasses.replace(zeros, meter=Meter(lhs=ml, rhs=mr, grad=mg))
-    return grad_lhs, grad_rhs, cotangent
+    return grad_lhs, grad_rhs, dataclasses.replace(zeros, meter=meter)
 
 
 _fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
@@ -166,7 +181,7 @@ def dot_general(
     precision: Any = None,
     preferred_element_type: Any = None,
     *,
-    state: DotState,
+    site: Site,
 ) -> jax.Array:
     """``lax.dot_general`` computed in FP8 with the scales of ``state``.
 
@@ -174,29 +189,37 @@ def dot_general(
     float32 accumulation and dequantized. In the backward pass the output gradient is
     quantized (e5m2 by default) and both operand gradients are FP8 dots. An inf or NaN at
     any quantize point reaches the output or the gradients (it is never clipped to a finite
-    value), so ``jdls.wrap`` skips the step. Differentiate with respect to ``state`` to get
-    the step's measurement, and pass it to :func:`jdls.fp8.update`.
+    value), so ``jdls.wrap`` skips the step. The gradient with respect to ``site`` is the
+    step's measurement: ``jdls.update_sites`` (or a framework's train step) turns it into the
+    next step's scales.
 
     Args:
       lhs, rhs, dimension_numbers, precision, preferred_element_type: as for
         ``jax.lax.dot_general``; ``precision`` applies to the forward dot.
-      state: the dot's :class:`jdls.fp8.DotState` (from :func:`jdls.fp8.init`).
+      site: the dot's FP8 site (from :func:`jdls.fp8.init`), one site (inside a scan over
+        layers, this layer's slice of the stacked sites).
 
     Returns:
       The dot, of dtype ``preferred_element_type`` (default: the operands' result type).
 
     Example:
       >>> import jax.numpy as jnp, jdls
-      >>> state = jdls.fp8.init(jdls.fp8.CurrentScaling())
+      >>> site = jdls.fp8.init(jdls.fp8.CurrentScaling())
       >>> x, w = jnp.array([[1.0, 2.0]]), jnp.array([[3.0], [0.1]])
-      >>> y = jdls.fp8.dot_general(x, w, (((1,), (0,)), ((), ())), state=state)
+      >>> y = jdls.fp8.dot_general(x, w, (((1,), (0,)), ((), ())), site=site)
       >>> round(float(y[0, 0]), 4)  # 0.1 is not an e4m3 value: the exact dot is 3.2
       3.2009
     """
-    if not isinstance(state, DotState):
+    if not (isinstance(site, Site) and isinstance(site.kind, Fp8)):
         raise TypeError(
-            f"state must be a jdls.fp8.DotState (make one with jdls.fp8.init(recipe)), got "
-            f"{type(state).__name__}"
+            f"site must be an FP8 site (make one with jdls.fp8.init(recipe)), got "
+            f"{type(site).__name__}"
+            + (f" of kind {type(site.kind).__name__}" if isinstance(site, Site) else "")
+        )
+    if jnp.ndim(site.value.meter.lhs.amax) != 0:
+        raise ValueError(
+            "dot_general got a stack of FP8 sites: pass one site, e.g. the slice lax.scan "
+            "gives each iteration (scan over the stacked sites with the stacked parameters)"
         )
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     out_dtype = (
@@ -204,4 +227,5 @@ def dot_general(
         if preferred_element_type is None
         else jnp.dtype(preferred_element_type)
     )
-    return _fp8_dot(lhs, rhs, state, _normalize_dims(dimension_numbers), precision, out_dtype)
+    dims = _normalize_dims(dimension_numbers)
+    return _fp8_dot(lhs, rhs, site.value, site.kind, dims, precision, out_dtype)

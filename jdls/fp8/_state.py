@@ -1,11 +1,14 @@
-"""The FP8 state of one dot (a site) and its update from the measurement of a step.
+"""The FP8 state of one dot, held as a jdls site, and its update from a step's measurement.
 
-A :class:`DotState` holds the recipe's state of the three tensors of a dot (``lhs``,
-``rhs``, the output gradient ``grad``) and a ``meter``: zeros whose cotangent, when the loss
-is differentiated with respect to the state, is the :class:`Measurement` of the step. The
-state is plain data: it goes into :func:`jdls.fp8.dot_general` as arrays, and
-:func:`update` turns it and its cotangent into the state of the next step. Nothing is
-overwritten with a gradient; an optimizer, clipping or weight decay never sees it.
+An FP8 dot is a *site* (``jdls/_site.py``): a :class:`jdls.Site` whose kind is
+:class:`Fp8` (the recipe, configuration) and whose value is a :class:`DotState` (arrays):
+the recipe's state of the three tensors of the dot (``lhs``, ``rhs``, the output gradient
+``grad``) and a ``meter``. The dot (:func:`jdls.fp8.dot_general`) returns the step's
+:class:`Meter` as the cotangent of the meter and zeros for the rest, so differentiating the
+loss with respect to the site gives its measurement, and ``jdls.update_sites`` (or a
+framework's train step) computes the next step's state. The meter's own value holds the last
+measurement, for telemetry. Nothing is overwritten with a gradient; an optimizer, clipping or
+weight decay never sees the state.
 """
 
 from __future__ import annotations
@@ -17,9 +20,10 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from jdls._site import Site, SiteKind, is_site
 from jdls.fp8._recipe import ROLES, Measurement, Recipe
 
-__all__ = ["DotState", "Meter", "init", "reduce", "update"]
+__all__ = ["DotState", "Fp8", "Meter", "init", "telemetry"]
 
 
 @struct.dataclass
@@ -41,89 +45,96 @@ class Meter:
 
 @struct.dataclass
 class DotState:
-    """The FP8 state of one dot: its recipe (static), each tensor's state, and the meter.
+    """The arrays of one FP8 dot site.
 
     Attributes:
       lhs, rhs, grad: the recipe's state of the left operand, the right operand and the
         output gradient (``recipe.init(role)``).
-      meter: a :class:`Meter` of zeros; its cotangent is the step's measurement.
-      recipe: the recipe (static configuration, not an array).
+      meter: the last step's :class:`Meter`; its cotangent is the step's measurement.
     """
 
     lhs: Any
     rhs: Any
     grad: Any
     meter: Meter
-    recipe: Recipe = struct.field(pytree_node=False)
 
 
-def init(recipe: Recipe) -> DotState:
-    """The initial FP8 state of one dot under ``recipe``.
+@dataclasses.dataclass(frozen=True)
+class Fp8(SiteKind):
+    """The site kind of an FP8 dot: its recipe and where its amaxes are reduced.
+
+    Args:
+      recipe: the FP8 recipe (e.g. :class:`jdls.fp8.DelayedScaling`).
+      axis_name: a mapped axis (``shard_map``, ``pmap``) over which the backward pass takes the
+        maximum of each measurement, so that every data-parallel replica updates its scales
+        from the global amax. ``None`` under ``jit`` (amaxes of sharded arrays are global).
+    """
+
+    recipe: Recipe
+    axis_name: Any = None
+
+    def init(self) -> DotState:
+        lhs, rhs, grad = (self.recipe.init(role) for role in ROLES)
+        return DotState(lhs=lhs, rhs=rhs, grad=grad, meter=Meter.zeros())
+
+    def backward(self, residuals: Any, g: Any) -> tuple[Any, Any]:
+        raise TypeError("an FP8 site is used by jdls.fp8.dot_general, not jdls.apply_site")
+
+    def update(self, value: DotState, measurement: DotState, finite: jax.Array) -> DotState:
+        """Each tensor's state updated from its measurement; the meter keeps the measurement."""
+        meter = measurement.meter
+        skipped = jnp.logical_not(finite)
+        new = {
+            role: self.recipe.update(getattr(value, role), getattr(meter, role), role, skipped)
+            for role in ROLES
+        }
+        return DotState(**new, meter=meter)
+
+
+def init(recipe: Recipe, axis_name: Any = None) -> Site:
+    """A new FP8 dot site: ``jdls.Site(jdls.fp8.Fp8(recipe, axis_name))``.
 
     Example:
       >>> import jdls
-      >>> state = jdls.fp8.init(jdls.fp8.DelayedScaling(history_length=8))
-      >>> state.lhs.history.shape, float(state.grad.scale)
+      >>> site = jdls.fp8.init(jdls.fp8.DelayedScaling(history_length=8))
+      >>> site.value.lhs.history.shape, float(site.value.grad.scale)
       ((8,), 1.0)
     """
-    lhs, rhs, grad = (recipe.init(role) for role in ROLES)
-    return DotState(lhs=lhs, rhs=rhs, grad=grad, meter=Meter.zeros(), recipe=recipe)
+    return Site(Fp8(recipe, axis_name))
 
 
-def reduce(meter: Meter, axis_name: Any) -> Meter:
-    """A meter reduced over a mapped axis (data parallelism): the maximum of each field.
-
-    Use it inside ``shard_map`` or ``pmap``, where each device measured its own shard.
-    """
-    return jax.tree.map(lambda v: jax.lax.pmax(v, axis_name), meter)
+def _is_fp8(x: Any) -> bool:
+    return is_site(x) and isinstance(x.kind, Fp8)
 
 
-def _is_state(x: Any) -> bool:
-    return isinstance(x, DotState)
+def _path_name(path: Any) -> str:
+    """``"blocks/Dense_0/fp8"`` for a path of dict keys, attributes and indices."""
+    names = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
+    return "/".join(names)
 
 
-def update(states: Any, cotangents: Any, *, skipped: Any = False, axis_name: Any = None) -> Any:
-    """The FP8 states of the next step, from the states and their cotangents.
+def telemetry(tree: Any) -> dict[str, dict[str, dict[str, float]]]:
+    """The last measurement of every FP8 site in ``tree``, by path, on the host.
 
-    ``states`` is any pytree holding :class:`DotState` nodes (one dot, a model's whole FP8
-    collection, layers stacked by a scan); ``cotangents`` is the gradient of the loss with
-    respect to it (same structure), whose meters hold the step's measurements.
-
-    Args:
-      states: the pytree of FP8 states used in the step.
-      cotangents: the gradient with respect to ``states``.
-      skipped: whether the optimizer skipped the step (passed to the recipe).
-      axis_name: reduce each measurement over this mapped axis first (``shard_map`` or
-        ``pmap`` data parallelism); ``None`` under ``jit``, where amaxes are already global.
-
-    Returns:
-      The same pytree with every DotState updated and its meter zeroed.
+    Returns ``{path: {"lhs" | "rhs" | "grad": {"amax", "saturated", "flushed"}}}`` with paths
+    such as ``"params/Dense_0/fp8"``; a stack of sites (a scanned layer) gives lists, one
+    entry per layer.
 
     Example:
-      >>> import jax, jax.numpy as jnp, jdls
-      >>> state = jdls.fp8.init(jdls.fp8.DelayedScaling(history_length=4))
-      >>> x, w = jnp.full((2, 3), 3.5), jnp.ones((3, 1))
-      >>> loss = lambda s: jdls.fp8.dot_general(x, w, (((1,), (0,)), ((), ())), state=s).sum()
-      >>> state = jdls.fp8.update(state, jax.grad(loss)(state))
-      >>> state.lhs.history.tolist(), float(state.lhs.scale)  # 3.5 / 448
-      ([3.5, 0.0, 0.0, 0.0], 0.0078125)
+      >>> import jdls
+      >>> jdls.fp8.telemetry({"dense": jdls.fp8.init(jdls.fp8.CurrentScaling())})["dense"]["grad"]
+      {'amax': 0.0, 'saturated': 0.0, 'flushed': 0.0}
     """
-
-    def one(state: DotState, cotangent: DotState) -> DotState:
-        meter = cotangent.meter
-        if axis_name is not None:
-            meter = reduce(meter, axis_name)
-        recipe = state.recipe
-        new = {
-            role: recipe.update(getattr(state, role), getattr(meter, role), role, skipped)
+    rows: dict[str, dict[str, dict[str, Any]]] = {}
+    for path, site in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_fp8)[0]:
+        if not _is_fp8(site):
+            continue
+        meter = jax.device_get(site.value.meter)
+        rows[_path_name(path)] = {
+            role: {
+                field: getattr(getattr(meter, role), field).tolist()
+                for field in ("amax", "saturated", "flushed")
+            }
             for role in ROLES
         }
-        zeros = jax.tree.map(jnp.zeros_like, state.meter)
-        return dataclasses.replace(state, meter=zeros, **new)
-
-    return jax.tree.map(one, states, cotangents, is_leaf=_is_state)
-
-
-def measurements(cotangents: Any) -> Any:
-    """The meters of a pytree of FP8 state cotangents (for telemetry), as a pytree of Meter."""
-    return jax.tree.map(lambda c: c.meter, cotangents, is_leaf=_is_state)
+    return rows
