@@ -19,6 +19,7 @@ Example:
   (1.0, 2.0)
 """
 
+from jdls.fp8 import linen
 from jdls.fp8._current import CurrentScaling, CurrentState
 from jdls.fp8._delayed import DelayedScaling, DelayedState
 from jdls.fp8._dot import dot_general
@@ -43,6 +44,7 @@ __all__ = [
     "flax_fp8_ops",
     "format_max",
     "init",
+    "linen",
     "scale_from_amax",
     "telemetry",
     "transformer_engine",

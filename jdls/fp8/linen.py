@@ -1,0 +1,115 @@
+"""FP8 dots for Flax linen: a ``dot_general_cls`` for ``nn.Dense`` / ``nn.DenseGeneral`` and an
+FP8 einsum module.
+
+Each FP8 dot keeps its site (scales, amax histories, the last measurement) as the variable
+``"fp8"`` in the collection ``"jdls"``, next to ``"params"``. Under ``nn.scan`` add
+``"jdls": 0`` to ``variable_axes`` (one site per layer, as the parameters); ``nn.remat``
+needs nothing. Differentiate the loss with respect to ``{"params": ..., "jdls": ...}``:
+the gradient's ``"jdls"`` part is the step's measurement, which ``jdls.update_sites`` (or
+``jdls.linen.TrainState``) turns into the next step's scales. Nothing is overwritten with a
+gradient, so no optimizer, clipping or weight decay ever sees the FP8 state.
+
+Example:
+  >>> import functools, jax, jax.numpy as jnp, flax.linen as nn, jdls
+  >>> dot = functools.partial(jdls.fp8.linen.DotGeneral, recipe=jdls.fp8.DelayedScaling(16))
+  >>> model = nn.Dense(4, dot_general_cls=dot)
+  >>> variables = model.init(jax.random.key(0), jnp.ones((2, 8)))
+  >>> sorted(variables), variables["jdls"]["DotGeneral_0"]["fp8"].value.lhs.history.shape
+  (['jdls', 'params'], (16,))
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jdls.fp8._delayed import DelayedScaling
+from jdls.fp8._dot import dot_general
+from jdls.fp8._recipe import Recipe
+from jdls.fp8._state import init
+
+__all__ = ["COLLECTION", "DotGeneral", "Einsum"]
+
+#: The linen collection that holds jdls's sites (FP8 dots among them).
+COLLECTION = "jdls"
+
+
+class DotGeneral(nn.Module):
+    """A ``dot_general`` computed in FP8, with its site in the ``"jdls"`` collection.
+
+    Pass it (or a ``functools.partial`` of it with a recipe) as ``dot_general_cls`` of
+    ``nn.Dense`` or ``nn.DenseGeneral``.
+
+    Attributes:
+      recipe: the FP8 recipe (default: delayed scaling, history 1024, e4m3 / e5m2).
+      axis_name: a mapped axis to take each amax's maximum over (data parallelism under
+        ``shard_map``); ``None`` under ``jit``.
+    """
+
+    recipe: Recipe = DelayedScaling()
+    axis_name: Any = None
+
+    @nn.compact
+    def __call__(
+        self,
+        lhs: jax.Array,
+        rhs: jax.Array,
+        dimension_numbers: Any,
+        precision: Any = None,
+        preferred_element_type: Any = None,
+        **kwargs: Any,
+    ) -> jax.Array:
+        del kwargs  # out_sharding and other keywords of newer callers: the dot keeps its own
+        site = self.variable(COLLECTION, "fp8", init, self.recipe, self.axis_name)
+        return dot_general(
+            lhs, rhs, dimension_numbers, precision, preferred_element_type, site=site.value
+        )
+
+
+class Einsum(nn.Module):
+    """An einsum of two operands computed as one FP8 dot (the kernel is the right operand).
+
+    Called as ``Einsum()(equation, lhs, rhs)``, like Flax's ``Fp8Einsum``.
+
+    Attributes:
+      recipe: the FP8 recipe.
+      axis_name: as for :class:`DotGeneral`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jdls
+      >>> op = jdls.fp8.linen.Einsum(jdls.fp8.CurrentScaling(power_of_two=True))
+      >>> x, w = jnp.ones((2, 3, 4)), jnp.full((4, 5), 0.5)
+      >>> variables = op.init(jax.random.key(0), "btd,df->btf", x, w)
+      >>> op.apply(variables, "btd,df->btf", x, w)[0, 0].tolist()
+      [2.0, 2.0, 2.0, 2.0, 2.0]
+    """
+
+    recipe: Recipe = DelayedScaling()
+    axis_name: Any = None
+
+    @nn.compact
+    def __call__(
+        self,
+        equation: str,
+        lhs: jax.Array,
+        rhs: jax.Array,
+        precision: Any = None,
+        preferred_element_type: Any = None,
+    ) -> jax.Array:
+        site = self.variable(COLLECTION, "fp8", init, self.recipe, self.axis_name)
+
+        def dot(a: Any, b: Any, dims: Any, precision: Any = None, **kwargs: Any) -> jax.Array:
+            pet = kwargs.get("preferred_element_type")
+            return dot_general(a, b, dims, precision, pet, site=site.value)
+
+        return jnp.einsum(
+            equation,
+            lhs,
+            rhs,
+            precision=precision,
+            preferred_element_type=preferred_element_type,
+            _dot_general=dot,
+        )
