@@ -148,12 +148,13 @@ def test_scanned_rematerialised_stack_has_one_site_per_layer():
     assert site.value.lhs.history.shape == (3, LENGTH)
     # the unrolled model with the same parameters, layer by layer
     kernels = sv["params"]["blocks"]["Dense_0"]
+
+    def layer(tree, i):
+        return jax.tree.map(lambda a: a[i], tree)
+
     uv = {
-        "params": {f"b{i}": {"Dense_0": jax.tree.map(lambda a: a[i], kernels)} for i in range(3)},
-        "jdls": {
-            f"b{i}": {"Dense_0": {"DotGeneral_0": {"fp8": jax.tree.map(lambda a: a[i], site)}}}
-            for i in range(3)
-        },
+        "params": {f"b{i}": {"Dense_0": layer(kernels, i)} for i in range(3)},
+        "jdls": {f"b{i}": {"Dense_0": {"DotGeneral_0": {"fp8": layer(site, i)}}} for i in range(3)},
     }
 
     def step(model, v, h):
@@ -161,8 +162,8 @@ def test_scanned_rematerialised_stack_has_one_site_per_layer():
         return loss, grads, jdls.update_sites(v["jdls"], grads["jdls"])
 
     for _ in range(3):
-        l0, g0, sites0 = jax.jit(functools.partial(step, stack))(sv, h)
-        l1, g1, sites1 = jax.jit(functools.partial(step, unrolled))(uv, h)
+        l0, _, sites0 = jax.jit(functools.partial(step, stack))(sv, h)
+        l1, _, sites1 = jax.jit(functools.partial(step, unrolled))(uv, h)
         np.testing.assert_allclose(l0, l1, rtol=1e-6)
         s0 = sites0["blocks"]["Dense_0"]["DotGeneral_0"]["fp8"].value
         for i in range(3):
@@ -187,7 +188,7 @@ def test_fp8_state_is_never_clipped_decayed_or_optimized():
     )
     opt_state = tx.init(variables["params"])
     grads = jax.grad(lambda v: _mse(model.apply(v, x), t))(variables)
-    updates, opt_state = tx.update(grads["params"], opt_state, variables["params"])
+    _, opt_state = tx.update(grads["params"], opt_state, variables["params"])
     sites = jdls.update_sites(variables["jdls"], grads["jdls"], jdls.stats(opt_state).finite)
     site = sites["Dense_0"]["DotGeneral_0"]["fp8"].value
     assert float(site.lhs.history[0]) == float(jnp.max(jnp.abs(x)))
