@@ -58,7 +58,7 @@ class Linear(eqx.Module):
         out_features: int,
         use_bias: bool = True,
         *,
-        recipe: Recipe = DelayedScaling(),
+        recipe: Recipe | None = None,
         axis_name: Any = None,
         key: jax.Array,
     ) -> None:
@@ -68,7 +68,7 @@ class Linear(eqx.Module):
         self.bias = (
             jax.random.uniform(bkey, (out_features,), minval=-lim, maxval=lim) if use_bias else None
         )
-        self.site = init(recipe, axis_name)
+        self.site = init(DelayedScaling() if recipe is None else recipe, axis_name)
         self.in_features, self.out_features = in_features, out_features
 
     def __call__(self, x: jax.Array) -> jax.Array:
