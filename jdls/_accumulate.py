@@ -5,10 +5,12 @@ loss and gradients are computed at the current scale and checked; with ``retries
 micro-batch whose gradients overflow while its loss is finite is recomputed at lower scales,
 as ``jdls.retrying`` does for a whole step (``jdls/_retry.py``). A micro-batch that
 is still not finite is **dropped**: it never enters the sum, and the divisor is the number of
-micro-batches kept. Every failed attempt is one overflow for the scale's rule, so the scale
-backs off within the step, exactly as feeding the micro-batches one by one to
-``jdls.wrap(optax.MultiSteps(...))`` would. When more than ``max_dropped`` micro-batches were
-dropped, the returned gradients are NaN, so that ``jdls.wrap`` skips the step.
+micro-batches kept. Every failed attempt counts for the scale's rule as the overflows that
+lower the scale (``scale.back_off()``: one, or with hysteresis also those it would forgive),
+and a dropped micro-batch as one overflow, so the scale backs off within the step as feeding
+the micro-batches one by one to ``jdls.wrap(optax.MultiSteps(...))`` would. When more than
+``max_dropped`` micro-batches were dropped, the returned gradients are NaN, so that
+``jdls.wrap`` skips the step.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ class AccumulateInfo(NamedTuple):
       skip: bool, whether more than ``max_dropped`` micro-batches were dropped (the
         gradients returned are then NaN, so that ``jdls.wrap`` skips the step).
       kept_mask: bool[micro-batches], which micro-batches were kept.
-      scale: the loss scale after the micro-batches: backed off once per failed attempt.
+      scale: the loss scale after the micro-batches: backed off once per failed attempt
+        (``back_off()``) and once per dropped micro-batch (``adjust(False)``).
         Put it back with ``jdls.set_scale(opt_state, info.scale)`` before ``tx.update``.
     """
 
@@ -67,8 +70,8 @@ def accumulate(
 
     * finite gradients (and loss) are added to the sum;
     * gradients that overflow while the loss is finite are recomputed at the rule's backed-off
-      scale, up to ``retries`` times (each failed attempt is one overflow for the rule, and
-      the lower scale carries on to the next micro-batches);
+      scale (``scale.back_off()``: lower every time, with hysteresis too), up to ``retries``
+      times (the lower scale carries on to the next micro-batches);
     * a micro-batch still not finite (or whose loss is not finite: bad data is never retried)
       is dropped: it never poisons the sum, and it backs the scale off once.
 

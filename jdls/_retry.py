@@ -3,8 +3,9 @@ skipped step.
 
 When a micro-batch's gradients are not finite but its loss is (the scaled backward
 overflowed), :func:`retry` recomputes them at the scale the rule backs off to, up to ``N``
-times, in a ``lax.while_loop``: each failed attempt is one overflowing step for the rule
-(``scale.adjust(False)``). A whole train step is retried by :func:`jdls.retrying`
+times, in a ``lax.while_loop``: each failed attempt counts for the rule as the overflows that
+lower the scale (``scale.back_off()``: one, or with hysteresis the ones it would forgive
+too). A whole train step is retried by :func:`jdls.retrying`
 (``jdls/_retrying.py``).
 """
 
@@ -12,14 +13,14 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from jdls._norm import FloatLeaves, GlobalNorm, sharded_flags
-from jdls._scale import LossScale
+from jdls._scale import DynamicScale, LossScale
 
 __all__ = [
     "Attempt",
@@ -83,7 +84,8 @@ def retry(
         return ~a.finite & a.loss_finite & (a.tries < max_tries)
 
     def attempt(a: Attempt) -> Attempt:
-        lower = a.scale.adjust(False)  # this attempt's overflow, as the rule counts it
+        # this attempt's overflow, as the rule counts it, and those it would forgive
+        lower = cast(DynamicScale, a.scale).back_off()
         loss, grads = recompute(lower)
         leaves = jax.tree_util.tree_leaves(grads)
         leaves = [

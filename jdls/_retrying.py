@@ -6,7 +6,7 @@ optimizer, the step taken directly at the backed-off scale with the same batch::
     scale = jdls.get_scale(opt_state)
     loss, grads = differentiate(scale)                       # per device, then averaged
     while grads overflow and the loss is finite and tries < retries:
-        scale = scale.adjust(False)                          # one overflow, as the rule counts it
+        scale = scale.back_off()                             # a lower scale, as the rule backs off
         loss, grads = differentiate(scale)                   # the same batch
     opt_state = the state with the settled scale
     updates, opt_state = tx.update(grads, opt_state, params, value=loss)  # once, after the loop
@@ -59,9 +59,10 @@ def retrying(
     1. differentiates ``loss_fn(params, *batch)`` at the scale of the one :func:`jdls.wrap`
        in ``tx`` (``jdls.get_scale(opt_state)``);
     2. while the gradients are not finite, the loss is finite and fewer than ``retries``
-       attempts were made, backs the scale off as the rule does on an overflow
-       (``scale.adjust(False)``) and differentiates the same batch again, inside the compiled
-       step (``lax.while_loop``; a finite step takes one iteration, its first attempt);
+       attempts were made, backs the scale off as the rule does (``scale.back_off()``: one
+       overflow, or with hysteresis as many as lower the scale) and differentiates the same
+       batch again, inside the compiled step (``lax.while_loop``; a finite step takes one
+       iteration, its first attempt);
     3. runs ``tx.update(grads, opt_state, params, value=loss)`` once, with the scale set to
        the one the loop settled on, and applies the updates.
 
@@ -166,9 +167,10 @@ def retrying(
 
             def attempt(carry: tuple[Any, ...]) -> tuple[Any, ...]:
                 s, _, _, _, _, n = carry
-                # After the first attempt, each one is one overflow for the rule.
+                # After the first attempt, each one at the scale the rule backs off to (with
+                # hysteresis, after the overflows it would forgive: a lower scale every time).
                 s = jax.tree_util.tree_map(
-                    lambda now, lower: jnp.where(n == 0, now, lower), s, s.adjust(False)
+                    lambda now, lower: jnp.where(n == 0, now, lower), s, s.back_off()
                 )
                 out, grads = differentiate(s)
                 loss_finite = agree(all_finite(out[0] if has_aux else out))

@@ -228,6 +228,26 @@ class DynamicScale(LossScale):
             loss_scale, state = self.rule.observe(self.loss_scale, self.state, finite, amax)
         return self.replace(loss_scale=loss_scale, state=state)
 
+    def back_off(self) -> DynamicScale:
+        """The scale the rule backs off to: after as many overflows as it takes to lower it.
+
+        What :func:`jdls.retrying` and :func:`jdls.accumulate` recompute at. Without
+        hysteresis it is ``adjust(False)``; a rule that forgives overflows (``hysteresis``,
+        DeepSpeed's ``delayed_shift``, Cerebras' ``overflow_tolerance``) counts the ones it
+        would forgive at once, so the scale is lower (unless it is at its minimum): the scale
+        and counters of that many non-finite steps in a row.
+
+        Example:
+          >>> import jdls
+          >>> scale = jdls.presets.megatron(initial_scale=64.0)   # hysteresis 2
+          >>> float(scale.adjust(False).loss_scale), float(scale.back_off().loss_scale)
+          (64.0, 32.0)
+          >>> scale.back_off() == scale.adjust(False).adjust(False)
+          True
+        """
+        loss_scale, state = self.rule.back_off(self.loss_scale, self.state)
+        return self.replace(loss_scale=loss_scale, state=state)
+
     def check(self) -> DynamicScale:
         """Raise on the host the error the rule recorded, if any (reads the device).
 

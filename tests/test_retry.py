@@ -59,9 +59,10 @@ def without_retry_stats(state):
 
 
 def backed_off(state, times=1):
+    """The scale a retry recomputes at, ``times`` retries down."""
     scale = jdls.get_scale(state)
     for _ in range(times):
-        scale = scale.adjust(False)
+        scale = scale.back_off()
     return scale
 
 
@@ -183,6 +184,50 @@ def test_two_retries_equal_the_direct_step_two_backoffs_down(jit):
     )
     assert_retried_equals_direct(got, ref, retries=2)
     assert float(jdls.get_scale(got[1]).loss_scale) == 2.0**13
+
+
+#: The presets whose rule forgives overflows, at 2**15 (float16).
+FORGIVING = {
+    "deepspeed": lambda: jdls.presets.deepspeed(init_scale=HIGH),  # delayed_shift 2
+    "deepspeed_consecutive": lambda: jdls.presets.deepspeed(
+        init_scale=HIGH, delayed_shift=3, consecutive_hysteresis=True
+    ),
+    "megatron": lambda: jdls.presets.megatron(initial_scale=HIGH),  # hysteresis 2
+    "cerebras_tolerance": lambda: jdls.presets.cerebras(init_scale=HIGH, overflow_tolerance=0.5),
+}
+
+
+@pytest.mark.parametrize("preset", list(FORGIVING))
+@with_and_without_jit
+def test_every_retry_lowers_the_scale_with_hysteresis(preset, jit):
+    """A rule with hysteresis (or a tolerance) forgives the first overflows; a retry must not:
+    each recomputes at a lower scale, so a batch finite at half the scale is kept with one
+    retry, and one finite at a quarter with two, through the wrap and through accumulate."""
+    params = {"w": jnp.ones(3)}
+    for retries, c, settled in (
+        (1, OVERFLOWING, 2.0**14),
+        (2, jnp.array([5.0, 1.0, 0.5]), 2.0**13),
+    ):
+        tx = jdls.wrap(optax.sgd(0.1), FORGIVING[preset]())
+        state = tx.init(params)
+        got = maybe_jit(jdls.retrying(loss_fn, tx, retries=retries), jit)(params, state, c)[:2]
+        assert not bool(jdls.stats(got[1]).skipped) and int(jdls.stats(got[1]).retries) == retries
+        ref = maybe_jit(lambda p, s, sc, c=c, tx=tx: direct_step(tx, loss_fn, p, s, sc, c), jit)(
+            params, state, backed_off(state, retries)
+        )
+        assert_retried_equals_direct(got, ref, retries=retries)
+        assert float(jdls.get_scale(got[1]).loss_scale) == settled
+
+        # accumulate: the second micro-batch is retried, none is dropped
+        micro = jnp.stack([jnp.ones(3), c, jnp.ones(3), jnp.ones(3)])  # a mean exact in float32
+        scale = FORGIVING[preset]()
+        _, grads, info = maybe_jit(
+            lambda p, xs, s, retries=retries: jdls.accumulate(loss_fn, s, p, xs, retries=retries),
+            jit,
+        )(params, micro, scale)
+        assert (int(info.kept), int(info.dropped), int(info.retries)) == (4, 0, retries)
+        assert float(info.scale.loss_scale) == settled
+        np.testing.assert_array_equal(grads["w"], jnp.mean(micro, axis=0))
 
 
 @with_and_without_jit

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _helpers import F32_MAX, maybe_jit, with_and_without_jit
+from _helpers import F32_MAX, assert_bitwise_equal, maybe_jit, with_and_without_jit
 
 import jdls
 
@@ -181,6 +181,49 @@ def test_hysteresis(jit):
         (32.0, 2),
         (32.0, 1),
     ]
+
+
+def back_off_cases():
+    """Scales whose rule forgives overflows, in states with some hysteresis (or overflows)
+    used, and ones that forgive none."""
+    megatron = jdls.presets.megatron(initial_scale=64.0, hysteresis=3, growth_interval=4)
+    deepspeed = jdls.presets.deepspeed(init_scale=64.0, delayed_shift=4, scale_window=4)
+    cerebras = jdls.presets.cerebras(init_scale=64.0, overflow_tolerance=0.4)
+    return {
+        "megatron": megatron,
+        "megatron_one_used": megatron.adjust(False),
+        "deepspeed": deepspeed,
+        "deepspeed_at_min": jdls.presets.deepspeed(init_scale=1.0, delayed_shift=2),
+        "deepspeed_consecutive": jdls.presets.deepspeed(
+            init_scale=64.0, delayed_shift=3, consecutive_hysteresis=True
+        ),
+        "cerebras_after_finite_steps": cerebras.adjust(True).adjust(True).adjust(True),
+        "cerebras_tolerance_1": jdls.presets.cerebras(init_scale=64.0, overflow_tolerance=1.0),
+        "dynamic": jdls.DynamicScale(64.0),
+        "adaptive": jdls.AdaptiveScale(64.0),
+    }
+
+
+@pytest.mark.parametrize("name", list(back_off_cases()))
+@with_and_without_jit
+def test_back_off_counts_the_overflows_that_lower_the_scale(name, jit):
+    """``back_off()`` is ``adjust(False)`` repeated until the rule backs off (the scale is
+    lower, or clamped at the minimum: there DeepSpeed's error counts it), or once where no
+    number of overflows backs off: the scale and every counter."""
+    scale = back_off_cases()[name]
+    if name == "deepspeed_at_min":  # delayed_shift 2: the second overflow backs off (clamped)
+        want = scale.adjust(False).adjust(False)
+        assert int(want.state.min_scale_overflows) == 1
+    elif name == "cerebras_tolerance_1":  # no fraction of overflows exceeds 1
+        want = scale.adjust(False)
+    else:
+        want = scale.adjust(False)
+        while float(want.loss_scale) == float(scale.loss_scale):
+            want = want.adjust(False)
+    got = maybe_jit(lambda s: s.back_off(), jit)(scale)
+    assert_bitwise_equal(got, want)
+    lowered = float(got.loss_scale) < float(scale.loss_scale)
+    assert lowered == (name not in ("deepspeed_at_min", "cerebras_tolerance_1"))
 
 
 @with_and_without_jit

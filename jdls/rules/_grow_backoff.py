@@ -180,6 +180,15 @@ class GrowBackoff(Rule):
             counter.astype(_I32), hysteresis.astype(_I32), at_min
         )
 
+    def back_off(
+        self, loss_scale: jax.Array, state: GrowBackoffState
+    ) -> tuple[jax.Array, GrowBackoffState]:
+        """:meth:`adjust` on an overflow with the hysteresis left used up: the overflows it
+        would forgive are counted at once, so the scale backs off now (the same scale and
+        counters as that many non-finite steps in a row)."""
+        used_up = state._replace(hysteresis=jnp.ones_like(state.hysteresis))
+        return self.adjust(loss_scale, used_up, jnp.zeros((), jnp.bool_))
+
     def check(self, loss_scale: jax.Array, state: GrowBackoffState) -> None:
         """Raise :class:`MinimumScaleError` if an overflow wanted a backoff at the minimum."""
         del loss_scale

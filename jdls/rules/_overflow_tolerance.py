@@ -120,3 +120,14 @@ class OverflowTolerance(Rule):
         return new_scale.astype(_F32), OverflowToleranceState(
             jnp.where(changed, _I32(0), counted), jnp.where(changed, _I32(0), overflows)
         )
+
+    def back_off(
+        self, loss_scale: jax.Array, state: OverflowToleranceState
+    ) -> tuple[jax.Array, OverflowToleranceState]:
+        """:meth:`adjust` on an overflow after as many overflows as push the fraction above
+        ``tolerance`` (the counters restart at the backoff, so their number does not matter);
+        with ``tolerance >= 1`` no number does: one overflow."""
+        if self.tolerance >= 1:
+            return self.adjust(loss_scale, state, jnp.zeros((), jnp.bool_))
+        every = state._replace(overflows=state.counter)  # every step since the change overflowed
+        return self.adjust(loss_scale, every, jnp.zeros((), jnp.bool_))

@@ -12,6 +12,7 @@ import math
 from typing import Any, ClassVar
 
 import jax
+import jax.numpy as jnp
 
 from jdls._checks import check_int, check_positive_finite
 
@@ -56,6 +57,14 @@ class Rule:
     def adjust(self, loss_scale: jax.Array, state: Any, finite: jax.Array) -> tuple[jax.Array, Any]:
         """The next loss scale and counters after a step whose gradients were ``finite``."""
         raise NotImplementedError
+
+    def back_off(self, loss_scale: jax.Array, state: Any) -> tuple[jax.Array, Any]:
+        """The scale and counters after as many overflows as it takes the rule to back off
+        (the scale a retry recomputes at): one overflow by default, :meth:`adjust` with
+        ``finite`` False. A rule that forgives overflows (hysteresis, a tolerance)
+        counts the ones it forgives at once, so that a retry never recomputes at the same
+        scale (unless the scale is at its minimum)."""
+        return self.adjust(loss_scale, state, jnp.zeros((), jnp.bool_))
 
     def observe(
         self, loss_scale: jax.Array, state: Any, finite: jax.Array, grad_amax: jax.Array
