@@ -50,6 +50,7 @@ F16, F32 = jnp.float16, jnp.float32
 STEPS, SEEDS, BATCH, HIDDEN = 400, 3, 128, 64
 PROBE_EVERY = 20
 SPIKE_EVERY, SPIKE_FACTOR = 50, 1e4
+CLIP_NORM, CLIP_VALUE = 2.0**-10, 2.0**-16
 # Adam's epsilon, far below every gradient here: float32 training then does not depend on the
 # loss weight, and what differs between the rules is only the 16-bit arithmetic.
 ADAM_EPS = 1e-20
@@ -191,6 +192,10 @@ class Task:
     b2: float = 0.999  # Adam's second-moment decay
     steps: int = STEPS
     kind: str = "discriminative"  # or "no regression"
+    #: a clipping transformation in front of the wrap: "" (none), "jdls.clip" or "optax.clip"
+    #: (global norm ``CLIP_NORM``), "jdls.clip value" (``CLIP_VALUE`` per element)
+    front: str = ""
+    loss_dtype: str = "float32"  # "float16": the loss value itself is float16
 
     @property
     def lower(self) -> bool:
@@ -199,6 +204,14 @@ class Task:
 
 def _spikes(step: jax.Array) -> jax.Array:
     return jnp.where(step % SPIKE_EVERY == SPIKE_EVERY // 2, F32(SPIKE_FACTOR), F32(1.0))
+
+
+def _zero_then_one(step: jax.Array) -> jax.Array:
+    return jnp.where(step < 100, F32(0.0), F32(1.0))
+
+
+def _frozen(step: jax.Array) -> jax.Array:
+    return jnp.where((step >= 100) & (step < 200), F32(0.0), F32(2.0**-8))
 
 
 def _burst(step: jax.Array) -> jax.Array:
@@ -281,6 +294,51 @@ TASKS: tuple[Task, ...] = (
         weight=_burst,
     ),
     Task(
+        "zero start",
+        "loss weight 0 for the first 100 steps (an auxiliary loss warmed up from 0, a frozen "
+        "phase at the start), then 1: the gradients are all zero, which a measuring rule "
+        "cannot tell from gradients that all flushed",
+        "test accuracy",
+        weight=_zero_then_one,
+    ),
+    Task(
+        "zero phase",
+        "loss weight 2**-8, 0 for steps 100-199, then 2**-8 again: all-zero gradients in the "
+        "middle of training, after the rule has measured",
+        "test accuracy",
+        weight=_frozen,
+    ),
+    Task(
+        "clip in front",
+        "optax.chain(jdls.clip(2**-10), jdls.wrap(...)): the wrap receives gradients clipped "
+        "by about 2**11, which would put a measuring rule 11 binades too high for the next "
+        "backward pass, computed before clipping",
+        "test accuracy",
+        front="jdls.clip",
+    ),
+    Task(
+        "value clip in front",
+        "optax.chain(jdls.clip(max_value=2**-16), jdls.wrap(...)): each element clipped to "
+        "2**-16, so the largest gradient the wrap receives understates the backward pass's",
+        "test accuracy",
+        front="jdls.clip value",
+    ),
+    Task(
+        "optax clip in front",
+        "optax.chain(optax.clip_by_global_norm(2**-10), jdls.wrap(...)): as clip in front, "
+        "through a transformation that hands nothing to the wrap",
+        "test accuracy",
+        front="optax.clip",
+    ),
+    Task(
+        "float16 loss",
+        "the loss value itself in float16, weighted 2**-8: the gradients call for a scale "
+        "above 65504, where the float16 seed of the backward pass would be inf",
+        "test accuracy",
+        weight=lambda step: F32(2.0**-8),
+        loss_dtype="float16",
+    ),
+    Task(
         "mlp",
         "the demo's digits MLP, loss weight 5e-6: every rule already fits",
         "test accuracy",
@@ -323,8 +381,18 @@ def tasks(quick: bool = False) -> list[Task]:
 # --------------------------------------------------------------------------------------------
 
 
-def _family(task: Task) -> tuple[str, str]:
-    return task.model, task.fmt
+def _family(task: Task) -> tuple[str, str, str, str]:
+    return task.model, task.fmt, task.front, task.loss_dtype
+
+
+def _front(front: str) -> optax.GradientTransformation | None:
+    """The clipping transformation a task puts in front of the wrap (None: none)."""
+    return {
+        "": lambda: None,
+        "jdls.clip": lambda: jdls.clip(CLIP_NORM),
+        "jdls.clip value": lambda: jdls.clip(max_value=CLIP_VALUE),
+        "optax.clip": lambda: optax.clip_by_global_norm(CLIP_NORM),
+    }[front]()
 
 
 def _task_data(task: Task, steps: int) -> dict[str, jax.Array]:
@@ -339,15 +407,18 @@ def _task_data(task: Task, steps: int) -> dict[str, jax.Array]:
     }
 
 
-def _loss(apply: Callable[..., Any], fmt: str) -> Callable[..., jax.Array]:
+def _loss(
+    apply: Callable[..., Any], fmt: str, loss_dtype: str = "float32"
+) -> Callable[..., jax.Array]:
     cast = caster(fmt)
+    dtype = jnp.dtype(loss_dtype)
 
     def loss(params: Any, x: jax.Array, y: jax.Array, data: Any, step: jax.Array) -> jax.Array:
-        out = apply(params, x, cast)
+        out = apply(params, x, cast).astype(dtype)
         ce = optax.softmax_cross_entropy_with_integer_labels(out[:, :10], y).mean()
         parity = optax.softmax_cross_entropy_with_integer_labels(out[:, 10:], y % 2).mean()
-        total = data["reduction"] * ce + data["parity"] * parity
-        return data["weights"][step] * total
+        total = data["reduction"].astype(dtype) * ce + data["parity"].astype(dtype) * parity
+        return data["weights"][step].astype(dtype) * total
 
     return loss
 
@@ -357,14 +428,18 @@ def make_run(
 ) -> Callable[[], dict[str, Any]]:
     """The jitted run of one rule on a family of tasks, tasks x seeds vmapped."""
     xtr, xte, ytr, yte = (jnp.asarray(a) for a in digits())
-    model, task_fmt = _family(family[0])
+    model, task_fmt, front, loss_dtype = _family(family[0])
     steps = family[0].steps
     init, apply = (init_cnn, cnn) if model == "cnn" else (init_mlp, mlp)
-    loss, ref_loss = _loss(apply, fmt), _loss(apply, "float32")
+    loss = _loss(apply, fmt, "float32" if fmt == "float32" else loss_dtype)
+    ref_loss = _loss(apply, "float32")
 
     def one(seed: jax.Array, data: dict[str, jax.Array]) -> dict[str, Any]:
         adam = optax.adam(optax.cosine_decay_schedule(1.0, steps), b2=data["b2"], eps=ADAM_EPS)
         tx = jdls.wrap(adam, make_scale(task_fmt))
+        clip = _front(front)
+        if clip is not None:
+            tx = optax.chain(clip, tx)
         key = jax.random.key(seed)
         params = init(jax.random.fold_in(key, 0), 12)
         opt_state = tx.init(params)

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import optax
 
 from jdls._checks import check_limit
+from jdls._handoff import remember
 from jdls._norm import AxisName, check_sharded, clip_by_norm, flatten_floats, tree_norm
 
 __all__ = ["clip"]
@@ -30,7 +31,7 @@ def clip(
     Put it in front of :func:`jdls.wrap`: ``optax.chain(jdls.clip(1.0), jdls.wrap(adam))``.
     On finite gradients ``jdls.clip(max_norm=c)`` gives exactly what
     ``optax.clip_by_global_norm(c)`` gives (same reduction, same formula: ``g * c / norm``
-    when ``norm >= c``), with three differences:
+    when ``norm >= c``), with four differences:
 
     * **non-finite gradients pass through untouched** (optax turns them into NaN and zeros,
       and per-value clipping would turn inf into a finite ``max_value``), so the wrap behind
@@ -39,7 +40,10 @@ def clip(
       is still clipped to norm ``max_norm``; optax's norm is inf there and every update
       silently becomes zero. The overflow is detected from the sum of squares and handled by
       a second pass over the gradients scaled by ``2**-96``;
-    * 16-bit leaves are squared and clipped in float32, then cast back.
+    * 16-bit leaves are squared and clipped in float32, then cast back;
+    * a :func:`jdls.wrap` right behind it sees what it received: the wrap's rule sets the
+      scale, and ``Stats.grad_norm`` reports the norm, from the gradients before clipping, so
+      the chain takes the decisions of ``jdls.wrap(inner, max_norm=c)`` (docs/optax.md).
 
     Exactly one of ``max_norm`` and ``max_value`` must be given, as in Cerebras'
     ``optimizer_step``; a ``jdls.clip()`` with neither would do nothing, so it is an error
@@ -96,12 +100,15 @@ def clip(
     def update_fn(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
         del params
         tree = flatten_floats(updates)
+        # Measured before clipping, for a jdls.wrap right behind (jdls/_handoff.py): its rule
+        # and Stats.grad_norm then see what the backward pass computed.
+        n = tree_norm(tree, axis_name=axis_name, sharded=sharded, largest=True)
         if max_value is not None:
-            return tree.with_floats(
-                [_clip_value(g, max_value) for g in tree.floats]
-            ).unflatten(), state
-        n = tree_norm(tree, axis_name=axis_name, sharded=sharded)
-        return clip_by_norm(tree, n, max_norm).unflatten(), state
+            out = tree.with_floats([_clip_value(g, max_value) for g in tree.floats])
+        else:
+            out = clip_by_norm(tree, n, max_norm)
+        remember(out.floats, n, axis_name)
+        return out.unflatten(), state
 
     return optax.GradientTransformation(optax.init_empty_state, update_fn)
 

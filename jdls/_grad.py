@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import copy
+import inspect
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import jax
+import jax.numpy as jnp
 
 if TYPE_CHECKING:
     from jdls._scale import LossScale
 
-__all__ = ["reject_axis_name", "scaled_value_and_grad"]
+__all__ = ["reject_axis_name", "scaled_value_and_grad", "seed_scale", "with_loss_scale"]
 
 
 def reject_axis_name(axis_name: Any) -> None:
@@ -37,7 +41,7 @@ def scaled_value_and_grad(
     ``has_aux=True``): ``jax.value_and_grad`` here, ``nnx.value_and_grad`` for NNX.
     """
 
-    def scaled(*args: Any, **kwargs: Any) -> tuple[Any, tuple[Any, Any]]:
+    def scaled(*args: Any, **kwargs: Any) -> tuple[Any, tuple[Any, Any, Any]]:
         out = fun(*args, **kwargs)
         if has_aux:
             if not (isinstance(out, tuple) and len(out) == 2):
@@ -52,13 +56,36 @@ def scaled_value_and_grad(
             loss, aux = out
         else:
             loss, aux = out, None
-        return scale.scale(loss), (loss, aux)
+        seed = seed_scale(scale.loss_scale, loss)
+        seeded = scale if seed is None else with_loss_scale(scale, seed)
+        return seeded.scale(loss), (loss, aux, seed)
 
     grad_fn = differentiate(scaled)
 
     def value_and_grad_fn(*args: Any, **kwargs: Any) -> Any:
-        (_, (loss, aux)), grads = grad_fn(*args, **kwargs)
-        grads = scale.unscale(grads)
+        (_, (loss, aux, seed)), grads = grad_fn(*args, **kwargs)
+        grads = (scale if seed is None else with_loss_scale(scale, seed)).unscale(grads)
         return ((loss, aux), grads) if has_aux else (loss, grads)
 
     return value_and_grad_fn
+
+
+def seed_scale(loss_scale: jax.Array, loss: Any) -> jax.Array | None:
+    """The scale a 16-bit (or narrower) floating-point loss is multiplied by: ``loss_scale``,
+    at most the largest power of two of the loss's format (``2**15`` for float16), so that
+    the cotangent that seeds the backward pass is finite; None for a wider loss (scaled by
+    ``loss_scale`` itself)."""
+    dtype = getattr(loss, "dtype", None)
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating) or jnp.finfo(dtype).bits >= 32:
+        return None
+    _, exponent = math.frexp(float(jnp.finfo(dtype).max))
+    return jnp.minimum(loss_scale, jnp.float32(2.0 ** (exponent - 1)))
+
+
+def with_loss_scale(scale: LossScale, loss_scale: jax.Array) -> LossScale:
+    """``scale`` with another ``loss_scale`` (scaling and unscaling read only that field)."""
+    if isinstance(inspect.getattr_static(type(scale), "loss_scale", None), property):
+        return scale  # a scale fixed by its kind (NoOpScale: 1)
+    out = copy.copy(scale)
+    object.__setattr__(out, "loss_scale", loss_scale)
+    return out

@@ -27,6 +27,7 @@ from jax import lax
 
 from jdls._checks import all_finite, check_int, check_limit
 from jdls._filter import non_array_hint
+from jdls._handoff import recall
 from jdls._norm import (
     AxisName,
     FloatLeaves,
@@ -228,6 +229,15 @@ def wrap(
             return n, (n.finite & ~n.robust if skip_norm_overflow else n.finite)
 
         n, finite = measure(tree)
+        # A jdls.clip right in front hands over what it measured before clipping: the rule
+        # and the statistics see the gradients of the backward pass (jdls/_handoff.py).
+        clipped = n
+        handed = recall(tree.floats, axis_name)
+        if handed is not None:
+            n = n._replace(
+                norm=handed.norm, robust=handed.robust, amax=handed.amax if observes else None
+            )
+            finite = n.finite & ~n.robust if skip_norm_overflow else n.finite
         loss_finite = jnp.array(True)
         if "value" in extra_args:
             loss_finite = _finite_value(extra_args["value"], axis_name)
@@ -242,7 +252,7 @@ def wrap(
             apply = apply_branch(tree.treedef, tree.float_idx, static)
         except TypeError:  # an unhashable static argument: build the branch uncached
             apply = apply_branch.__wrapped__(tree.treedef, tree.float_idx, static)
-        operands = (tree.leaves, state.inner_state, params, n, dynamic)
+        operands = (tree.leaves, state.inner_state, params, clipped, dynamic)
         if skip_with == "cond":
             new_updates, inner_state = lax.cond(finite, *cond_branches(apply), operands)
         else:

@@ -176,10 +176,28 @@ def test_scales_are_powers_of_two_and_hit_the_margin():
         assert amax * new <= F16_MAX * 2.0**-6 < 2 * amax * new
 
 
-def test_all_flushed_to_zero_jumps_by_the_whole_range():
-    # float16: nothing measured at scale 1 means amax < 2**-25: the jump keeps 2**-25 safe.
-    new = float(jdls.AdaptiveScale(1.0).adjust(True, 0.0).loss_scale)
-    assert new == 2.0 ** math.floor(LOG2_F16_MAX - 6 + 25)
+@with_and_without_jit
+def test_all_zero_steps_rise_to_the_classic_start_before_a_measurement_then_hold(jit):
+    # All zero: exactly zero gradients or all flushed, nothing measured either way.
+    adjust = maybe_jit(lambda s, a: s.adjust(True, a), jit)
+    assert float(adjust(jdls.AdaptiveScale(1.0), 0.0).loss_scale) == 2.0**15
+    assert float(adjust(jdls.AdaptiveScale(2.0**-40), 0.0).loss_scale) == 2.0**15
+    assert float(adjust(jdls.AdaptiveScale(2.0**20), 0.0).loss_scale) == 2.0**20  # not lowered
+    fp8 = jdls.AdaptiveScale(1.0, "float8_e4m3fn")  # max 448: its largest power of two
+    assert float(adjust(fp8, 0.0).loss_scale) == 2.0**8
+    measured = adjust(jdls.AdaptiveScale(1.0), 2.0**-3)
+    assert float(measured.loss_scale) == 2.0**12 and int(measured.state.measured) == 1
+    held = measured
+    for _ in range(5):  # after a measurement: held
+        held = adjust(held, 0.0)
+        assert float(held.loss_scale) == 2.0**12
+    # ... and doubled every growth_interval finite steps, as the classic rule.
+    scale = jdls.AdaptiveScale(1.0, growth_interval=3)
+    used = []
+    for _ in range(7):
+        scale = adjust(scale, 0.0)
+        used.append(math.log2(float(scale.loss_scale)))
+    assert used == [15, 15, 16, 16, 16, 17, 17]
 
 
 def test_backoff_doubles_its_bits_and_an_overflow_at_a_predicted_scale_raises_the_margin():

@@ -31,11 +31,16 @@ class AdaptiveState(NamedTuple):
       counter: finite steps since the start or the last overflow (saturating at ``2**30``;
         without measurements: since the last growth).
       overflows: non-finite steps in a row up to the last one.
+      measured: 1 once a finite step measured a gradient that was not zero, else 0.
+      learning: 1 during a run of overflows that began at a predicted scale soon after a
+        measurement (the measurement may understate what the backward pass computes), else 0.
     """
 
     margin: jax.Array
     counter: jax.Array
     overflows: jax.Array
+    measured: jax.Array
+    learning: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +65,15 @@ class Adaptive(Rule):
     is: a wider margin would not have avoided it, would cost every later step some range, and
     would let the next spike's gradient through instead of skipping it. Every
     ``margin_interval`` finite steps in a row lower the margin by one bit (at least
-    ``min_margin``).
+    ``min_margin``); an overflow within ``margin_window`` steps of that counts as soon too.
+
+    The rule learns from the overflows it causes: when a run of overflows that began at a
+    predicted scale, soon after a measurement, ends, and this step's measurement would put
+    the scale again at or above the lowest scale that overflowed in the run, the margin rises
+    by as many bits as keep it below (at most ``max_margin``). The measurement then
+    understates the backward pass by a steady factor (gradients clipped before the wrap
+    measures them, a 16-bit loss whose seed overflows): once learned, the factor costs no
+    more overflows.
 
     Without a measurement, :meth:`jdls.DynamicScale.adjust` refuses a finite step (a
     ValueError that says how to give one) and backs off on an overflow (``adjust(False)``).
@@ -155,7 +168,12 @@ class Adaptive(Rule):
         return math.log2(float(info.max)), math.log2(float(info.smallest_subnormal))
 
     def initial_state(  # type: ignore[override]
-        self, margin: int | None = None, counter: int = 0, overflows: int = 0
+        self,
+        margin: int | None = None,
+        counter: int = 0,
+        overflows: int = 0,
+        measured: int = 0,
+        learning: int = 0,
     ) -> AdaptiveState:
         """Counters to start from (default: a fresh run with the initial ``margin``).
 
@@ -169,9 +187,10 @@ class Adaptive(Rule):
             raise ValueError(f"margin must be <= max_margin ({self.max_margin}), got {m}")
         counter = check_int("counter", counter, 0)
         overflows = check_int("overflows", overflows, 0)
-        return AdaptiveState(
-            jnp.asarray(m, _I32), jnp.asarray(counter, _I32), jnp.asarray(overflows, _I32)
-        )
+        flags = [check_int(k, v, 0) for k, v in (("measured", measured), ("learning", learning))]
+        if max(flags) > 1:
+            raise ValueError(f"measured and learning must be 0 or 1, got {flags}")
+        return AdaptiveState(*(jnp.asarray(v, _I32) for v in (m, counter, overflows, *flags)))
 
     def start(self, loss_scale: float) -> float:
         """``loss_scale`` if it lies within ``[min_loss_scale, max_loss_scale]``."""
@@ -188,29 +207,33 @@ class Adaptive(Rule):
         hi = 2.0**_EXP_MAX if self.max_loss_scale is None else self.max_loss_scale
         return jnp.clip(loss_scale, _F32(lo), _F32(hi))
 
+    def _soon(self, state: AdaptiveState) -> jax.Array:
+        """Whether an overflow now is the first of a run and comes soon after a prediction:
+        within ``margin_window`` finite steps of the start, of the previous overflow, or of
+        a lowering of the margin."""
+        c, window, interval = state.counter, _I32(self.margin_window), self.margin_interval
+        after_lowering = (c >= interval) & (c % interval <= window)
+        return (state.overflows == 0) & (c > 0) & ((c <= window) | after_lowering)
+
     def _overflow(
         self, loss_scale: jax.Array, state: AdaptiveState
     ) -> tuple[jax.Array, AdaptiveState]:
         """Back off ``2**-b`` bits, ``b`` doubling with consecutive overflows; raise the margin
-        on the first overflow after at most ``margin_window`` finite steps."""
+        on the first overflow that comes soon after a prediction, and remember that the run
+        began so (``learning``)."""
         bits = jnp.minimum(
             jnp.left_shift(_I32(1), jnp.minimum(state.overflows, _I32(30))),
             _I32(self.max_backoff_bits),
         )
         backed_off = self._clamp(loss_scale * _pow2(-bits))
-        # At a predicted scale (a finite step came since the start or the last overflow), and
-        # soon after it: the gradients vary by more than the margin. An isolated overflow
-        # (a spike) keeps the margin, so that the next spike overflows and is skipped too.
-        predicted = (
-            (state.overflows == 0)
-            & (state.counter > 0)
-            & (state.counter <= _I32(self.margin_window))
-        )
-        margin = jnp.where(
-            predicted, jnp.minimum(state.margin + 1, _I32(self.max_margin)), state.margin
-        )
+        # At a predicted scale and soon after it: the gradients vary by more than the margin,
+        # or the measurement understates the backward pass. An isolated overflow (a spike)
+        # keeps the margin, so that the next spike overflows and is skipped too.
+        soon = self._soon(state)
+        margin = jnp.where(soon, jnp.minimum(state.margin + 1, _I32(self.max_margin)), state.margin)
+        learning = jnp.where(state.overflows == 0, soon.astype(_I32), state.learning)
         overflows = jnp.minimum(state.overflows, _I32(2**30)) + 1
-        return backed_off, AdaptiveState(margin, _I32(0), overflows)
+        return backed_off, AdaptiveState(margin, _I32(0), overflows, state.measured, learning)
 
     def adjust(
         self, loss_scale: jax.Array, state: AdaptiveState, finite: jax.Array
@@ -221,7 +244,9 @@ class Adaptive(Rule):
         counted = state.counter + 1
         grow = counted >= self.growth_interval
         grown = self._clamp(jnp.where(grow, loss_scale * _F32(2.0), loss_scale))
-        on_finite = AdaptiveState(state.margin, jnp.where(grow, _I32(0), counted), _I32(0))
+        on_finite = AdaptiveState(
+            state.margin, jnp.where(grow, _I32(0), counted), _I32(0), state.measured, _I32(0)
+        )
         return _select(finite, (grown, on_finite), (backed_off, on_overflow))
 
     def observe(
@@ -233,32 +258,47 @@ class Adaptive(Rule):
     ) -> tuple[jax.Array, AdaptiveState]:
         """With the largest magnitude ``grad_amax`` of the unscaled gradients: the scale that
         puts it ``margin`` bits below the format's maximum (pure; see the class docstring)."""
-        log2_max, log2_sub = self.format_range()
         backed_off, on_overflow = self._overflow(loss_scale, state)
         lo, hi = self._exponent_bounds()
         amax = jnp.abs(grad_amax).astype(_F32)
+        measured = (amax > 0) & jnp.isfinite(amax)
         # The largest k with amax * 2**k <= fmax * 2**-margin, in integers (exact; a float
         # log2 is off by one near the boundary): with amax = a * 2**e and fmax = f * 2**g,
         # a and f in [0.5, 1), k = g - margin - e, one less when a > f.
         f, g = math.frexp(float(finfo(self.compute_dtype).max))  # exact, not 2**log2_max
-        a, e = jnp.frexp(jnp.where(amax > 0, amax, 1))
-        k = _I32(g) - state.margin - e - (a > _F32(f)).astype(_I32)
-        # None measured (all flushed to zero): the largest scaled gradient is below half the
-        # smallest subnormal, so the scale may grow by the whole range at once.
-        log2_scale = jnp.log2(loss_scale.astype(_F32))
-        flushed = jnp.floor(_F32(log2_max - log2_sub + 1) - state.margin.astype(_F32) + log2_scale)
-        flushed = jnp.clip(jnp.nan_to_num(flushed, nan=float(lo)), lo, hi).astype(_I32)
-        target = jnp.where(amax > 0, jnp.clip(k, lo, hi), flushed)
-        # An inf or NaN measurement (a hand-made adjust on a non-finite step): the lowest.
-        target = jnp.where(jnp.isfinite(amax), target, _I32(lo))
-        predicted = self._clamp(_pow2(target))
-
+        a, e = jnp.frexp(jnp.where(measured, amax, 1))
+        k_at_zero_margin = _I32(g) - e - (a > _F32(f)).astype(_I32)
+        # The first finite step after a run of overflows this rule caused: the lowest scale
+        # that overflowed was this one times 2**(the last backoff's bits); the margin rises
+        # so that the prediction stays below it.
+        _, e_scale = jnp.frexp(loss_scale.astype(_F32))
+        log2_scale = e_scale - 1  # floor(log2(scale)): exact for the powers of two it sets
+        last_bits = jnp.minimum(
+            jnp.left_shift(_I32(1), jnp.clip(state.overflows - 1, 0, 30)),
+            _I32(self.max_backoff_bits),
+        )
+        lowest_overflow = log2_scale + last_bits
+        learn = (state.learning > 0) & (state.overflows > 0) & measured
+        needed = jnp.minimum(k_at_zero_margin - lowest_overflow + 1, _I32(self.max_margin))
+        margin = jnp.where(learn, jnp.maximum(state.margin, needed), state.margin)
         counted = jnp.minimum(state.counter, _I32(2**30)) + 1
         lower = counted % self.margin_interval == 0
-        margin = jnp.where(
-            lower, jnp.maximum(state.margin - 1, _I32(self.min_margin)), state.margin
+        k = jnp.clip(k_at_zero_margin - margin, lo, hi)
+        margin = jnp.where(lower, jnp.maximum(margin - 1, _I32(self.min_margin)), margin)
+
+        # All zero: no measurement. Before any, rise to the classic start (never lower);
+        # after one, hold. Then double every growth_interval finite steps, as the classic rule.
+        start = jnp.maximum(log2_scale, _I32(min(15, g - 1)))
+        lifted = (state.measured == 0) & (start > log2_scale)
+        held = jnp.where(lifted, _pow2(jnp.clip(start, lo, hi)), loss_scale)
+        held = jnp.where(counted % self.growth_interval == 0, held * _F32(2.0), held)
+        predicted = jnp.where(measured, _pow2(k), held)
+        # An inf or NaN measurement (a hand-made adjust on a non-finite step): the lowest.
+        predicted = self._clamp(jnp.where(jnp.isfinite(amax), predicted, _pow2(_I32(lo))))
+
+        on_finite = AdaptiveState(
+            margin, counted, _I32(0), state.measured | measured.astype(_I32), _I32(0)
         )
-        on_finite = AdaptiveState(margin, counted, _I32(0))
         return _select(finite, (predicted, on_finite), (backed_off, on_overflow))
 
 

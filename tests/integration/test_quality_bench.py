@@ -27,7 +27,7 @@ def short(name: str, steps: int = 6) -> q.Task:
 
 def test_the_tasks_are_named_and_explained():
     names = [t.name for t in q.TASKS]
-    assert len(names) == len(set(names)) == 12
+    assert len(names) == len(set(names)) == 18
     assert all(
         t.why and t.metric in ("test accuracy", "parity accuracy", "train loss") for t in q.TASKS
     )
