@@ -91,10 +91,9 @@ SHAPES = {
     "optax_clip_then_wrap": lambda: optax.chain(
         optax.clip_by_global_norm(1.0), jdls.wrap(optax.sgd(1.0), _scale())
     ),
-    "after_wrap": lambda: optax.chain(
-        jdls.wrap(optax.scale_by_adam(), _scale()),
-        optax.add_decayed_weights(0.1),
-        optax.scale(-0.5),
+    "adamw_chain": lambda: jdls.wrap(
+        optax.chain(optax.scale_by_adam(), optax.add_decayed_weights(0.1), optax.scale(-0.5)),
+        _scale(),
     ),
     "inject_hyperparams_inside": lambda: jdls.wrap(
         optax.inject_hyperparams(optax.sgd)(learning_rate=0.1, momentum=0.9), _scale()
@@ -159,7 +158,7 @@ def test_finite_step_is_the_plain_step(jit):
     """A finite step with retries is, bit for bit, the step without."""
     c = jnp.array([0.5, 1.0, 1.5])
     params = {"w": jnp.ones(3)}
-    for shape in ("wrap_adam", "clip_then_wrap", "after_wrap"):
+    for shape in ("wrap_adam", "clip_then_wrap", "adamw_chain"):
         tx = SHAPES[shape]()
         state = tx.init(params)
         got = maybe_jit(jdls.retrying(loss_fn, tx, retries=2), jit)(params, state, c)

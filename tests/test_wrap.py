@@ -134,6 +134,37 @@ def test_skips_are_exact(seed, skip_with, jit):
     assert bool(stats.finite) == ((n_steps - 1) not in bad_steps)
 
 
+@with_and_without_jit
+def test_a_skipped_step_leaves_the_params_with_weight_decay_inside_the_wrap(jit):
+    """AdamW as the docs show it, the whole chain inside the wrap (``jdls.wrap(optax.adamw)``
+    or ``jdls.wrap(optax.chain(scale_by_adam, add_decayed_weights, scale))``): a skipped step
+    leaves every parameter and state bit for bit. The decay after the wrap, which the docs
+    warn against, shrinks the parameters on a skipped step (``1.0 -> 0.99``)."""
+    lr, wd = 0.1, 0.1
+    params = small_params()
+    grads = random_like(3, params)
+    grads["dense"]["kernel"] = grads["dense"]["kernel"].at[1, 0].set(INF)
+    inside = {
+        "adamw": jdls.wrap(optax.adamw(lr, weight_decay=wd)),
+        "chain": jdls.wrap(
+            optax.chain(optax.scale_by_adam(), optax.add_decayed_weights(wd), optax.scale(-lr))
+        ),
+    }
+    for tx in inside.values():
+        state0 = tx.init(params)
+        updates, state = maybe_jit(tx.update, jit)(grads, state0, params)
+        assert bool(jdls.stats(state).skipped)
+        assert_bitwise_equal(optax.apply_updates(params, updates), params)
+        assert_bitwise_equal(state.inner_state, state0.inner_state)
+
+    after = optax.chain(
+        jdls.wrap(optax.scale_by_adam()), optax.add_decayed_weights(wd), optax.scale(-lr)
+    )
+    updates, state = maybe_jit(after.update, jit)(grads, after.init(params), params)
+    assert bool(jdls.stats(state).skipped)
+    assert float(optax.apply_updates(params, updates)["scale"]) == np.float32(1 - lr * wd)
+
+
 def test_skips_match_the_plain_inner_optimizer():
     """The reference may also be the inner optimizer alone, jitted, on the clean steps.
 

@@ -297,6 +297,96 @@ def test_concepts_float_table() -> None:
 
 
 # ------------------------------------------------------------------------------------------
+# No transformation after the wrap: it would run on skipped steps too.
+# ------------------------------------------------------------------------------------------
+
+_CHAIN = re.compile(r"\b(?:named_)?chain\(")
+_WRAP = re.compile(r"\b(?:jdls\.)?(?:presets\.)?(?:cerebras_)?wrap\(")
+
+#: Chains with a transformation after a wrap that a page shows on purpose, and why.
+AFTER_THE_WRAP_ALLOWED = {
+    ("docs/reliability.md", "chain(jdls.wrap(a), jdls.wrap(b))"): "the error get_scale raises",
+}
+
+
+def _closing(text: str, start: int) -> int | None:
+    """The index of the bracket closing the one at ``start``."""
+    depth = 0
+    for i in range(start, len(text)):
+        if text[i] in "([{":
+            depth += 1
+        elif text[i] in ")]}":
+            depth -= 1
+            if depth == 0:
+                return i
+    return None
+
+
+def _arguments(inner: str) -> list[str]:
+    """The top-level, comma-separated arguments of a call's bracketed text."""
+    args, depth, current = [], 0, []
+    for c in inner:
+        depth += (c in "([{") - (c in ")]}")
+        if c == "," and depth == 0:
+            args.append("".join(current).strip())
+            current = []
+        else:
+            current.append(c)
+    args.append("".join(current).strip())
+    return [a for a in args if a]
+
+
+def chains_after_the_wrap(text: str) -> list[str]:
+    """Every ``chain(...)`` / ``named_chain(...)`` in ``text`` (code, prose, tables) with an
+    argument after one holding a ``jdls.wrap``, other than ``...``."""
+    found = []
+    for match in _CHAIN.finditer(text):
+        close = _closing(text, match.end() - 1)
+        if close is None:
+            continue
+        args = _arguments(text[match.end() : close])
+        wraps = [i for i, a in enumerate(args) if _WRAP.search(a)]
+        if wraps and any(a not in ("...", "\u2026") for a in args[wraps[0] + 1 :]):
+            found.append(" ".join(text[match.start() : close + 1].split()))
+    return found
+
+
+def test_chains_after_the_wrap_are_recognised() -> None:
+    assert chains_after_the_wrap(
+        "`optax.chain(jdls.wrap(optax.scale_by_adam()), optax.add_decayed_weights(wd), "
+        "optax.scale(-lr))`"
+    ) == [
+        "chain(jdls.wrap(optax.scale_by_adam()), optax.add_decayed_weights(wd), optax.scale(-lr))"
+    ]
+    assert chains_after_the_wrap("optax.named_chain(('w', jdls.wrap(adam)), ('s', s))")
+    for fine in (
+        "optax.chain(jdls.clip(1.0), jdls.wrap(optax.adam(1e-3)))",
+        "jdls.wrap(optax.chain(optax.scale_by_adam(), optax.add_decayed_weights(wd)))",
+        "`optax.chain(jdls.wrap(inner), ...)`",
+        "optax.chain(\n    jdls.clip(1.0),\n    jdls.wrap(optax.adam(1e-3)),\n)",
+    ):
+        assert chains_after_the_wrap(fine) == [], fine
+
+
+def test_no_page_or_example_chains_a_transformation_after_the_wrap() -> None:
+    """A transformation after ``jdls.wrap`` in an ``optax.chain`` runs on skipped steps too
+    (a weight decay there shrinks the parameters of a skipped step): the README, the pages,
+    the examples and the docstrings put the whole optimizer inside the wrap."""
+    files = [
+        *markdown_files(),
+        *sorted((ROOT / "examples").rglob("*.py")),
+        *sorted((ROOT / "jdls").rglob("*.py")),
+    ]
+    found = [
+        f"{path.relative_to(ROOT).as_posix()}: {chain}"
+        for path in files
+        for chain in chains_after_the_wrap(path.read_text(encoding="utf-8"))
+        if (path.relative_to(ROOT).as_posix(), chain) not in AFTER_THE_WRAP_ALLOWED
+    ]
+    assert not found, "\n".join(found)
+
+
+# ------------------------------------------------------------------------------------------
 # Doctests of the package.
 # ------------------------------------------------------------------------------------------
 
