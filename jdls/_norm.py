@@ -13,8 +13,9 @@ the same squares: ``max(x*x)`` reads what the sum of squares reads, so XLA makes
 copy of the gradients (a separate ``max(abs(x))`` cost 2-5% of a train step on CPU). The
 square root of a normal float square ``fl(x*x)`` is ``|x|`` exactly (binary floating point,
 round to nearest); when no largest square is normal (every ``|x| < 2**-63`` in float32) or
-the sum overflowed, the largest magnitude is measured again from ``abs(x)`` inside a
-``lax.cond``, free on ordinary steps.
+one overflowed (``|x| >= 2**64``), the largest magnitude is measured again from ``abs(x)``
+inside one ``lax.cond``, free on ordinary steps (a sum that overflows with every square
+finite needs no second measurement: the largest square is still exact).
 """
 
 from __future__ import annotations
@@ -40,9 +41,11 @@ __all__ = [
     "flatten_floats",
     "global_norm",
     "sharded_flags",
+    "sum_like",
     "tree_amax",
     "tree_norm",
     "vary_like",
+    "vary_over",
     "wide",
 ]
 
@@ -135,6 +138,11 @@ def _varying_axes(t: Any) -> frozenset[Any]:
     return frozenset(varying or ())
 
 
+def varying_axes(x: Any) -> frozenset[Any]:
+    """The manual mesh axes the value ``x`` varies over (inside ``shard_map``; empty elsewhere)."""
+    return _varying_axes(jax.typeof(x))
+
+
 def vary_like(x: Any, like: Any) -> Any:
     """``x`` marked as varying over the axes ``like`` varies over (a no-op outside shard_map)."""
     if not isinstance(like, jax.ShapeDtypeStruct):
@@ -142,9 +150,26 @@ def vary_like(x: Any, like: Any) -> Any:
     missing = tuple(sorted(_varying_axes(like) - _varying_axes(jax.typeof(x)), key=str))
     if not missing:
         return x
+    return vary_over(x, missing)
+
+
+def vary_over(x: Any, axes: tuple[Any, ...]) -> Any:
+    """``x`` marked as varying over the manual mesh ``axes`` (``lax.pcast``; ``lax.pvary``
+    before jax 0.8)."""
+    if not axes:
+        return x
     if hasattr(lax, "pcast"):
-        return lax.pcast(x, missing, to="varying")
-    return lax.pvary(x, missing)  # type: ignore[attr-defined]  # pragma: no cover - older jax
+        return lax.pcast(x, axes, to="varying")
+    return lax.pvary(x, axes)  # type: ignore[attr-defined]  # pragma: no cover - jax < 0.8
+
+
+def sum_like(x: Any, like: Any) -> Any:
+    """``x`` summed over the manual axes it varies over and ``like`` does not (inside
+    ``shard_map``; a no-op elsewhere): the cotangent JAX gives a value replicated over them."""
+    if not isinstance(like, jax.ShapeDtypeStruct):
+        like = jax.typeof(like)
+    extra = tuple(sorted(_varying_axes(jax.typeof(x)) - _varying_axes(like), key=str))
+    return lax.psum(x, extra) if extra else x
 
 
 # --------------------------------------------------------------------------------------------
@@ -212,9 +237,10 @@ def _amax_of_squares(xs: Sequence[jax.Array], squares: Sequence[jax.Array]) -> j
     best = jnp.max(jnp.stack(exact + roots))
     # A leaf whose largest square is normal dominates every leaf whose is not (|x| < 2**-63
     # in float32, 2**-511 in float64), and so does any magnitude of at least 2**-63; without
-    # either, measure again from abs.
+    # either, or with a square that overflowed (|x| >= 2**64 in float32, or an inf), measure
+    # again from abs: the one fallback, also for a sum of squares that overflowed.
     bound = max(float(np.sqrt(jnp.finfo(m.dtype).tiny)) for m in tops)
-    again = ~jnp.any(jnp.stack(normal)) & (best < _F32(bound))
+    again = (~jnp.any(jnp.stack(normal)) & (best < _F32(bound))) | ~jnp.isfinite(best)
     return lax.cond(again, _amax_of_abs, _given, list(xs), best)
 
 
@@ -266,11 +292,11 @@ def _branches(
             total = total + lax.psum(_ordered_sum(split), axis_name)
         return jnp.asarray(total)
 
-    def largest_of(xs: list[jax.Array], fast: list[jax.Array], exact: bool) -> jax.Array:
+    def largest_of(xs: list[jax.Array], fast: list[jax.Array]) -> jax.Array:
         if not largest:
             return jnp.zeros((), _F32)
-        # ``fast`` is exact on a finite sum; after an overflow, measure from ``abs``
-        return vary_like(_amax_of_abs(xs) if exact else fast[0], xs[0])
+        # exact also after an overflow of the sum: its own fallback measures from ``abs``
+        return vary_like(fast[0], xs[0])
 
     def usual(operands: _Operands) -> tuple[jax.Array, ...]:
         xs, total, fast = operands
@@ -280,7 +306,7 @@ def _branches(
         if axis_name is None:  # in shard_map, ``careful``'s local flags vary like ``total``
             yes, no, flags = (vary_like(x, total) for x in (yes, no, flags))
         # ``careful``'s scaled norm varies across devices like ``total``
-        top = largest_of(xs, fast, exact=False)
+        top = largest_of(xs, fast)
         return yes, jnp.sqrt(total), no, one, vary_like(one, total), flags, top
 
     def careful(operands: _Operands) -> tuple[jax.Array, ...]:
@@ -296,7 +322,7 @@ def _branches(
         finite = ~jnp.any(flags)
         scaled = jnp.sqrt(reduce(sums))
         norm = jnp.where(finite, scaled * 2.0**k, jnp.sqrt(total))  # may overflow to inf: right
-        return finite, norm, finite, down, scaled, flags, largest_of(xs, fast, exact=True)
+        return finite, norm, finite, down, scaled, flags, largest_of(xs, fast)
 
     return reduce, usual, careful
 

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jdls._norm import varying_axes
 from jdls._site import Site
 from jdls.fp8._recipe import Quantized
 from jdls.fp8._state import DotState, Fp8, Meter
@@ -32,16 +33,24 @@ Dims = tuple[tuple[tuple[int, ...], tuple[int, ...]], tuple[tuple[int, ...], tup
 
 
 def _scaled_dot(
-    a: Quantized, b: Quantized, dims: Any, acc: Any, precision: Any, dequantize_first: bool
+    a: Quantized,
+    b: Quantized,
+    dims: Any,
+    acc: Any,
+    precision: Any,
+    dequantize_first: bool,
+    out_sharding: Any = None,
 ) -> jax.Array:
     """``dequantize(a) . dequantize(b)`` accumulated in ``acc``.
 
     With one scale per operand the float8 values are multiplied and the product is scaled
     once; with block scales (or ``dequantize_first``) each operand is dequantized first.
     """
+    # out_sharding only when given: older callers and automatic meshes never see the keyword.
+    sharding = {} if out_sharding is None else {"out_sharding": out_sharding}
     if a.scale.ndim == 0 and b.scale.ndim == 0 and not dequantize_first:
         out = lax.dot_general(
-            a.values, b.values, dims, precision=precision, preferred_element_type=acc
+            a.values, b.values, dims, precision=precision, preferred_element_type=acc, **sharding
         )
         return out.astype(acc) * (a.scale * b.scale).astype(acc)
     return lax.dot_general(
@@ -50,7 +59,30 @@ def _scaled_dot(
         dims,
         precision=precision,
         preferred_element_type=acc,
+        **sharding,
     )
+
+
+def _sharding_of(x: jax.Array) -> tuple[Any, tuple[Any, ...] | None]:
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    mesh, spec = getattr(sharding, "mesh", None), getattr(sharding, "spec", None)
+    if mesh is None or spec is None or mesh.empty:
+        return None, None
+    return mesh, tuple(spec) + (None,) * (jnp.ndim(x) - len(spec))
+
+
+def _sharding_before(like: jax.Array, perm: tuple[int, ...], *operands: jax.Array) -> Any:
+    """Under an explicit mesh, the sharding of the dot whose transpose by ``perm`` is sharded
+    as ``like`` (replicated when ``like`` has no mesh); ``None`` elsewhere."""
+    mesh, spec = _sharding_of(like)
+    if mesh is None:
+        meshes = [m for m, _ in map(_sharding_of, operands) if m is not None]
+        if not meshes:
+            return None
+        mesh, spec = meshes[0], (None,) * len(perm)
+    assert spec is not None
+    inverse = np.argsort(perm)
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*(spec[i] for i in inverse)))
 
 
 def _kept(ndim: int, contract: Sequence[int], batch: Sequence[int]) -> list[int]:
@@ -85,14 +117,16 @@ def _transpose_dims(
 def _grad_of(
     g: Quantized,
     other: Quantized,
-    own_ndim: int,
+    own: jax.Array,
     dims: Dims,
     own_is_lhs: bool,
     acc: Any,
     dequantize_first: bool,
 ) -> jax.Array:
-    dot_dims, _, _, perm = _transpose_dims(own_ndim, other.values.ndim, dims, own_is_lhs)
-    out = _scaled_dot(g, other, dot_dims, acc, lax.Precision.HIGHEST, dequantize_first)
+    dot_dims, _, _, perm = _transpose_dims(own.ndim, other.values.ndim, dims, own_is_lhs)
+    hp = lax.Precision.HIGHEST
+    sharding = _sharding_before(own, perm, g.values, other.values)
+    out = _scaled_dot(g, other, dot_dims, acc, hp, dequantize_first, sharding)
     return jnp.transpose(out, perm)
 
 
@@ -106,7 +140,7 @@ def _acc_dtype(kind: Fp8, out_dtype: Any) -> Any:
     return out_dtype if compute is None else compute
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
 def _fp8_dot(
     lhs: jax.Array,
     rhs: jax.Array,
@@ -115,8 +149,9 @@ def _fp8_dot(
     dims: Dims,
     precision: Any,
     out_dtype: Any,
+    out_sharding: Any,
 ) -> jax.Array:
-    return _fp8_dot_fwd(lhs, rhs, state, kind, dims, precision, out_dtype)[0]
+    return _fp8_dot_fwd(lhs, rhs, state, kind, dims, precision, out_dtype, out_sharding)[0]
 
 
 def _fp8_dot_fwd(
@@ -127,20 +162,28 @@ def _fp8_dot_fwd(
     dims: Dims,
     precision: Any,
     out_dtype: Any,
+    out_sharding: Any,
 ) -> tuple[jax.Array, Any]:
     recipe = kind.recipe
     (lc, rc), _ = dims
     ql, ml = recipe.quantize(lhs, state.lhs, "lhs", lc)
     qr, mr = recipe.quantize(rhs, state.rhs, "rhs", rc)
     acc = _acc_dtype(kind, out_dtype)
-    out = _scaled_dot(ql, qr, dims, acc, precision, _dequantize_first(kind)).astype(out_dtype)
+    first = _dequantize_first(kind)
+    out = _scaled_dot(ql, qr, dims, acc, precision, first, out_sharding).astype(out_dtype)
     return out, (lhs, rhs, ql, qr, state, ml, mr)
 
 
 def _fp8_dot_bwd(
-    kind: Fp8, dims: Dims, precision: Any, out_dtype: Any, residuals: Any, g: jax.Array
+    kind: Fp8,
+    dims: Dims,
+    precision: Any,
+    out_dtype: Any,
+    out_sharding: Any,
+    residuals: Any,
+    g: jax.Array,
 ) -> tuple[jax.Array, jax.Array, DotState]:
-    del precision
+    del precision, out_sharding
     lhs, rhs, ql, qr, state, ml, mr = residuals
     recipe = kind.recipe
     acc = _acc_dtype(kind, out_dtype)
@@ -157,13 +200,26 @@ def _fp8_dot_bwd(
         qg_l, mg = recipe.quantize(g, state.grad, "grad", ())
         qg_r = qg_l
     first = _dequantize_first(kind)
-    grad_lhs = _grad_of(qg_l, qr, lhs.ndim, dims, True, acc, first).astype(lhs.dtype)
-    grad_rhs = _grad_of(qg_r, ql, rhs.ndim, dims, False, acc, first).astype(rhs.dtype)
+    grad_lhs = _grad_of(qg_l, qr, lhs, dims, True, acc, first).astype(lhs.dtype)
+    grad_rhs = _grad_of(qg_r, ql, rhs, dims, False, acc, first).astype(rhs.dtype)
     meter = Meter(lhs=ml, rhs=mr, grad=mg)
     if kind.axis_name is not None:
         meter = jax.tree.map(lambda v: lax.pmax(v, kind.axis_name), meter)
     zeros = jax.tree.map(jnp.zeros_like, state)
-    return grad_lhs, grad_rhs, dataclasses.replace(zeros, meter=meter)
+    # Inside shard_map, an operand the device did not vary over (replicated weights) gets the
+    # sum of the devices' gradients, as JAX's own transpose gives it; a measurement the maximum.
+    meter = jax.tree.map(lambda m, v: _reduce_like(m, v, lax.pmax), meter, state.meter)
+    return (
+        _reduce_like(grad_lhs, lhs, lax.psum),
+        _reduce_like(grad_rhs, rhs, lax.psum),
+        dataclasses.replace(zeros, meter=meter),
+    )
+
+
+def _reduce_like(x: jax.Array, like: jax.Array, reduce: Any) -> jax.Array:
+    """``x`` reduced over the manual axes it varies over and ``like`` does not."""
+    extra = tuple(sorted(varying_axes(x) - varying_axes(like), key=str))
+    return reduce(x, extra) if extra else x
 
 
 _fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
@@ -182,6 +238,7 @@ def dot_general(
     preferred_element_type: Any = None,
     *,
     site: Site,
+    out_sharding: Any = None,
 ) -> jax.Array:
     """``lax.dot_general`` computed in FP8 with the scales of ``state``.
 
@@ -196,6 +253,7 @@ def dot_general(
     Args:
       lhs, rhs, dimension_numbers, precision, preferred_element_type: as for
         ``jax.lax.dot_general``; ``precision`` applies to the forward dot.
+      out_sharding: the forward dot's output sharding, as for ``jax.lax.dot_general``.
       site: the dot's FP8 site (from :func:`jdls.fp8.init`), one site (inside a scan over
         layers, this layer's slice of the stacked sites).
 
@@ -228,4 +286,4 @@ def dot_general(
         else jnp.dtype(preferred_element_type)
     )
     dims = _normalize_dims(dimension_numbers)
-    return _fp8_dot(lhs, rhs, site.value, site.kind, dims, precision, out_dtype)
+    return _fp8_dot(lhs, rhs, site.value, site.kind, dims, precision, out_dtype, out_sharding)

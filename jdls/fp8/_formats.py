@@ -61,8 +61,8 @@ def format_max(fmt: Any) -> float:
       >>> format_max(jnp.float8_e4m3fn), format_max(jnp.float8_e5m2)
       (448.0, 57344.0)
     """
-    if isinstance(fmt, FloatFormat):
-        return float(fmt.finfo.max)
+    if isinstance(fmt, FloatFormat):  # IEEE-style: the all-ones exponent is inf and NaN
+        return (2.0 - 2.0**-fmt.mantissa_bits) * 2.0**fmt.emax
     return float(jnp.finfo(fmt).max)
 
 

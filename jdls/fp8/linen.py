@@ -62,10 +62,15 @@ class DotGeneral(nn.Module):
         preferred_element_type: Any = None,
         **kwargs: Any,
     ) -> jax.Array:
-        del kwargs  # out_sharding and other keywords of newer callers: the dot keeps its own
         site = self.variable(COLLECTION, "fp8", init, self.recipe, self.axis_name)
         return dot_general(
-            lhs, rhs, dimension_numbers, precision, preferred_element_type, site=site.value
+            lhs,
+            rhs,
+            dimension_numbers,
+            precision,
+            preferred_element_type,
+            site=site.value,
+            out_sharding=kwargs.get("out_sharding"),
         )
 
 
@@ -103,7 +108,8 @@ class Einsum(nn.Module):
 
         def dot(a: Any, b: Any, dims: Any, precision: Any = None, **kwargs: Any) -> jax.Array:
             pet = kwargs.get("preferred_element_type")
-            return dot_general(a, b, dims, precision, pet, site=site.value)
+            sharding = kwargs.get("out_sharding")
+            return dot_general(a, b, dims, precision, pet, site=site.value, out_sharding=sharding)
 
         return jnp.einsum(
             equation,

@@ -1,0 +1,121 @@
+"""jdls.fp8 under data parallelism (amaxes reduced over the data axis) and checkpoint/resume."""
+
+from __future__ import annotations
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from _helpers import assert_bitwise_equal
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jdls
+from jdls import fp8
+
+
+class _Mlp(nn.Module):
+    axis_name: object = None
+
+    @nn.compact
+    def __call__(self, x):
+        dot = functools.partial(
+            fp8.linen.DotGeneral, recipe=fp8.DelayedScaling(4), axis_name=self.axis_name
+        )
+        x = nn.relu(nn.Dense(16, dot_general_cls=dot)(x))
+        return nn.Dense(2, dot_general_cls=dot)(x)
+
+
+def _data(step, n=32):
+    k = jax.random.split(jax.random.key(step), 2)
+    x = jax.random.normal(k[0], (n, 8)) * (1 + step)
+    return x, jax.random.normal(k[1], (n, 2))
+
+
+def _sum_loss(model, variables, x, t):
+    return jnp.sum((model.apply(variables, x) - t) ** 2)  # a sum: shards add up exactly
+
+
+def _grads(model, variables, x, t):
+    return jax.grad(functools.partial(_sum_loss, model))(variables, x, t)
+
+
+def test_shard_map_reduces_every_amax_over_the_data_axis():
+    """Per-device amaxes, reduced by the site's axis_name, equal the whole batch's."""
+    n_dev = 4
+    mesh = jax.make_mesh((n_dev,), ("data",), devices=jax.devices()[:n_dev])
+    single, sharded = _Mlp(), _Mlp(axis_name="data")
+    x, t = _data(0)
+    variables = single.init(jax.random.key(0), x)
+    expected = _grads(single, variables, x, t)["jdls"]
+
+    def per_device(variables, x, t):
+        return _grads(sharded, variables, x, t)["jdls"]
+
+    shard = NamedSharding(mesh, P("data"))
+    got = jax.jit(
+        jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P("data"), P("data")), out_specs=P())
+    )(
+        jax.device_put(variables, NamedSharding(mesh, P())),
+        jax.device_put(x, shard),
+        jax.device_put(t, shard),
+    )
+    assert_bitwise_equal(
+        jdls.update_sites(variables["jdls"], got), jdls.update_sites(variables["jdls"], expected)
+    )
+
+
+def test_jit_with_a_sharded_batch_measures_the_global_amax():
+    mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+    model = _Mlp()
+    x, t = _data(1)
+    variables = model.init(jax.random.key(0), x)
+    expected = _grads(model, variables, x, t)["jdls"]
+    xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+    ts = jax.device_put(t, NamedSharding(mesh, P("data")))
+    got = jax.jit(functools.partial(_grads, model))(variables, xs, ts)["jdls"]
+    for path in ("Dense_0", "Dense_1"):
+        a = got[path]["DotGeneral_0"]["fp8"].value.meter
+        b = expected[path]["DotGeneral_0"]["fp8"].value.meter
+        assert_bitwise_equal(a.lhs.amax, b.lhs.amax)
+        assert_bitwise_equal(a.grad.amax, b.grad.amax)
+
+
+def test_checkpoint_resume_continues_bit_for_bit(tmp_path):
+    model = _Mlp()
+    tx = jdls.wrap(optax.adam(1e-2))
+    x, _ = _data(0)
+    variables = model.init(jax.random.key(0), x)
+    state = {"variables": variables, "opt": tx.init(variables["params"])}
+
+    @jax.jit
+    def step(state, x, t):
+        v = state["variables"]
+        scale = jdls.get_scale(state["opt"])
+        _, grads = scale.value_and_grad(lambda v: _sum_loss(model, v, x, t))(v)
+        updates, opt = tx.update(grads["params"], state["opt"], v["params"])
+        sites = jdls.update_sites(v["jdls"], grads["jdls"], jdls.stats(opt).finite)
+        params = optax.apply_updates(v["params"], updates)
+        return {"variables": {"params": params, "jdls": sites}, "opt": opt}
+
+    for i in range(3):
+        state = step(state, *_data(i))
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(tmp_path / "ckpt", state)
+    reference = state
+    for i in range(3, 6):
+        reference = step(reference, *_data(i))
+    with ocp.StandardCheckpointer() as ckpt:
+        restored = ckpt.restore(
+            tmp_path / "ckpt", jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+        )
+    assert jax.tree.structure(restored) == jax.tree.structure(state)
+    for i in range(3, 6):
+        restored = step(restored, *_data(i))
+    assert_bitwise_equal(restored, reference)
+    site = restored["variables"]["jdls"]["Dense_0"]["DotGeneral_0"]["fp8"].value
+    assert np.count_nonzero(np.asarray(site.lhs.history)) == 4
