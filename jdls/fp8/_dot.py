@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jdls._norm import varying_axes
+from jdls._norm import sum_like, varying_axes
 from jdls._site import Site
 from jdls.fp8._recipe import Quantized
 from jdls.fp8._state import DotState, Fp8, Meter
@@ -208,18 +208,15 @@ def _fp8_dot_bwd(
     zeros = jax.tree.map(jnp.zeros_like, state)
     # Inside shard_map, an operand the device did not vary over (replicated weights) gets the
     # sum of the devices' gradients, as JAX's own transpose gives it; a measurement the maximum.
-    meter = jax.tree.map(lambda m, v: _reduce_like(m, v, lax.pmax), meter, state.meter)
-    return (
-        _reduce_like(grad_lhs, lhs, lax.psum),
-        _reduce_like(grad_rhs, rhs, lax.psum),
-        dataclasses.replace(zeros, meter=meter),
-    )
+    meter = jax.tree.map(_max_like, meter, state.meter)
+    grad_lhs, grad_rhs = sum_like(grad_lhs, lhs), sum_like(grad_rhs, rhs)
+    return grad_lhs, grad_rhs, dataclasses.replace(zeros, meter=meter)
 
 
-def _reduce_like(x: jax.Array, like: jax.Array, reduce: Any) -> jax.Array:
-    """``x`` reduced over the manual axes it varies over and ``like`` does not."""
+def _max_like(x: jax.Array, like: jax.Array) -> jax.Array:
+    """``x`` maximised over the manual axes it varies over and ``like`` does not."""
     extra = tuple(sorted(varying_axes(x) - varying_axes(like), key=str))
-    return reduce(x, extra) if extra else x
+    return lax.pmax(x, extra) if extra else x
 
 
 _fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
