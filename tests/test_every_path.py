@@ -229,9 +229,11 @@ def test_accumulate(kind, jit):
 
 @kinds
 def test_retrying(kind):
-    """A float16 backward that overflows at scale 2**10 and not at 2**9: each failed attempt is
-    one overflowing step, the attempt that succeeds one finite step, as feeding ``jdls.wrap``
-    the attempts one by one. A scale that cannot back off is refused."""
+    """A float16 backward that overflows at scale 2**10 and not at 2**9: each failed attempt
+    that is retried counts as the overflows that make the rule back off (``back_off()``: one,
+    or with hysteresis those it would forgive too), the attempt that succeeds is one finite
+    step and a failed last attempt one overflowing step, as feeding ``jdls.wrap`` the
+    attempts one by one. A scale that cannot back off is refused."""
     params = {"w": jnp.zeros(2)}
     xs = [jnp.array([1e-3, 2.0**-20]), jnp.array([100.0, 1.0]), jnp.array([3e-5, 0.0])]
 
@@ -258,11 +260,14 @@ def test_retrying(kind):
     ref_tx, ref_update = _wrap_of(kind)
     ref, want = ref_tx.init(params), []
     for x in xs * 2:
-        for _ in range(3):
-            _, grads = jdls.get_scale(ref).value_and_grad(value)(params, x)
+        for attempt in range(3):
+            before = jdls.get_scale(ref)
+            _, grads = before.value_and_grad(value)(params, x)
             _, ref = ref_update(grads, ref, params)
             if bool(jdls.stats(ref).finite):
                 break
+            if attempt < 2:  # retried: at the scale the rule backs off to
+                ref = jdls.set_scale(ref, before.back_off())
         want.append(jdls.get_scale(ref))
     assert_same_scales(got, want)
     assert int(jdls.stats(state).retried_steps) > 0
