@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jdls._checks import all_finite, is_float
 from jdls._filter import Split, is_jax_type, split_arguments
 from jdls._loss_sets import EMPTY, Levels, all_sets, analyze, evaluate, var_set
-from jdls._norm import tree_amax
+from jdls._norm import tree_amax, vary_over
 from jdls._scale import DynamicScale, LossScale, check_scale
 
 __all__ = ["adjust_loss_scales", "multi_loss_value_and_grad"]
@@ -335,7 +335,7 @@ def _one_pass(
     sinks = [jnp.zeros((len(sets),), _F32)] * 2 + [jnp.zeros((len(keys),), _F32)] * 2
     manual = tuple(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
     if manual:  # inside shard_map: each device blames its own overflows
-        sinks = [jax.lax.pcast(x, manual, to="varying") for x in sinks]
+        sinks = [vary_over(x, manual) for x in sinks]
     loss_values, vjp_fn, traced_aux = jax.vjp(interpreted, *flat, *sinks, has_aux=True)
     outvars = closed.jaxpr.outvars
     seeds = [

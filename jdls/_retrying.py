@@ -30,7 +30,7 @@ import optax
 from jax import lax
 
 from jdls._checks import all_finite, check_int
-from jdls._norm import AxisName, vary_like
+from jdls._norm import AxisName, vary_like, vary_over
 from jdls._retry import SkipCause, mean_unsharded
 from jdls._scale import DynamicScale, LossScale
 from jdls._stats import Stats, WrapState, get_scale, replace_scale, stats
@@ -252,7 +252,7 @@ def _per_device(params: Any, axis_name: AxisName | None) -> Any:
                 "replicated (in_specs P()), or shard them with jax.jit and NamedSharding "
                 "(no axis_name)"
             )
-        return lax.pcast(x, axes, to="varying") if axes else x
+        return vary_over(x, axes)
 
     return jax.tree_util.tree_map_with_path(vary, params)
 

@@ -40,7 +40,14 @@ def _types(tree: Any) -> tuple[Any, ...]:
 def _struct(x: Any) -> Any:
     """A traced output as ``jax.eval_shape`` would give it (from its type: asking a tracer for
     its sharding walks the whole trace)."""
-    return jax.ShapeDtypeStruct.like(jax.typeof(x))
+    t = jax.typeof(x)
+    if hasattr(jax.ShapeDtypeStruct, "like"):  # jax >= 0.10.2
+        return jax.ShapeDtypeStruct.like(t)
+    sharding = None if t.sharding.mesh.empty else t.sharding
+    varying = {"vma": t.vma} if hasattr(t, "vma") else {"manual_axis_type": t.manual_axis_type}
+    return jax.ShapeDtypeStruct(
+        t.shape, t.dtype, sharding=sharding, weak_type=t.weak_type, **varying
+    )
 
 
 @functools.lru_cache(maxsize=64)

@@ -1,10 +1,26 @@
 """Test configuration: 8 virtual CPU devices for the multi-device tests, set before JAX loads;
 ``tests/`` on ``sys.path`` so that every test module, also under ``tests/integration/``,
-imports the shared modules by name (``from _helpers import ...``; see ``tests/_helpers.py``)."""
+imports the shared modules by name (``from _helpers import ...``; see ``tests/_helpers.py``).
+
+The quick run and the full suite (docs/contributing.md, "Run the tests"): ``python -m pytest``
+is the quick run; ``python -m pytest --full`` (or ``JDLS_FULL=1``) is the full suite. The quick
+run leaves out
+
+* every test marked ``@pytest.mark.full`` (a slow test, or a ``pytest.param(...,
+  marks=pytest.mark.full)`` case of a parametrized one); ``@pytest.mark.full(keep=1)`` on a
+  parametrized test keeps its first case in the quick run, and
+* the combinations of a test parametrized over several axes beyond a covering sample: every
+  value of every axis runs at least once (``covering_items``); a test with one axis runs every
+  case.
+"""
 
 import os
 import sys
+import zlib
+from collections import defaultdict
 from pathlib import Path
+
+import pytest
 
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
@@ -18,7 +34,7 @@ if _TESTS not in sys.path:
 
 def pytest_addoption(parser):
     """``--soak-steps N`` runs the long fault-injection soak (tests/integration/test_soak.py)
-    for N steps."""
+    for N steps; ``--full`` runs the full suite."""
     parser.addoption(
         "--soak-steps",
         type=int,
@@ -26,3 +42,86 @@ def pytest_addoption(parser):
         help="run the long soak of tests/integration/test_soak.py with this many steps per "
         "configuration",
     )
+    parser.addoption(
+        "--full",
+        action="store_true",
+        default=False,
+        help="the full suite: every test marked full and every combination of the parametrized "
+        "tests (the same as JDLS_FULL=1; JDLS_FULL_MATRIX=1 adds every cell of the matrices)",
+    )
+
+
+def full_suite(config: pytest.Config) -> bool:
+    """Whether this run is the full suite (``--full`` or ``JDLS_FULL=1``)."""
+    return bool(config.getoption("--full")) or os.environ.get("JDLS_FULL") == "1"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Modules that choose their cases when imported read JDLS_FULL (tests/_helpers.FULL_SUITE);
+    # --full sets it before collection, in every xdist worker too.
+    if full_suite(config):
+        os.environ["JDLS_FULL"] = "1"
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    if full_suite(config):
+        return "jdls: the full suite"
+    return "jdls: the quick run (--full or JDLS_FULL=1 runs the full suite)"
+
+
+def covering_items(items: list[pytest.Item]) -> list[pytest.Item]:
+    """Of the cases of one parametrized test, a fixed subset in which every value of every
+    parametrized axis appears at least once (all of them when there is one axis)."""
+    axes = {name for item in items for name in _indices(item)}
+    if len({_decorator(item, name) for item in items for name in axes}) <= 1:
+        return items
+    chosen, seen = [], set()
+    for item in sorted(items, key=lambda i: zlib.crc32(i.nodeid.encode())):
+        values = set(_indices(item).items())
+        if not values <= seen:
+            chosen.append(item)
+            seen |= values
+    return [item for item in items if item in chosen]
+
+
+def _quick_cases(items: list[pytest.Item]) -> list[pytest.Item]:
+    """The cases of one test that the quick run keeps."""
+    marks = [item.get_closest_marker("full") for item in items]
+    items = [item for item, mark in zip(items, marks, strict=True) if not _full_only(mark)]
+    keep = [mark.kwargs["keep"] for mark in marks if mark is not None and "keep" in mark.kwargs]
+    return covering_items(items)[: keep[0]] if keep else covering_items(items)
+
+
+def _full_only(mark: pytest.Mark | None) -> bool:
+    """Whether a case so marked runs only in the full suite (``full(keep=N)`` decides later)."""
+    return mark is not None and "keep" not in mark.kwargs
+
+
+def _indices(item: pytest.Item) -> dict[str, int]:
+    """Each parametrized argument of ``item`` and its value (by identity: the cases of one
+    decorator share their value objects)."""
+    callspec = getattr(item, "callspec", None)
+    return {k: id(v) for k, v in callspec.params.items()} if callspec is not None else {}
+
+
+def _decorator(item: pytest.Item, name: str) -> tuple[str, ...]:
+    """The argument names parametrized together with ``name`` (one axis)."""
+    for mark in item.iter_markers("parametrize"):
+        names = mark.args[0]
+        names = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
+        if name in names:
+            return tuple(names)
+    return (name,)  # a parametrized fixture
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if full_suite(config):
+        return
+    tests: dict[str, list[pytest.Item]] = defaultdict(list)
+    for item in items:
+        tests[item.nodeid.split("[")[0]].append(item)
+    keep = {id(i) for group in tests.values() for i in _quick_cases(group)}
+    deselected = [item for item in items if id(item) not in keep]
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = [item for item in items if id(item) in keep]

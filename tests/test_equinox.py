@@ -351,6 +351,7 @@ def make_step(tx, jit=True, loss=loss_fn):
 
 @jit_ids
 @dtype_ids
+@pytest.mark.full(keep=1)
 def test_train_step_equals_the_hand_written_one(jit, dtype):
     """The front door (``scale.value_and_grad``) equals Equinox's differentiation of the
     scaled loss, unscaled by hand, bit for bit, step after step."""
@@ -452,6 +453,7 @@ def test_clip_takes_none_leaves():
 
 
 @dtype_ids
+@pytest.mark.full(keep=1)
 def test_tree_serialise_leaves_round_trip(dtype, tmp_path):
     scale = jdls.DynamicScale(2.0**24, growth_interval=3)
     tx = jdls.wrap(optax.adam(1e-2), scale, track_nonfinite=True)

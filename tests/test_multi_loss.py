@@ -254,6 +254,7 @@ def _scales_like(losses: object, exps: tuple) -> object:
     "exps", [(0, 20), (20, -10), (-10, 0)], ids=lambda e: f"exp{e[0]}_exp{e[1]}"
 )
 @pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.full(keep=2)
 def test_one_pass_equals_grad_of_the_weighted_sum_bit_for_bit(
     case: str, exps: tuple, weighted: bool, jit: bool
 ) -> None:

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _helpers import maybe_jit
+from _helpers import enable_x64, maybe_jit
 from jax.sharding import PartitionSpec as P
 
 import jdls
@@ -45,7 +45,7 @@ def test_norm_is_optax_bit_for_bit(jit):
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 @pytest.mark.parametrize("dtype,big", [("float32", 1e25), ("float64", 1e200)])
 def test_overflowing_finite_sum_is_finite(jit, dtype, big):
-    with jax.enable_x64(dtype == "float64"):
+    with enable_x64(dtype == "float64"):
         leaves = _leaves(dtype, big)
         assert not np.isfinite(float(optax.tree.norm(leaves)))  # the plain sum overflows
         n = maybe_jit(lambda ls: global_norm(ls, per_leaf=True), jit)(leaves)
@@ -59,7 +59,7 @@ def test_overflowing_finite_sum_is_finite(jit, dtype, big):
 @pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
 @pytest.mark.parametrize("dtype,big", [("float32", 1e25), ("float64", 1e200), ("float32", 1.0)])
 def test_nonfinite_leaves_are_flagged(jit, bad, dtype, big):
-    with jax.enable_x64(dtype == "float64"):
+    with enable_x64(dtype == "float64"):
         leaves = _leaves(dtype, big)
         leaves[2] = leaves[2].at[1].set(bad)
         n = maybe_jit(lambda ls: global_norm(ls, per_leaf=True), jit)(leaves)
@@ -135,6 +135,7 @@ def _random_tree(rng: np.random.Generator, exponent: int) -> list[jax.Array]:
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.full
 def test_largest_is_the_abs_max_bit_for_bit(jit):
     """Across the whole float32 range, small and large leaves, 16-bit and float32: the largest
     magnitude measured from the squares equals max(|x|) exactly, and the norm is unchanged
@@ -173,8 +174,9 @@ def test_largest_is_exact_at_the_edges(jit, leaves):
     assert np.asarray(n.amax).tobytes() == _abs_max(leaves).tobytes()
 
 
+@pytest.mark.full
 def test_largest_in_float64():
-    with jax.enable_x64(True):
+    with enable_x64(True):
         rng = np.random.default_rng(2)
         for exponent in [-600, -520, -511, -300, 0, 300, 511, 600]:
             leaves = [

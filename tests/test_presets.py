@@ -171,6 +171,7 @@ def flax_trajectory(flags, **kwargs):
     s0=init_scales,
     minimum=st.sampled_from([TINY, 1.0, None, 2.0**-10]),
 )
+@pytest.mark.full(keep=1)
 def test_flax_matches_flax(jit, flags, g, b, n, s0, minimum):
     theirs = flax_trajectory(
         flags,
@@ -239,6 +240,7 @@ def _jmp_step(period, factor, min_loss_scale):
     s0=init_scales,
     minimum=st.sampled_from([1.0, 2.0**-5, 64.0]),
 )
+@pytest.mark.full(keep=1)
 def test_jmp_matches_jmp(jit, flags, factor, period, s0, minimum):
     step = _jmp_step(period, factor, minimum)
     ls, counter = jnp.float32(s0), jnp.int32(0)
@@ -293,6 +295,7 @@ def test_keras_reaches_inf_and_zero_like_keras():
     delayed_shift=st.integers(1, 4),
     consecutive=st.booleans(),
 )
+@pytest.mark.full(keep=1)
 def test_deepspeed_matches_reference(
     jit, flags, factor, window, s0, min_scale, delayed_shift, consecutive
 ):
@@ -344,6 +347,7 @@ def test_deepspeed_error_at_min_scale_is_recorded_and_raised_on_host():
     min_scale=st.sampled_from([1.0, 2.0**-6, 2.0**10]),
     hysteresis=st.integers(1, 4),
 )
+@pytest.mark.full(keep=1)
 def test_megatron_matches_reference(jit, flags, g, b, n, s0, min_scale, hysteresis):
     kwargs = dict(
         initial_scale=s0,
@@ -369,6 +373,7 @@ def test_megatron_matches_reference(jit, flags, g, b, n, s0, min_scale, hysteres
     max_scale=st.sampled_from([2.0**15, 2.0**31, 2.0**6]),
     tolerance=st.sampled_from([0.0, 0.1, 0.25, 0.5, 1 / 3]),
 )
+@pytest.mark.full(keep=1)
 def test_cerebras_matches_reference(jit, flags, spi, s0, min_scale, max_scale, tolerance):
     kwargs = dict(
         init_scale=s0,
@@ -545,6 +550,7 @@ def test_cerebras_max_gradient_norm_belongs_to_the_wrap():
         jdls.presets.cerebras_wrap(optax.sgd(0.1), max_gradient_norm=-1.0)
 
 
+@pytest.mark.full
 def test_scan_and_loop_agree_for_every_preset():
     flags = np.random.default_rng(0).random(400) > 0.1
     for scale in [

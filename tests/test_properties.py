@@ -413,6 +413,7 @@ def _wrap_runner(name: str, skip_with: str):
 )
 @given(flags=runs(40, WRAP_STEPS), name=st.sampled_from(sorted(_wrap_cases())))
 @pytest.mark.parametrize("skip_with", ["cond", "select"])
+@pytest.mark.full(keep=1)
 def test_wrap_statistics_and_scale_match_reference(skip_with, flags, name):
     finite, skipped, consecutive, scales, count, kept, params_finite = (
         np.asarray(x) for x in _wrap_runner(name, skip_with)(jnp.asarray(flags))

@@ -114,6 +114,7 @@ CLIP_BEFORE_THE_WRAP = ("clip_then_wrap", "optax_clip_then_wrap", "inject_hyperp
 
 @pytest.mark.parametrize("shape", list(SHAPES))
 @with_and_without_jit
+@pytest.mark.full(keep=1)
 def test_retried_step_equals_the_direct_step_at_the_backed_off_scale(shape, jit):
     """Bit for bit: the same step fed the same batch at the backed-off scale (the same
     compiled program), and the hand-written step (``tx.update`` once at that scale), eagerly
@@ -154,6 +155,7 @@ def test_clipping_before_the_wrap_clips_the_retried_gradients():
 
 
 @with_and_without_jit
+@pytest.mark.full(keep=1)
 def test_finite_step_is_the_plain_step(jit):
     """A finite step with retries is, bit for bit, the step without."""
     c = jnp.array([0.5, 1.0, 1.5])
@@ -475,6 +477,7 @@ def _run(tx, cs, params, retries, *, scan):
 
 
 @pytest.mark.parametrize("scan", [False, True], ids=["loop", "scan"])
+@pytest.mark.full(keep=1)
 def test_zero_dropped_batches_with_injected_scale_caused_overflows(scan):
     """Overflows that the current scale causes (not half of it) at random steps: with
     retries=2 no batch is dropped and the schedule follows the data; without, batches drop."""

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _helpers import assert_bitwise_equal
+from _helpers import assert_bitwise_equal, enable_x64
 from flax import serialization
 from flax.training import dynamic_scale as flax_dynamic_scale
 from flax.training import train_state
@@ -51,6 +51,7 @@ def _trained_flax_state():
 
 
 @pytest.mark.parametrize("source", ["object", "state_dict", "bytes"])
+@pytest.mark.full(keep=1)
 def test_from_flax_train_state_keeps_momentum_and_scale(source):
     tx, old = _trained_flax_state()
     assert int(old.dynamic_scale.fin_steps) == 1 and float(old.dynamic_scale.scale) == 512.0
@@ -315,7 +316,7 @@ def test_batched_scales_repr_values():
 
 def test_float64_gradients_near_1e183_are_finite_and_clipped():
     """Finite float64 gradients whose squares overflow float64 (x64) are not an inf."""
-    with jax.enable_x64(True):
+    with enable_x64(True):
         tx = jdls.wrap(optax.sgd(1.0), jdls.DynamicScale(), max_norm=1.0)
         params = {"w": jnp.zeros(3, jnp.float64), "v": jnp.zeros(2, jnp.float32)}
         grads = {"w": jnp.array([1e183, 2e183, 0.0]), "v": jnp.array([1e30, 3.0], jnp.float32)}

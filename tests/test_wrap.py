@@ -111,6 +111,7 @@ def test_nonfinite_step_is_skipped(bad, jit):
 @with_and_without_jit
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("skip_with", ["cond", "select"])
+@pytest.mark.full(keep=1)
 def test_skips_are_exact(seed, skip_with, jit):
     """Injected inf/NaN steps leave params and inner state as if those steps never were."""
     rng = np.random.default_rng(seed)
@@ -467,6 +468,7 @@ def test_foreign_state():
 
 
 @with_and_without_jit
+@pytest.mark.full(keep=1)
 def test_cerebras_wrap_decides_finiteness_from_the_float32_norm(jit):
     """Cerebras calls a step non-finite when its float32 global norm is inf, even if every
     gradient element is finite (``presets.cerebras_wrap`` sets ``skip_norm_overflow=True``);
@@ -497,6 +499,7 @@ def test_cerebras_wrap_decides_finiteness_from_the_float32_norm(jit):
 
 @with_and_without_jit
 @pytest.mark.parametrize("skip_norm_overflow", [True, False])
+@pytest.mark.full(keep=1)
 def test_skip_norm_overflow(skip_norm_overflow, jit):
     """Finite gradients whose float32 sum of squares overflows: skipped with
     ``skip_norm_overflow=True`` (Cerebras' test), taken without it."""
@@ -549,6 +552,7 @@ def value_recorder():
 
 @with_and_without_jit
 @pytest.mark.parametrize("bad", [INF, -INF, NAN])
+@pytest.mark.full(keep=1)
 def test_nonfinite_value_skips_the_step_exactly(bad, jit):
     """A non-finite loss given as ``value`` makes the step non-finite, even when every
     gradient is finite: params and inner state are left bit for bit as they were."""
@@ -624,6 +628,7 @@ def test_max_consecutive_skips(jit):
     ],
     ids=["adam", "sgd-momentum", "adamw"],
 )
+@pytest.mark.full(keep=1)
 def test_half_precision_params(make_inner, dtype, jit):
     """16-bit params, float32 gradients (as ``value_and_grad`` unscales them): two finite
     steps, then a non-finite one that leaves params and inner state bit for bit."""
@@ -663,6 +668,7 @@ def test_half_precision_params(make_inner, dtype, jit):
 
 @with_and_without_jit
 @pytest.mark.parametrize("make_inner", [lambda: optax.sgd(0.1), lambda: optax.adam(0.1)])
+@pytest.mark.full(keep=1)
 def test_complex_params_skipped_exactly(make_inner, jit):
     """complex64 params: a skipped step keeps them bit for bit, a -0.0 imaginary (and real)
     part included."""

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _helpers import FULL_MATRIX, assert_bitwise_equal, covering_sample
+from _helpers import FULL_MATRIX, assert_bitwise_equal, covering_sample, enable_x64
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -354,7 +354,7 @@ def test_equinox_kind_is_what_eqx_filter_gives():
 
 
 def _check_no_trace(kind, dtype, sharding, optimizer, skip):
-    with jax.enable_x64(dtype == "float64"):
+    with enable_x64(dtype == "float64"):
         try:
             (clean_params, clean_state), (params, state) = _run(
                 dtype, sharding, optimizer, skip, kind=kind
