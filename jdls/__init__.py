@@ -8,22 +8,26 @@ from jdls._finfo import FormatInfo
 from jdls._formats import FloatFormat, cbfloat16, compress, decompress, finfo
 from jdls._groups import GroupState, group_stats, wrap_groups
 from jdls._layer_scales import (
-    adjust_layer_scales,
-    layer_boundary,
+    LayerScale,
     layer_scaled_value_and_grad,
+    layer_site,
     rescale_boundary,
 )
 from jdls._multi_loss import adjust_loss_scales, multi_loss_value_and_grad
 from jdls._policy import Policy, get_policy
-from jdls._probe import (
-    Telemetry,
-    plot_headroom,
-    probe,
-    probed_value_and_grad,
-)
+from jdls._probe import Probe, Telemetry, plot_headroom
 from jdls._retry import SkipCause
 from jdls._retrying import retrying
 from jdls._scale import AdaptiveScale, DynamicScale, LossScale, NoOpScale, StaticScale
+from jdls._site import (
+    Site,
+    SiteKind,
+    apply_site,
+    is_site,
+    merge_sites,
+    split_sites,
+    update_sites,
+)
 from jdls._stats import (
     Stats,
     WrapState,
@@ -45,19 +49,23 @@ __all__ = [
     "FloatFormat",
     "FormatInfo",
     "GroupState",
+    "LayerScale",
     "LossScale",
     "MinimumScaleError",
     "NoOpScale",
     "Policy",
+    "Probe",
+    "Site",
+    "SiteKind",
     "SkipCause",
     "StaticScale",
     "Stats",
     "Telemetry",
     "WrapState",
     "accumulate",
-    "adjust_layer_scales",
     "adjust_loss_scales",
     "all_finite",
+    "apply_site",
     "cbfloat16",
     "clip",
     "compress",
@@ -67,22 +75,24 @@ __all__ = [
     "get_policy",
     "get_scale",
     "group_stats",
+    "is_site",
     "keep_if_skipped",
-    "layer_boundary",
     "layer_scaled_value_and_grad",
+    "layer_site",
     "linen",
+    "merge_sites",
     "multi_loss_value_and_grad",
     "nnx",
     "nonfinite_paths",
     "plot_headroom",
     "presets",
-    "probe",
-    "probed_value_and_grad",
     "rescale_boundary",
     "retrying",
     "rules",
     "set_scale",
+    "split_sites",
     "stats",
+    "update_sites",
     "wrap",
     "wrap_groups",
 ]

@@ -27,6 +27,7 @@ from flax.training import train_state
 
 from jdls._grad import reject_axis_name, scaled_value_and_grad
 from jdls._scale import DynamicScale, LossScale, NoOpScale, StaticScale, check_scale
+from jdls._site import Site
 from jdls._stats import (
     Stats,
     WrapState,
@@ -382,3 +383,15 @@ def _register_serialization(cls: type, fields: tuple[str, ...]) -> None:
 _register_serialization(DynamicScale, ("loss_scale", "state"))
 _register_serialization(StaticScale, ("loss_scale",))
 _register_serialization(NoOpScale, ())
+
+
+def _site_to_state(site: Site) -> dict[str, Any]:
+    return {"value": serialization.to_state_dict(site.value)}
+
+
+def _site_from_state(target: Site, state: dict[str, Any]) -> Site:
+    # the kind (configuration) comes from the target, as a scale's rule does
+    return Site(target.kind, serialization.from_state_dict(target.value, state["value"], "value"))
+
+
+serialization.register_serialization_state(Site, _site_to_state, _site_from_state)

@@ -1,40 +1,48 @@
 """Per-layer scales: each layer's backward pass computes at its own scale.
 
 ``rescale_boundary(x, ratio)`` is the identity forward; backward it multiplies the cotangent
-by ``ratio`` (a ``custom_vjp``). :func:`layer_scaled_value_and_grad` places one at every
-:func:`layer_boundary` (a layer's output), with the ratio of the neighbouring layers' scales,
-``s[k] / s[k+1]``, and scales the loss by the last layer's scale: the cotangent inside layer
-``k`` is then ``s[k]`` times the true one, and layer ``k``'s parameter gradients are unscaled
-by ``s[k]``, exactly (powers of two). :func:`adjust_layer_scales` is the rule: every scale is
-adjusted from its own layer's gradients (``jdls.rules.Adaptive`` per layer), and none grows
-on a step where any gradient is non-finite.
+by ``ratio`` (a ``custom_vjp``). A per-layer scale is a site (``jdls/_site.py``) of kind
+:class:`LayerScale` at the layer's output, whose value holds the layer's loss scale and the
+ratio ``s[k] / s[k+1]`` of the neighbouring layers' scales. :func:`layer_scaled_value_and_grad`
+sets the ratios from the scales (in the layers' forward order, the kinds' ``position`` and the
+index along a stack), scales the loss by the last layer's scale and unscales each layer's
+parameter gradients by its own scale: the cotangent inside layer ``k`` is ``s[k]`` times the
+true one, exactly (powers of two). The measurement it returns for each site is the largest
+magnitude and the finiteness of that layer's gradients, and :func:`jdls.update_sites` adjusts
+each scale from it (``jdls.rules.Adaptive`` per layer), none growing on a skipped step.
+
+Everything is data: the scales go in as the sites' values (stacked along the scan axis for a
+scanned stack) and the measurements come out as their gradients, so ``lax.scan``,
+``jax.checkpoint``, inner ``jax.jit``, ``lax.cond`` and ``vmap`` compose.
 """
 
 from __future__ import annotations
 
-import contextlib
-import itertools
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jdls._checks import all_finite
-from jdls._context import ContextStack, current_trace, refuse_changed, refuse_nested
-from jdls._filter import filtered_eval_shape, filtered_value_and_grad
+from jdls._filter import filtered_value_and_grad
+from jdls._formats import finfo
 from jdls._norm import tree_amax
 from jdls._scale import DynamicScale, LossScale, check_scale
+from jdls._site import Site, SiteKind, is_site
 
 __all__ = [
-    "adjust_layer_scales",
-    "layer_boundaries_linen",
-    "layer_boundary",
+    "LayerScale",
     "layer_scaled_value_and_grad",
+    "layer_site",
     "rescale_boundary",
 ]
 
 _F32 = jnp.float32
+Path = tuple[Any, ...]
 
 
 @jax.custom_vjp
@@ -83,280 +91,309 @@ def rescale_boundary(x: Any, ratio: float | jax.Array) -> Any:
     return jax.tree_util.tree_map(leaf, x)
 
 
-class _Layers:
-    """The boundaries of one differentiation: names in forward order, the ratios (None
-    while the names are being discovered), and the trace the differentiated function runs in
-    (a boundary reached in any other trace is refused)."""
+@dataclasses.dataclass(frozen=True)
+class LayerScale(SiteKind):
+    """A site kind for a layer's own loss scale, at the layer's output (build one with
+    :func:`layer_site`).
 
-    def __init__(self, ratios: dict[str, jax.Array] | None) -> None:
-        self.ratios = ratios
-        self.names: list[str] = []
-        self.trace = current_trace()
-
-
-_LAYERS: ContextStack[_Layers] = ContextStack()
-
-
-def layer_boundary(x: Any, name: str) -> Any:
-    """Mark ``x`` as the output of layer ``name``: the identity, except inside
-    :func:`layer_scaled_value_and_grad`, where the backward pass changes scale here from the
-    next layer's to this layer's.
-
-    A boundary inside a nested transformation of the differentiated function (an inner
-    ``jax.jit`` or jitted ``model.apply``, ``jax.checkpoint``, ``lax.scan``, an inner
-    ``vmap``, their Flax versions) raises a ValueError at trace time: mark the transformed
-    call's output instead, or transform the whole :func:`layer_scaled_value_and_grad` call.
+    Its value: ``{"scale": a jdls loss scale, "ratio": the backward multiplier set by
+    layer_scaled_value_and_grad, "amax": the largest unscaled gradient of the layer on the
+    last step, "finite": 1.0 where they were all finite}``. Forward: the identity. Backward:
+    the cotangent times ``ratio`` (in float32, rounded once to its dtype).
 
     Args:
-      x: the layer's output (array or pytree).
-      name: the layer's name, a key of the parameters and of the scales.
-
-    Returns:
-      ``x``.
-
-    Example:
-      >>> import jax.numpy as jnp, jdls
-      >>> jdls.layer_boundary(jnp.ones(2), "dense_0").tolist()  # outside: the identity
-      [1.0, 1.0]
+      position: the layer's place in the forward order among the model's per-layer sites (a
+        stack of sites takes one position: its layers follow in index order).
     """
-    layers = _LAYERS.current()
-    if layers is None:
-        return x
-    if current_trace() is not layers.trace:
-        refuse_nested(
-            f"jdls.layer_boundary({name!r})",
-            "jdls.layer_scaled_value_and_grad",
-            "Mark the layer outputs outside it (around the transformed call); a layer whose "
-            "parameters are used inside the transformation then ends at the call's output.",
-        )
-    if name in layers.names:
-        raise ValueError(
-            f"layer_boundary({name!r}) was reached twice: mark each layer's output once, "
-            "with a name per layer"
-        )
-    layers.names.append(name)
-    if layers.ratios is None:
-        return x
-    return rescale_boundary(x, layers.ratios[name])
 
+    position: int = 0
 
-@contextlib.contextmanager
-def layer_boundaries_linen() -> Iterator[None]:
-    """Within this context, the output of every top-level submodule of a Flax linen model
-    (``"Dense_0"``, ``"layers_1"``) is a :func:`layer_boundary` named by the module: the
-    model needs no change, and its ``variables["params"]`` are keyed by the same names.
+    def init(self) -> Any:
+        return _value(DynamicScale(), 1.0)
 
-    The submodules must form a chain (each one's output is the next one's input), as in
-    ``nn.Sequential``.
+    def stack_shape(self, value: Any) -> tuple[int, ...]:
+        return tuple(jnp.shape(value["ratio"]))
 
-    Example:
-      >>> import jax, jax.numpy as jnp, flax.linen as nn, jdls
-      >>> model = nn.Sequential([nn.Dense(4), nn.tanh, nn.Dense(1)])
-      >>> params = model.init(jax.random.key(0), jnp.ones((1, 3)))["params"]
-      >>> def loss(p, x):
-      ...     with jdls.linen.layer_boundaries():
-      ...         return jnp.sum(model.apply({"params": p}, x))
-      >>> scales = {"layers_0": jdls.StaticScale(2.0**12), "layers_2": jdls.StaticScale(2.0)}
-      >>> _, grads, _ = jdls.layer_scaled_value_and_grad(loss, scales)(params, jnp.ones((2, 3)))
-      >>> sorted(grads)
-      ['layers_0', 'layers_2']
-    """
-    import flax.linen as nn
+    def forward(self, x: Any, value: Any) -> tuple[Any, Any]:
+        return x, value["ratio"]
 
-    def interceptor(next_fun: Callable[..., Any], args: Any, kwargs: Any, context: Any) -> Any:
-        out = next_fun(*args, **kwargs)
-        path = context.module.path
-        if context.method_name != "__call__" or len(path) != 1:
-            return out
-        return layer_boundary(out, str(path[0]))
+    def backward(self, ratio: Any, g: Any) -> tuple[Any, Any]:
+        def leaf(c: jax.Array) -> jax.Array:
+            dtype = jnp.promote_types(c.dtype, _F32)
+            return (c.astype(dtype) * ratio.astype(dtype)).astype(c.dtype)
 
-    with nn.intercept_methods(interceptor):
-        yield
+        zeros = jnp.zeros((), _F32)
+        return [leaf(c) for c in g], {"scale": None, "ratio": zeros, "amax": zeros, "finite": zeros}
 
-
-def layer_scaled_value_and_grad(
-    fun: Callable[..., Any],
-    scales: Mapping[str, LossScale],
-    has_aux: bool = False,
-) -> Callable[..., tuple[Any, Any, dict[str, jax.Array]]]:
-    """``jax.value_and_grad`` of ``fun`` (first argument) with one scale per layer.
-
-    ``fun(params, *args)`` takes a dict of parameters keyed by layer name, and marks each
-    layer's output with :func:`layer_boundary` in a chain (layer ``k``'s output is the next
-    layer's input). The loss is scaled by the last layer's scale; each boundary multiplies
-    the backward cotangent by ``scales[k] / scales[k+1]``; ``grads[k]`` is unscaled by
-    ``scales[k]``. Exact (equal to float32 gradients) where no value underflows or
-    overflows, provided each layer's parameters are used only between its input and its
-    boundary. The arguments after ``params`` reach ``fun`` as they are given (a Python
-    ``bool``, ``str`` or callable stays one), as with ``jax.value_and_grad``.
-
-    Args:
-      fun: the loss function ``fun(params, *args)``; returns a scalar, or ``(loss, aux)``.
-      scales: one jdls loss scale per layer, keyed like ``params``.
-      has_aux: whether ``fun`` returns ``(loss, aux)``.
-
-    Returns:
-      A function of ``fun``'s arguments returning ``(value, grads, finite)``: the loss (or
-      ``(loss, aux)``), the unscaled gradients of ``params``, and per layer a boolean scalar,
-      whether its gradients were finite.
-
-    Example:
-      >>> import jax.numpy as jnp, jdls
-      >>> def loss(p, x):
-      ...     h = jdls.layer_boundary(jnp.tanh(x * p["a"]), "a")
-      ...     return jnp.sum(jdls.layer_boundary(h * p["b"], "b"))
-      >>> scales = {"a": jdls.StaticScale(2.0**20), "b": jdls.StaticScale(4.0)}
-      >>> value, grads, finite = jdls.layer_scaled_value_and_grad(loss, scales)(
-      ...     {"a": jnp.float32(0.5), "b": jnp.float32(3.0)}, jnp.float32(1.0))
-      >>> round(float(grads["a"]), 4), round(float(grads["b"]), 4), bool(finite["a"])
-      (2.3593, 0.4621, True)
-    """
-    if not isinstance(scales, Mapping) or not scales:
-        raise TypeError(
-            "scales must be a non-empty dict of jdls loss scales keyed by layer name, e.g. "
-            "{'dense_0': jdls.AdaptiveScale(), 'dense_1': jdls.AdaptiveScale()}"
-        )
-    for key, scale in scales.items():
-        check_scale(scale, f"scales[{key!r}]")
-
-    def value_and_grad_fn(params: Any, *args: Any, **kwargs: Any) -> Any:
-        if not isinstance(params, Mapping) or set(params) - set(scales):
-            raise ValueError(
-                "the first argument of fun must be a dict of parameters keyed by layer name, "
-                f"each with a scale; scales has {sorted(scales)}, got "
-                + (f"{sorted(params)}" if isinstance(params, Mapping) else type(params).__name__)
-            )
-        names: list[str] = []
-
-        def discover(p: Any) -> None:
-            # The other arguments pass through as themselves (Python values stay Python
-            # values, as with jax.value_and_grad); only the parameters are abstract.
-            with _LAYERS.push(_Layers(None)) as discovery:
-                fun(p, *args, **kwargs)
-            names.extend(discovery.names)
-
-        filtered_eval_shape(discover, params)
-        missing = sorted(set(params) - set(names))
-        unknown = sorted(set(names) - set(scales))
-        if missing or unknown or not names:
-            raise ValueError(
-                "every layer with parameters must mark its output with "
-                "jdls.layer_boundary(x, name), and every name needs a scale: "
-                f"layers without a boundary {missing}, boundaries without a scale {unknown}. "
-                "A boundary inside a jitted or checkpointed function that JAX traced and cached "
-                "before (without the boundaries) is not reached: JAX reuses the cached trace; "
-                "mark the layer outputs outside such a function"
-            )
-        level = {n: scales[n].loss_scale for n in names}
-        ratios = {a: level[a] / level[b] for a, b in itertools.pairwise(names)}
-        ratios[names[-1]] = jnp.ones((), _F32)
-        last = scales[names[-1]]
-
-        def scaled(p: Any) -> Any:
-            with _LAYERS.push(_Layers(ratios)) as reached:
-                out = fun(p, *args, **kwargs)
-            if reached.names != names:
-                refuse_changed(
-                    "boundaries", "jdls.layer_scaled_value_and_grad", names, reached.names
-                )
-            loss, aux = out if has_aux else (out, None)
-            return last.scale(loss), (loss, aux)
-
-        (_, (loss, aux)), grads = filtered_value_and_grad(
-            scaled, 0, True, "layer_scaled_value_and_grad"
-        )(params)
-        grads = {k: scales[k].unscale(g) for k, g in grads.items()}
-        finite = {k: all_finite(g) for k, g in grads.items()}
-        return ((loss, aux) if has_aux else loss), grads, finite
-
-    return value_and_grad_fn
-
-
-def _key_name(key: Any) -> str:
-    for attr in ("key", "idx", "name"):  # DictKey, SequenceKey / FlattenedIndexKey, GetAttrKey
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
-
-
-def group_by_layer(grads: Any, names: Iterable[str]) -> dict[str, list[jax.Array]]:
-    """The leaves of ``grads`` by layer: a leaf belongs to the layer whose name is its path in
-    ``grads`` (``{"dense_0": g}``) or a prefix of it, by ``/``-separated parts (the leaf
-    ``layers/0/kernel`` of an ``nnx.State`` belongs to ``"layers/0"``). Layers without leaves
-    are left out; a leaf of no layer is an error.
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> from jdls._layer_scales import group_by_layer
-      >>> grads = {"layers": {0: {"w": jnp.ones(2)}}, "b": jnp.ones(1)}
-      >>> sorted(group_by_layer(grads, ["layers/0", "b"]))
-      ['b', 'layers/0']
-    """
-    names = sorted(names, key=len, reverse=True)  # the longest matching name wins
-    out: dict[str, list[jax.Array]] = {}
-    outside = []
-    for path, leaf in jax.tree_util.tree_flatten_with_path(grads)[0]:
-        where = "/".join(_key_name(k) for k in path)
-        layer = next((n for n in names if where == n or where.startswith(n + "/")), None)
-        if layer is None:
-            outside.append(where)
-        else:
-            out.setdefault(layer, []).append(leaf)
-    if outside:
-        raise ValueError(
-            f"grads has values outside every layer with a scale: {outside}; pass the gradients "
-            "that the per-layer value_and_grad returned, with the scales given to it"
-        )
-    return out
-
-
-def adjust_layer_scales(scales: Mapping[str, LossScale], grads: Any) -> dict[str, LossScale]:
-    """The next per-layer scales after a step: the rule, layer by layer, with a global skip.
-
-    When every gradient is finite, each scale is adjusted with its own layer's largest
-    unscaled gradient (``scale.adjust(True, grad_amax)``: a :class:`jdls.rules.Adaptive`
-    scale moves to that layer's headroom). When any is non-finite (the step is skipped),
-    the scales of the layers whose gradients were non-finite back off and the others stay.
-    Every scale stays within its rule's bounds. Under ``shard_map``, ``jax.lax.pmean`` the
-    gradients first: every device then computes the same scales.
-
-    Args:
-      scales: the per-layer scales (``jdls.AdaptiveScale()`` per layer, say).
-      grads: the unscaled gradients of :func:`layer_scaled_value_and_grad` (a dict by layer)
-        or of :func:`jdls.nnx.layer_scaled_value_and_grad` (an ``nnx.State``, whose paths
-        under ``layers/0`` belong to the layer ``"layers/0"``).
-
-    Returns:
-      The new scales, a dict with the keys of ``scales``.
-
-    Example:
-      >>> import jax.numpy as jnp, jdls
-      >>> scales = {"a": jdls.AdaptiveScale(), "b": jdls.AdaptiveScale()}
-      >>> new = jdls.adjust_layer_scales(scales, {"a": jnp.float32(2.0**-20), "b": jnp.float32(1.0)})
-      >>> float(new["a"].loss_scale) == 2.0**(15 - 6 + 20), float(new["b"].loss_scale) == 2.0**9
-      (True, True)
-    """
-    by_layer = group_by_layer(grads, scales)
-    # Finiteness from its own reduction: XLA's max reduction may drop a NaN (on CPU it does
-    # for large arrays), so the largest magnitude cannot tell a NaN gradient.
-    finite = {k: all_finite(g) for k, g in by_layer.items()}
-    amax = {k: tree_amax(g) for k, g in by_layer.items()}
-    everything = jnp.all(jnp.stack(list(finite.values()))) if finite else jnp.array(True)
-    out: dict[str, LossScale] = {}
-    for key, scale in scales.items():
-        if key not in by_layer:
-            out[key] = scale
-            continue
-        grown: LossScale
+    def update(self, value: Any, measurement: Any, finite: jax.Array) -> Any:
+        scale = value["scale"]
+        amax, own = measurement["amax"], measurement["finite"] > 0
         if isinstance(scale, DynamicScale) and scale.rule.observes:
-            grown = scale.adjust(True, amax[key])
+            grown = scale.adjust(True, _flushed_as_tiny(scale, amax))
         else:
             grown = scale.adjust(True)
         backed_off = scale.adjust(False)
-        out[key] = jax.tree_util.tree_map(
-            lambda g, b, s, k=key: jnp.where(everything, g, jnp.where(finite[k], s, b)),
-            grown,
-            backed_off,
-            scale,
+        new = jax.tree_util.tree_map(
+            lambda g, b, s: jnp.where(finite, g, jnp.where(own, s, b)), grown, backed_off, scale
         )
-    return out
+        return {**value, "scale": new, "amax": amax, "finite": own.astype(_F32)}
+
+
+def _flushed_as_tiny(scale: DynamicScale, amax: jax.Array) -> jax.Array:
+    """A layer whose every gradient flushed to zero (``amax == 0``: at its scale the
+    cotangents were below half the compute format's smallest subnormal, which happens to a
+    deep layer whose neighbour's scale is far larger) is measured as that bound: the rule
+    then raises its scale by the whole usable range at once, rather than holding it where
+    it measures nothing."""
+    dtype = getattr(scale.rule, "compute_dtype", None)
+    if dtype is None:
+        return amax
+    bound = _F32(float(finfo(dtype).smallest_subnormal) / 2)
+    return jnp.where(amax > 0, amax, bound / scale.loss_scale)
+
+
+def _value(scale: LossScale, ratio: Any) -> dict[str, Any]:
+    return {
+        "scale": scale,
+        "ratio": jnp.asarray(ratio, _F32),
+        "amax": jnp.zeros((), _F32),
+        "finite": jnp.ones((), _F32),
+    }
+
+
+def layer_site(scale: LossScale, position: int) -> Site:
+    """A per-layer scale site for the layer at ``position`` in the forward order.
+
+    Pass the layer's output through it with :func:`jdls.apply_site`; differentiate with
+    :func:`layer_scaled_value_and_grad`; adjust with :func:`jdls.update_sites`. For a stack of
+    ``n`` layers (``lax.scan`` over stacked parameters), ``layer_site(scale, k).stacked(n)``.
+
+    Args:
+      scale: the layer's loss scale (``jdls.AdaptiveScale()``, say).
+      position: the layer's place in the forward order (0 for the first layer).
+
+    Returns:
+      A :class:`jdls.Site` of kind :class:`LayerScale`.
+
+    Example:
+      >>> import jdls
+      >>> site = jdls.layer_site(jdls.AdaptiveScale(2.0**10), 0)
+      >>> float(site.value["scale"].loss_scale), float(site.value["ratio"])
+      (1024.0, 1.0)
+    """
+    check_scale(scale, "scale")
+    if not isinstance(position, int | np.integer) or isinstance(position, bool):
+        raise TypeError(f"position must be an int (the layer's forward order), got {position!r}")
+    return Site(LayerScale(int(position)), _value(scale, 1.0))
+
+
+def _key(key: Any) -> Any:
+    for attr in ("key", "idx", "name"):  # DictKey, SequenceKey / FlattenedIndexKey, GetAttrKey
+        if hasattr(key, attr):
+            return getattr(key, attr)
+    return key
+
+
+def _layer_sites(tree: Any) -> list[tuple[Path, Site]]:
+    found = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_site)[0]
+    return [
+        (tuple(_key(k) for k in path), site)
+        for path, site in found
+        if isinstance(site, Site) and isinstance(site.kind, LayerScale)
+    ]
+
+
+def link(sites: list[tuple[Path, Site]]) -> tuple[list[Site], jax.Array]:
+    """The sites with their ratios set from their scales (forward order: position, then
+    index along the stack) and the last layer's scale, by which the loss is scaled."""
+    kinds = [cast(LayerScale, site.kind) for _, site in sites]
+    order = sorted(range(len(sites)), key=lambda i: kinds[i].position)
+    positions = [kinds[i].position for i in order]
+    if len(set(positions)) != len(positions):
+        raise ValueError(
+            f"two per-layer sites have the same position {positions}: give each layer (or "
+            "stack of layers) its own place in the forward order, jdls.layer_site(scale, k)"
+        )
+    levels = [jnp.reshape(sites[i][1].value["scale"].loss_scale, (-1,)).astype(_F32) for i in order]
+    flat = jnp.concatenate(levels)
+    nxt = jnp.concatenate([flat[1:], flat[-1:]])
+    ratios = flat / nxt
+    out: list[Site] = [s for _, s in sites]
+    start = 0
+    for i, level in zip(order, levels, strict=True):
+        site = sites[i][1]
+        shape = jnp.shape(site.value["ratio"])
+        ratio = ratios[start : start + level.size].reshape(shape)
+        start += level.size
+        out[i] = Site(site.kind, {**site.value, "ratio": ratio})
+    return out, flat[-1]
+
+
+def _of_layer(path: Path, layers: Sequence[Path]) -> int | None:
+    best, size = None, -1
+    for i, layer in enumerate(layers):
+        if len(layer) > size and tuple(path[: len(layer)]) == tuple(layer):
+            best, size = i, len(layer)
+    return best
+
+
+def _unscale(g: jax.Array, level: jax.Array) -> jax.Array:
+    dtype = jnp.promote_types(g.dtype, _F32)
+    level = level.reshape(level.shape + (1,) * (g.ndim - level.ndim))
+    return g.astype(dtype) / level.astype(dtype)
+
+
+def _layer_measure(grads: list[jax.Array], stack: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+    """The largest magnitude and the finiteness of a layer's gradients, per stacked layer."""
+    if not grads:
+        return jnp.zeros(stack, _F32), jnp.ones(stack, _F32)
+    if not stack:
+        return tree_amax(grads).astype(_F32), all_finite(grads).astype(_F32)
+    flat = [g.reshape(math.prod(stack), -1) for g in grads]
+    amax = jax.vmap(tree_amax)(flat).reshape(stack).astype(_F32)
+    finite = jax.vmap(all_finite)(flat).reshape(stack).astype(_F32)
+    return amax, finite
+
+
+def scale_layers(
+    fun: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    argnums: tuple[int, ...],
+    layer_of: Callable[[Path], Path],
+    param_path: Callable[[Path], Path],
+    has_aux: bool,
+    who: str,
+) -> tuple[Any, tuple[Any, ...]]:
+    """The per-layer differentiation shared by the hand-written and the framework faces:
+    ``(value, grads)`` of ``fun`` for the arguments ``argnums``, each layer's gradients
+    unscaled by its scale and its sites' gradients the layer's measurement. ``layer_of``
+    maps a site's path (argument index first) to its layer's path, ``param_path`` a
+    parameter's path to the same space."""
+    diff = tuple(args[n] for n in argnums)
+    sites = _layer_sites(diff)
+    if not sites:
+        raise ValueError(
+            f"{who} found no per-layer site (jdls.layer_site) in the differentiated "
+            "arguments: pass the sites in (the second argument by hand, the model's sites in "
+            "a framework) and each layer's output through jdls.apply_site"
+        )
+    linked, last = link(sites)
+    by_path = {path: site for (path, _), site in zip(sites, linked, strict=True)}
+    layers = [layer_of(path) for path, _ in sites]
+
+    def put(tree: Any, prefix: Path) -> Any:
+        def one(path: Any, x: Any) -> Any:
+            key = prefix + tuple(_key(k) for k in path)
+            return by_path.get(key, x)
+
+        return jax.tree_util.tree_map_with_path(one, tree, is_leaf=is_site)
+
+    prepared = list(args)
+    for i, n in enumerate(argnums):
+        prepared[n] = put(args[n], (i,))
+    last_scale = jax.lax.stop_gradient(last)
+
+    def scaled(*a: Any, **kw: Any) -> Any:
+        out = fun(*a, **kw)
+        loss, aux = out if has_aux else (out, None)
+        wide = jnp.asarray(loss).astype(jnp.promote_types(jnp.result_type(loss), _F32))
+        return (wide * last_scale).astype(jnp.result_type(loss)), (loss, aux)
+
+    (_, (loss, aux)), grads = filtered_value_and_grad(scaled, argnums, True, who)(
+        *prepared, **kwargs
+    )
+    levels = [jnp.asarray(site.value["scale"].loss_scale, _F32) for site in linked]
+    members: list[list[jax.Array]] = [[] for _ in linked]
+    outside: list[str] = []
+
+    def unscale(path: Any, g: Any) -> Any:
+        if g is None or is_site(g):
+            return g
+        key = tuple(_key(k) for k in path)
+        layer = _of_layer(param_path(key), layers)
+        if layer is None:
+            outside.append("/".join(map(str, key[1:])))
+            return g
+        u = _unscale(g, levels[layer])
+        members[layer].append(u)
+        return u
+
+    grads = jax.tree_util.tree_map_with_path(unscale, tuple(grads), is_leaf=is_site)
+    if outside:
+        raise ValueError(
+            f"{who}: these parameters are in no layer with a per-layer site: {outside}. Every "
+            "parameter belongs to the layer whose site is next to it (by hand: the site's "
+            "key in the sites is the layer's key in the parameters); give their layer a site"
+        )
+    measured = {}
+    for layer, (path, site) in enumerate(sites):
+        stack = site.kind.stack_shape(site.value)
+        amax, finite = _layer_measure(members[layer], stack)
+        measured[path] = Site(
+            site.kind,
+            {"scale": None, "ratio": jnp.zeros(stack, _F32), "amax": amax, "finite": finite},
+        )
+
+    def measure(path: Any, g: Any) -> Any:
+        if not is_site(g):
+            return g
+        return measured.get(tuple(_key(k) for k in path), g)
+
+    grads = jax.tree_util.tree_map_with_path(measure, grads, is_leaf=is_site)
+    return ((loss, aux) if has_aux else loss), grads
+
+
+def layer_scaled_value_and_grad(
+    fun: Callable[..., Any], has_aux: bool = False
+) -> Callable[..., tuple[Any, tuple[Any, Any]]]:
+    """``jax.value_and_grad`` of ``fun(params, sites, *args)`` with one scale per layer.
+
+    ``sites`` holds a :func:`layer_site` per layer, keyed like ``params`` (``sites["dense_0"]``
+    for ``params["dense_0"]``; a stacked site for a stack of layers whose parameters have the
+    same leading axes). ``fun`` passes each layer's output through its site with
+    :func:`jdls.apply_site`, in a chain (layer ``k``'s output is the next layer's input). The
+    loss is scaled by the last layer's scale; each site multiplies the backward cotangent by
+    ``s[k] / s[k+1]``; the gradients of ``params[k]`` are unscaled by ``s[k]``. Exact (equal
+    to float32 gradients) where no value underflows or overflows, provided each layer's
+    parameters are used only between its input and its site. Other sites in ``sites`` (probes)
+    measure as usual.
+
+    Args:
+      fun: the loss ``fun(params, sites, *args)``; returns a scalar, or ``(loss, aux)``.
+      has_aux: whether ``fun`` returns ``(loss, aux)``.
+
+    Returns:
+      A function of ``fun``'s arguments returning ``(value, (grads, measurements))``: the
+      loss (or ``(loss, aux)``), the unscaled gradients of ``params``, and the measurements
+      of ``sites`` (for :func:`jdls.update_sites`).
+
+    Example:
+      >>> import jax.numpy as jnp, jdls
+      >>> def loss(p, sites, x):
+      ...     h = jdls.apply_site(jnp.tanh(x * p["a"]), sites["a"])
+      ...     return jnp.sum(jdls.apply_site(h * p["b"], sites["b"]))
+      >>> sites = {"a": jdls.layer_site(jdls.StaticScale(2.0**20), 0),
+      ...          "b": jdls.layer_site(jdls.StaticScale(4.0), 1)}
+      >>> params = {"a": jnp.float32(0.5), "b": jnp.float32(3.0)}
+      >>> value, (grads, measured) = jdls.layer_scaled_value_and_grad(loss)(params, sites, 1.0)
+      >>> round(float(grads["a"]), 4), round(float(grads["b"]), 4)
+      (2.3593, 0.4621)
+      >>> bool(measured["a"].value["finite"])
+      True
+    """
+
+    def value_and_grad_fn(params: Any, sites: Any, *args: Any, **kwargs: Any) -> Any:
+        value, grads = scale_layers(
+            fun,
+            (params, sites, *args),
+            kwargs,
+            (0, 1),
+            layer_of=lambda path: path[1:],
+            param_path=lambda path: path[1:] if path[0] == 0 else (None,),
+            has_aux=has_aux,
+            who="jdls.layer_scaled_value_and_grad",
+        )
+        return value, (grads[0], grads[1])
+
+    return value_and_grad_fn

@@ -16,6 +16,7 @@ import numpy as np
 from jdls._checks import is_float
 from jdls._filter import filtered_value_and_grad
 from jdls._grad import reject_axis_name, scaled_value_and_grad
+from jdls._site import is_site
 
 __all__ = ["LossScale", "check_scale", "new_scale", "register_scale", "show"]
 
@@ -75,6 +76,9 @@ class LossScale:
     def unscale(self, tree: T) -> T:
         """Divide every float leaf by the scale; leaves narrower than float32 become float32.
 
+        A :class:`jdls.Site` in ``tree`` (the measurement a differentiation returns for a
+        site) is left as it is: a measurement is never unscaled.
+
         Example:
           >>> import jax.numpy as jnp, jdls
           >>> jdls.StaticScale(1024.0).unscale(jnp.float16(2.0))
@@ -83,13 +87,13 @@ class LossScale:
         loss_scale = self.loss_scale
 
         def unscale_leaf(x: Any) -> Any:
-            if not is_float(x):
+            if is_site(x) or not is_float(x):
                 return x
             x = jnp.asarray(x)
             dtype = jnp.promote_types(x.dtype, _F32)
             return x.astype(dtype) / loss_scale.astype(dtype)
 
-        return jax.tree_util.tree_map(unscale_leaf, tree)
+        return jax.tree_util.tree_map(unscale_leaf, tree, is_leaf=is_site)
 
     def adjust(self, grads_finite: jax.Array | bool) -> LossScale:  # pragma: no cover
         """The next state after a step whose gradients were finite (or not)."""

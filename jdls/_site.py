@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
@@ -64,8 +64,8 @@ class SiteKind:
       ... class Amax(jdls.SiteKind):  # measures the largest cotangent
       ...     def init(self):
       ...         return jnp.zeros((), jnp.float32)
-      ...     def backward(self, residuals, g):
-      ...         return g, jnp.max(jnp.abs(g)).astype(jnp.float32)
+      ...     def backward(self, residuals, g):  # g: the cotangents of x's float leaves
+      ...         return g, jnp.max(jnp.abs(g[0])).astype(jnp.float32)
       ...     def update(self, value, measurement, finite):
       ...         return measurement
       >>> site = jdls.Site(Amax())
@@ -89,6 +89,11 @@ class SiteKind:
         the structure of the value (a float leaf in its dtype; integer leaves are ignored).
         JAX sums the measurements of a value used more than once."""
         raise NotImplementedError(f"{type(self).__name__} must define backward()")
+
+    def stack_shape(self, value: Any) -> tuple[int, ...]:
+        """The leading axes of ``value`` beyond one site's (a stack of sites; ``()`` for
+        one). Default: compared with the shapes of :meth:`init`."""
+        return _extra_axes(self, value)
 
     def update(self, value: Any, measurement: Any, finite: jax.Array) -> Any:
         """The site's value for the next step, from this step's ``measurement`` and whether
@@ -144,10 +149,10 @@ def _flatten_with_keys(site: Site) -> tuple[tuple[tuple[Any, Any], ...], SiteKin
     return ((jax.tree_util.GetAttrKey("value"), site.value),), site.kind
 
 
-def _unflatten(kind: SiteKind, children: Sequence[Any]) -> Site:
+def _unflatten(kind: SiteKind, children: Iterable[Any]) -> Site:
     site = object.__new__(Site)
     object.__setattr__(site, "kind", kind)
-    object.__setattr__(site, "value", children[0])
+    object.__setattr__(site, "value", next(iter(children)))
     return site
 
 
@@ -174,9 +179,11 @@ def _is_float(x: Any) -> bool:
 def _cotangent(measurement: Any, value: Any) -> Any:
     """The measurement as a cotangent of ``value``: each float leaf in its leaf's dtype and
     shape (a shape mismatch is the kind's error), ``float0`` zeros for integer leaves."""
-    from jdls._norm import vary_like
+    from jdls._norm import sum_like, vary_like
 
     def leaf(m: Any, v: Any) -> Any:
+        if m is None:  # no measurement for this part of the value: zeros
+            return jax.tree_util.tree_map(lambda u: leaf(jnp.zeros_like(u), u), v)
         if not _is_float(v):
             return np.zeros(jnp.shape(v), jax.dtypes.float0)
         m = jnp.asarray(m).astype(jnp.result_type(v))
@@ -185,7 +192,9 @@ def _cotangent(measurement: Any, value: Any) -> Any:
                 f"a site's backward() returned a measurement of shape {m.shape} for a value "
                 f"leaf of shape {jnp.shape(v)}: it must have the value's structure and shapes"
             )
-        return vary_like(m, v)
+        # inside shard_map: a value that varies per device gets its device's measurement; a
+        # replicated one the sum over the devices, as JAX gives any replicated input
+        return sum_like(vary_like(m, v), v)
 
     return jax.tree_util.tree_map(leaf, measurement, value, is_leaf=lambda x: x is None)
 
@@ -214,13 +223,13 @@ def _value_shapes(kind: SiteKind) -> Any:
     return jax.eval_shape(kind.init)
 
 
-def _extra_axes(site: Site) -> tuple[int, ...]:
-    """The leading axes of ``site.value`` beyond one site's (a stack of sites)."""
-    one = jax.tree_util.tree_leaves(_value_shapes(site.kind))
-    have = jax.tree_util.tree_leaves(site.value)
+def _extra_axes(kind: SiteKind, value: Any) -> tuple[int, ...]:
+    """The leading axes of ``value`` beyond one site's (a stack of sites)."""
+    one = jax.tree_util.tree_leaves(_value_shapes(kind))
+    have = jax.tree_util.tree_leaves(value)
     if len(one) != len(have):
         raise ValueError(
-            f"a {type(site.kind).__name__} site's value has {len(have)} leaves, its kind makes "
+            f"a {type(kind).__name__} site's value has {len(have)} leaves, its kind makes "
             f"{len(one)}: build sites with jdls.Site(kind)"
         )
     extra: tuple[int, ...] | None = None
@@ -229,14 +238,14 @@ def _extra_axes(site: Site) -> tuple[int, ...]:
         n = len(shape) - len(o.shape)
         if n < 0 or tuple(shape[n:]) != tuple(o.shape):
             raise ValueError(
-                f"a {type(site.kind).__name__} site's value has a leaf of shape {shape}, where "
+                f"a {type(kind).__name__} site's value has a leaf of shape {shape}, where "
                 f"one site's is {o.shape} (with leading stack axes at most)"
             )
         if extra is None:
             extra = tuple(shape[:n])
         elif extra != tuple(shape[:n]):
             raise ValueError(
-                f"a {type(site.kind).__name__} site's value leaves are stacked unevenly: "
+                f"a {type(kind).__name__} site's value leaves are stacked unevenly: "
                 f"{extra} and {tuple(shape[:n])}"
             )
     return extra or ()
@@ -263,8 +272,8 @@ def apply_site(x: Any, site: Site) -> Any:
       >>> def loss(x, site):
       ...     return jnp.sum(jdls.apply_site(jnp.tanh(x), site))
       >>> _, measured = jax.grad(loss, (0, 1))(jnp.ones(3), site)
-      >>> jdls.Telemetry.of({"h": measured}).count.tolist()
-      [3.0]
+      >>> jdls.Telemetry.of({"h": measured}).uses.tolist()
+      [1.0]
     """
     if not isinstance(site, Site):
         raise TypeError(
@@ -272,7 +281,7 @@ def apply_site(x: Any, site: Site) -> Any:
             f"{type(site).__name__}: build one with jdls.Site(kind), keep it with the model's "
             "state and pass it in"
         )
-    stack = _extra_axes(site)
+    stack = site.kind.stack_shape(site.value)
     if stack:
         raise ValueError(
             f"apply_site got a stack of {math.prod(stack)} {type(site.kind).__name__} sites "
@@ -332,7 +341,7 @@ def _update_one(site: Site, measured: Site | None, finite: jax.Array) -> Site:
             f"{type(measured).__name__}; pass the sites' gradients as the measurements"
         )
     update: Callable[..., Any] = site.kind.update
-    for _ in _extra_axes(site):
+    for _ in site.kind.stack_shape(site.value):
         update = jax.vmap(update, in_axes=(0, 0, None))
     # the measurement's integer leaves are None (held fixed) or float0: the kind ignores them
     return Site(site.kind, update(site.value, measured.value, finite))
@@ -362,7 +371,7 @@ def update_sites(sites: Any, measurements: Any, finite: Any = True) -> Any:
       >>> _, measured = jax.grad(loss, (0, 1))(jnp.ones(4), sites)
       >>> sites = jdls.update_sites(sites, measured)
       >>> jdls.Telemetry.of(sites).amax.tolist()
-      [2.0]
+      [1.0]
     """
     finite = jnp.asarray(finite, bool)
     measured_sites = jax.tree_util.tree_map(

@@ -27,7 +27,5 @@ Example:
 
 from jdls._flax import TrainState
 from jdls._flax import from_flax_train_state as from_train_state
-from jdls._layer_scales import layer_boundaries_linen as layer_boundaries
-from jdls._probe import probe_linen as probes
 
-__all__ = ["TrainState", "from_train_state", "layer_boundaries", "probes"]
+__all__ = ["TrainState", "from_train_state"]

@@ -25,14 +25,8 @@ Example:
 
 from jdls._flax import nnx_value_and_grad as value_and_grad
 from jdls._flax import set_nnx_scale as set_scale
-from jdls._layer_scales_nnx import layer_boundaries_nnx as layer_boundaries
-from jdls._layer_scales_nnx import nnx_layer_scaled_value_and_grad as layer_scaled_value_and_grad
-from jdls._probe import probe_nnx as probes
 
 __all__ = [
-    "layer_boundaries",
-    "layer_scaled_value_and_grad",
-    "probes",
     "set_scale",
     "value_and_grad",
 ]

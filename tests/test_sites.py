@@ -1,0 +1,494 @@
+"""State at a site as data, in hand-written JAX: probes and per-layer scales inside
+lax.scan over stacked layers, jax.checkpoint (with a policy), an inner jax.jit (traced
+before, too), lax.cond, lax.fori_loop, an inner vmap, an outer vmap and shard_map.
+
+Each composition is compared with its reference: the same layers unrolled in Python (no
+transformation), whose telemetry tests/test_probe.py checks against statistics computed from
+the cotangents, and whose per-layer gradients equal float32 ``jax.grad``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _helpers import assert_bitwise_equal, maybe_jit, with_and_without_jit
+
+import jdls
+
+DEPTH, WIDTH, BATCH = 4, 8, 6
+F16 = jnp.float16
+
+
+def _params() -> dict:
+    k = jax.random.split(jax.random.key(0), 2)
+    return {
+        "w": jax.random.normal(k[0], (DEPTH, WIDTH, WIDTH)) / WIDTH**0.5,
+        "b": jnp.linspace(-1.0, 1.0, DEPTH * WIDTH).reshape(DEPTH, WIDTH),
+    }
+
+
+def _x() -> jax.Array:
+    return jax.random.normal(jax.random.key(1), (BATCH, WIDTH))
+
+
+def layer(w: jax.Array, b: jax.Array, h: jax.Array, dtype) -> jax.Array:
+    return jnp.tanh(h @ w.astype(dtype) + b.astype(dtype))
+
+
+def stack(sites: list[jdls.Site]) -> jdls.Site:
+    """Sites of one kind stacked along a new leading axis (one per layer)."""
+    return jax.tree_util.tree_map(lambda *v: jnp.stack(v), *sites)
+
+
+def index(tree, i):
+    return jax.tree_util.tree_map(lambda v: v[i], tree)
+
+
+# --------------------------------------------------------------------------------------------
+# The compositions: each a loss(params, sites, x) with one site per layer.
+# --------------------------------------------------------------------------------------------
+
+
+def unrolled(params, sites, x, dtype=F16):
+    h = x.astype(dtype)
+    for i in range(DEPTH):
+        h = jdls.apply_site(layer(params["w"][i], params["b"][i], h, dtype), index(sites, i))
+    return jnp.mean(h.astype(jnp.float32) ** 2)
+
+
+def _body(dtype):
+    def body(h, p):
+        w, b, site = p
+        return jdls.apply_site(layer(w, b, h, dtype), site), None
+
+    return body
+
+
+def scanned(params, sites, x, dtype=F16):
+    h, _ = jax.lax.scan(_body(dtype), x.astype(dtype), (params["w"], params["b"], sites))
+    return jnp.mean(h.astype(jnp.float32) ** 2)
+
+
+def scanned_remat(params, sites, x, dtype=F16):
+    body = jax.checkpoint(_body(dtype), policy=jax.checkpoint_policies.nothing_saveable)
+    h, _ = jax.lax.scan(body, x.astype(dtype), (params["w"], params["b"], sites))
+    return jnp.mean(h.astype(jnp.float32) ** 2)
+
+
+def scanned_remat_dots(params, sites, x, dtype=F16):
+    policy = jax.checkpoint_policies.checkpoint_dots
+    body = jax.checkpoint(_body(dtype), policy=policy)
+    h, _ = jax.lax.scan(body, x.astype(dtype), (params["w"], params["b"], sites))
+    return jnp.mean(h.astype(jnp.float32) ** 2)
+
+
+@jax.jit
+def _jitted_layer(w, b, h, site):
+    return jdls.apply_site(layer(w, b, h, h.dtype), site)
+
+
+def inner_jit(params, sites, x, dtype=F16):
+    h = x.astype(dtype)
+    for i in range(DEPTH):
+        h = _jitted_layer(params["w"][i], params["b"][i], h, index(sites, i))
+    return jnp.mean(h.astype(jnp.float32) ** 2)
+
+
+def inner_cond(params, sites, x, dtype=F16):
+    """Layer 1 inside lax.cond (a layer either way, its site in both branches)."""
+    h = x.astype(dtype)
+    for i in range(DEPTH):
+        w, b, site = params["w"][i], params["b"][i], index(sites, i)
+        if i == 1:
+            h = jax.lax.cond(
+                jnp.sum(x) > -1e9,
+                lambda h, w=w, b=b, site=site: jdls.apply_site(layer(w, b, h, dtype), site),
+                lambda h, w=w, b=b, site=site: jdls.apply_site(layer(w, -b, h, dtype), site),
+                h,
+            )
+        else:
+            h = jdls.apply_site(layer(w, b, h, dtype), site)
+    return jnp.mean(h.astype(jnp.float32) ** 2)
+
+
+def fori(params, sites, x, dtype=F16):
+    def body(i, h):
+        w, b, site = index((params["w"], params["b"], sites), i)
+        return jdls.apply_site(layer(w, b, h, dtype), site)
+
+    h = jax.lax.fori_loop(0, DEPTH, body, x.astype(dtype))
+    return jnp.mean(h.astype(jnp.float32) ** 2)
+
+
+COMPOSITIONS: dict[str, Callable] = {
+    "lax.scan": scanned,
+    "lax.scan + jax.checkpoint": scanned_remat,
+    "lax.scan + jax.checkpoint(checkpoint_dots)": scanned_remat_dots,
+    "inner jax.jit": inner_jit,
+    "lax.cond": inner_cond,
+    "lax.fori_loop": fori,
+}
+
+
+def probes() -> jdls.Site:
+    return jdls.Site(jdls.Probe()).stacked(DEPTH)
+
+
+def telemetry_of(loss, scale, jit, *args):
+    fn = scale.value_and_grad(loss, argnums=(0, 1))
+    value, (grads, measured) = maybe_jit(fn, jit)(*args)
+    return value, grads, jdls.Telemetry.of({"layers": measured})
+
+
+# --------------------------------------------------------------------------------------------
+# Probes.
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(COMPOSITIONS))
+@with_and_without_jit
+def test_probes_measure_each_layer_under(name: str, jit: bool) -> None:
+    params, x, scale = _params(), _x(), jdls.StaticScale(2.0**6)
+    value, grads, t = telemetry_of(COMPOSITIONS[name], scale, jit, params, probes(), x)
+    ref_value, ref_grads, ref = telemetry_of(unrolled, scale, jit, params, probes(), x)
+    assert t.names == tuple(f"layers[{i}]" for i in range(DEPTH))  # a row per layer
+    assert np.asarray(t.uses).tolist() == [1.0] * DEPTH
+    for a, b in zip((t.amax, t.flushed, t.zeros, t.nonfinite), ref[1:5], strict=True):
+        np.testing.assert_allclose(a, b, rtol=2e-3)  # XLA fuses the programs differently
+    np.testing.assert_allclose(value, ref_value, rtol=1e-6)
+    leaves = jax.tree_util.tree_leaves
+    for a, b in zip(leaves(grads), leaves(ref_grads), strict=True):
+        np.testing.assert_allclose(a, b, rtol=2e-3, atol=1e-6)
+    assert float(jnp.min(t.amax)) > 0
+
+
+@pytest.mark.parametrize("name", ["lax.scan", "lax.scan + jax.checkpoint"])
+def test_probes_in_float32_equal_the_unrolled_ones(name: str) -> None:
+    """Eager float32: the scanned, rematerialised stack measures what the unrolled layers
+    measure (to float32 rounding: a scan body is compiled, the unrolled layers are not)."""
+    params, x, scale = _params(), _x(), jdls.StaticScale(2.0**6)
+
+    def f32(loss):
+        return lambda p, s, x: loss(p, s, x, jnp.float32)
+
+    _, grads, t = telemetry_of(f32(COMPOSITIONS[name]), scale, False, params, probes(), x)
+    _, ref_grads, ref = telemetry_of(f32(unrolled), scale, False, params, probes(), x)
+    assert t.names == ref.names
+    for a, b in zip(jax.tree_util.tree_leaves(t), jax.tree_util.tree_leaves(ref), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+    np.testing.assert_allclose(grads["w"], ref_grads["w"], rtol=1e-5, atol=1e-7)
+
+
+def test_a_jitted_function_traced_before_keeps_its_sites() -> None:
+    """The site is an argument of the jitted function: a trace cached by an earlier call
+    (an evaluation step, outside any differentiation) has it, and measures."""
+    params, x, scale = _params(), _x(), jdls.StaticScale(2.0**6)
+    evaluate = jax.jit(unrolled)
+    evaluate(params, probes(), x)  # traced and cached, no differentiation
+    _jitted_layer(params["w"][0], params["b"][0], x.astype(F16), index(probes(), 0))
+    _, _, t = telemetry_of(evaluate, scale, False, params, probes(), x)
+    _, _, again = telemetry_of(inner_jit, scale, False, params, probes(), x)
+    _, _, ref = telemetry_of(unrolled, scale, False, params, probes(), x)
+    assert np.asarray(t.uses).tolist() == [1.0] * DEPTH
+    np.testing.assert_allclose(t.amax, ref.amax, rtol=2e-3)
+    np.testing.assert_allclose(again.amax, ref.amax, rtol=2e-3)
+
+
+def test_a_site_in_the_branch_not_taken_reports_no_measurement() -> None:
+    def loss(params, sites, x):
+        h = layer(params["w"][0], params["b"][0], x, jnp.float32)
+        h = jax.lax.cond(
+            jnp.sum(x) > 1e9,  # never
+            lambda h: jdls.apply_site(h * 2.0, index(sites, 0)),
+            lambda h: jdls.apply_site(h, index(sites, 1)),
+            h,
+        )
+        return jnp.sum(h)
+
+    _, _, t = telemetry_of(loss, jdls.StaticScale(1.0), True, _params(), probes(), _x())
+    assert np.asarray(t.uses)[:2].tolist() == [0.0, 1.0]
+    assert np.isnan(float(t.amax[0])) and float(t.amax[1]) == 1.0
+
+
+def test_an_inner_vmap_with_a_site_per_example_measures_each_example() -> None:
+    """Statistics per example: the site batched along the vmap axis."""
+    params, x, scale = _params(), _x(), jdls.StaticScale(2.0**6)
+
+    def loss(params, sites, x):
+        def one(h, site):
+            return jdls.apply_site(layer(params["w"][0], params["b"][0], h, F16), site)
+
+        return jnp.mean(jax.vmap(one)(x.astype(F16), sites).astype(jnp.float32) ** 2)
+
+    sites = jdls.Site(jdls.Probe()).stacked(BATCH)
+    _, _, t = telemetry_of(loss, scale, True, params, sites, x)
+    assert len(t.names) == BATCH and np.asarray(t.uses).tolist() == [1.0] * BATCH
+
+    def per_example(params, site, x1):  # the reference: one example at a time
+        h = jdls.apply_site(layer(params["w"][0], params["b"][0], x1[None].astype(F16), F16), site)
+        return jnp.sum(h.astype(jnp.float32) ** 2) / (BATCH * WIDTH)
+
+    for i in range(BATCH):
+        _, _, r = telemetry_of(per_example, scale, True, params, jdls.Site(jdls.Probe()), x[i])
+        np.testing.assert_allclose(t.amax[i], r.amax[0], rtol=1e-3)
+        np.testing.assert_allclose(t.zeros[i], r.zeros[0])
+
+
+def test_a_site_shared_by_an_inner_vmap_sums_counts_and_reports_no_max() -> None:
+    """One unbatched site for the whole vmap: JAX adds up the measurements of its uses. The
+    counts and fractions are those of the whole batch; the largest magnitude is not a sum of
+    maxima: NaN, and ``uses`` says why."""
+    params, x, scale = _params(), _x(), jdls.StaticScale(2.0**6)
+
+    def loss(params, site, x, batched):
+        def one(h):
+            return jdls.apply_site(layer(params["w"][0], params["b"][0], h, F16), site)
+
+        h = jax.vmap(one)(x.astype(F16)) if batched else one(x.astype(F16))
+        return jnp.mean(h.astype(jnp.float32) ** 2)
+
+    site = jdls.Site(jdls.Probe())
+    _, _, shared = telemetry_of(lambda p, s, x: loss(p, s, x, True), scale, True, params, site, x)
+    _, _, whole = telemetry_of(lambda p, s, x: loss(p, s, x, False), scale, True, params, site, x)
+    assert float(shared.uses[0]) == BATCH and float(whole.uses[0]) == 1.0
+    assert np.isnan(float(shared.amax[0]))
+    np.testing.assert_allclose(shared.zeros, whole.zeros)
+    np.testing.assert_allclose(shared.flushed, whole.flushed)
+
+
+def test_an_outer_vmap_keeps_one_measurement_per_example() -> None:
+    params, x, scale = _params(), _x(), jdls.StaticScale(2.0**6)
+
+    def step(x1):
+        return telemetry_of(unrolled, scale, False, params, probes(), x1[None])[2]
+
+    t = jax.jit(jax.vmap(step))(x)
+    assert t.amax.shape == (BATCH, DEPTH)
+    for i in range(BATCH):
+        np.testing.assert_allclose(t.amax[i], step(x[i]).amax, rtol=1e-3)
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_probes_under_shard_map_measure_each_device(check_vma: bool) -> None:
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+    params, scale = _params(), jdls.StaticScale(2.0**6)
+    x = jax.random.normal(jax.random.key(3), (2, BATCH, WIDTH))
+
+    def step(x):
+        # per device: sites that vary over the devices (a replicated site would get the sum
+        # of the devices' measurements, as JAX gives any replicated input)
+        sites = jax.lax.pcast(probes(), "data", to="varying") if check_vma else probes()
+        t = telemetry_of(scanned_remat, scale, False, params, sites, x[0])[2]
+        shared = telemetry_of(scanned_remat, scale, False, params, probes(), x[0])[2]
+        return t.amax[None], shared.uses[None]
+
+    amax, uses = jax.jit(
+        jax.shard_map(
+            step,
+            mesh=mesh,
+            in_specs=P("data"),
+            out_specs=(P("data"), P("data")),
+            check_vma=check_vma,
+        )
+    )(x)
+    for d in range(2):
+        ref = telemetry_of(unrolled, scale, False, params, probes(), x[d])[2]
+        np.testing.assert_allclose(amax[d], ref.amax, rtol=2e-3)
+    # with check_vma, a replicated site is shared by the devices: its uses add up
+    assert np.asarray(uses).tolist() == [[2.0 if check_vma else 1.0] * DEPTH] * 2
+
+
+# --------------------------------------------------------------------------------------------
+# Per-layer scales.
+# --------------------------------------------------------------------------------------------
+
+EXPONENTS = (30, -6, 12, 3)
+
+
+def layer_sites() -> jdls.Site:
+    """One stacked per-layer site: the stack is one position, its layers in index order."""
+    return stack([jdls.layer_site(jdls.StaticScale(2.0**e), 0) for e in EXPONENTS])
+
+
+@pytest.mark.parametrize("name", list(COMPOSITIONS))
+@with_and_without_jit
+def test_per_layer_scales_are_exact_under(name: str, jit: bool) -> None:
+    """float32, scales 2**36 apart: the gradients are float32 jax.grad's, each layer of the
+    stack unscaled by its own scale."""
+    params, x = _params(), _x()
+
+    def f32(loss):
+        return lambda p, s, x: loss(p, s, x, jnp.float32)
+
+    fn = maybe_jit(jdls.layer_scaled_value_and_grad(f32(COMPOSITIONS[name])), jit)
+    value, (grads, measured) = fn(params, layer_sites(), x)
+    ref_value, ref = maybe_jit(jax.value_and_grad(f32(COMPOSITIONS[name])), jit)(
+        params, layer_sites(), x
+    )
+    np.testing.assert_allclose(value, ref_value, rtol=1e-6)
+    for key in ("w", "b"):
+        np.testing.assert_allclose(grads[key], ref[key], rtol=1e-5, atol=1e-7)
+    assert measured.value["finite"].tolist() == [1.0] * DEPTH
+    amax = jnp.max(jnp.abs(grads["w"]).reshape(DEPTH, -1), axis=1)
+    amax = jnp.maximum(amax, jnp.max(jnp.abs(grads["b"]), axis=1))
+    assert measured.value["amax"].tolist() == amax.tolist()
+
+
+def test_per_layer_scales_stacked_equal_the_unrolled_sites() -> None:
+    """Eager float32: a scanned, rematerialised stack with a stacked site gives the unrolled
+    layers' gradients (to float32 rounding: the scan body is compiled), and four sites at four
+    positions in a list give them bit for bit."""
+    params, x = _params(), _x()
+    f32 = lambda loss: lambda p, s, x: loss(p, s, x, jnp.float32)  # noqa: E731
+    fn = jdls.layer_scaled_value_and_grad
+    _, (stacked, _) = fn(f32(scanned_remat))(params, layer_sites(), x)
+    _, (unrolled_grads, _) = fn(f32(unrolled))(params, layer_sites(), x)
+    for key in ("w", "b"):
+        np.testing.assert_allclose(stacked[key], unrolled_grads[key], rtol=1e-5, atol=1e-7)
+
+    def separate(params, sites, x):  # four sites, positions 0..3, in a list
+        h = x
+        for i in range(DEPTH):
+            h = jdls.apply_site(layer(params["w"][i], params["b"][i], h, jnp.float32), sites[i])
+        return jnp.mean(h**2)
+
+    sites = [jdls.layer_site(jdls.StaticScale(2.0**e), i) for i, e in enumerate(EXPONENTS)]
+    split = {"w": list(params["w"]), "b": list(params["b"])}
+    per_layer = [{"w": split["w"][i], "b": split["b"][i]} for i in range(DEPTH)]
+    _, (grads, _) = fn(lambda p, s, x: separate(_stacked(p), s, x))(per_layer, sites, x)
+    assert_bitwise_equal(_stacked(grads), unrolled_grads)
+
+
+def _stacked(per_layer: list[dict]) -> dict:
+    return {k: jnp.stack([p[k] for p in per_layer]) for k in per_layer[0]}
+
+
+def test_per_layer_scales_recover_float16_gradients_in_a_scanned_remat_stack() -> None:
+    """float16, a stack whose layers' gradients span more than float16 holds: one global
+    scale flushes the first layers' gradients, per-layer scales inside the scanned,
+    rematerialised stack keep them."""
+    depth, width = 12, 32
+    k = jax.random.split(jax.random.key(0), 2)
+    params = {
+        "w": jax.random.normal(k[0], (depth, width, width)) / width**0.5,
+        "b": jnp.full((depth, width), 3.0),  # saturated tanh: the signal shrinks with depth
+    }
+    x = jax.random.normal(k[1], (64, width))
+
+    def loss(params, sites, x, dtype=F16):
+        body = jax.checkpoint(_body(dtype))
+        h, _ = jax.lax.scan(body, x.astype(dtype), (params["w"], params["b"], sites))
+        return 1e-3 * jnp.mean(h.astype(jnp.float32) ** 2)
+
+    def site_for(scales):
+        return stack([jdls.layer_site(jdls.StaticScale(s), 0) for s in scales])
+
+    expected = jax.grad(loss)(params, site_for([1.0] * depth), x, jnp.float32)
+    amax = np.max(np.abs(np.asarray(expected["w"])).reshape(depth, -1), axis=1)
+    best = [2.0 ** np.floor(np.log2(65504 * 2.0**-6 / a)) for a in amax]
+    fn = jax.jit(jdls.layer_scaled_value_and_grad(loss))
+    _, (one, _) = fn(params, site_for([min(best)] * depth), x)
+    _, (own, measured) = fn(params, site_for(best), x)
+    ref = np.asarray(expected["w"]) != 0
+
+    def flushed(g):
+        return float(np.mean((np.asarray(g["w"]) == 0)[ref]))
+
+    print(
+        f"span 2**{np.log2(amax.max() / amax.min()):.1f}: flushed {flushed(one):.3f} global, "
+        f"{flushed(own):.3f} per layer"
+    )
+    assert flushed(one) >= 0.2 and flushed(own) * 8 <= flushed(one)
+    assert measured.value["finite"].tolist() == [1.0] * depth
+
+
+def test_a_stacked_site_is_updated_layer_by_layer() -> None:
+    sites = stack([jdls.layer_site(jdls.AdaptiveScale(2.0**10), 0) for _ in range(3)])
+    measured = jdls.Site(
+        sites.kind,
+        {
+            "scale": None,
+            "ratio": jnp.zeros(3),
+            "amax": jnp.array([2.0**-20, 2.0**-2, 1.0]),
+            "finite": jnp.array([1.0, 1.0, 1.0]),
+        },
+    )
+    new = jax.jit(jdls.update_sites)(sites, measured, True)
+    assert new.value["scale"].loss_scale.tolist() == [2.0**29, 2.0**11, 2.0**9]
+    skipped = jdls.update_sites(sites, measured, False)
+    assert skipped.value["scale"].loss_scale.tolist() == [2.0**10] * 3
+
+
+def test_probes_and_per_layer_sites_together() -> None:
+    """Both kinds in one tree: the per-layer differentiation measures the probes too, at each
+    layer's own scale."""
+    params, x = _params(), _x()
+
+    def loss(params, sites, x):
+        h = x
+        for i in range(DEPTH):
+            h = layer(params["stack"]["w"][i], params["stack"]["b"][i], h, jnp.float32)
+            h = jdls.apply_site(h, index(sites["probe"], i))
+            h = jdls.apply_site(h, index(sites["stack"], i))
+        return jnp.mean(h**2)
+
+    # the per-layer site of params["stack"] is sites["stack"]; the probes are anywhere
+    sites = {"probe": probes(), "stack": layer_sites()}
+    fn = jdls.layer_scaled_value_and_grad(loss)
+    _, (_, measured) = fn({"stack": params}, sites, x)
+    t = jdls.Telemetry.of(measured)
+    assert len(t.names) == DEPTH and np.asarray(t.uses).tolist() == [1.0] * DEPTH
+    f32 = lambda p, s, x: unrolled(p, s, x, jnp.float32)  # noqa: E731
+    _, _, plain = telemetry_of(f32, jdls.StaticScale(1.0), False, params, probes(), x)
+    # each probe sits before its layer's site in the forward pass, after it in the backward
+    # pass: it sees the cotangent at its layer's own scale
+    levels = np.array([2.0**e for e in EXPONENTS])
+    np.testing.assert_allclose(t.amax, np.asarray(plain.amax) * levels, rtol=2e-3)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Count(jdls.SiteKind):
+    """A kind that counts its uses, to test the mechanism alone."""
+
+    def init(self):
+        return jnp.zeros((), jnp.float32)
+
+    def backward(self, residuals, g):
+        return g, jnp.ones((), jnp.float32)
+
+    def update(self, value, measurement, finite):
+        return jnp.where(finite, value + measurement, value)
+
+
+def test_update_sites_is_skip_aware_and_leaves_other_leaves_alone() -> None:
+    tree = {"w": jnp.ones(2), "count": jdls.Site(_Count()).stacked(2)}
+    measured = jax.grad(
+        lambda t: (
+            jnp.sum(jdls.apply_site(t["w"], index(t["count"], 0)))
+            + jnp.sum(jdls.apply_site(t["w"], index(t["count"], 1)))
+        )
+    )(tree)
+    assert measured["count"].value.tolist() == [1.0, 1.0]
+    taken = jdls.update_sites(tree, measured, True)
+    assert taken["count"].value.tolist() == [1.0, 1.0] and taken["w"] is tree["w"]
+    assert jdls.update_sites(tree, measured, False)["count"].value.tolist() == [0.0, 0.0]
+    rest, sites = jdls.split_sites(measured)
+    assert rest["count"] is None and sites["w"] is None
+    assert_bitwise_equal(jdls.merge_sites(rest, sites), measured)
+
+
+def test_apply_site_says_what_to_pass() -> None:
+    with pytest.raises(TypeError, match="jdls.Site"):
+        jdls.apply_site(jnp.ones(2), jdls.Probe())  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="SiteKind"):
+        jdls.Site("probe")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="stack of 4"):
+        jdls.apply_site(jnp.ones(2), probes())
