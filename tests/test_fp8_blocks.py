@@ -1,0 +1,464 @@
+"""Block scaling (MX, DeepSeek-V3) against independent host references, bit for bit.
+
+The references are written here from the rules as their sources state them, in numpy
+(float64 or IEEE float32 without flush-to-zero), never from jdls code:
+
+- down: the OCP MX reference emulator (microsoft/microxcaling ``_shared_exponents`` and
+  ``_quantize_mx``): ``floor(log2(amax))`` with ``amax == 0`` read as the smallest normal,
+  minus the element format's ``emax``, raised to -127;
+- up: JAX's ``cast_to_e8m0_with_rounding_up`` applied to the float32 quotient ``amax / fmax``
+  (exponent field, plus one where the mantissa is non-zero, except at the largest exponent
+  and below ``2**-127``);
+- outlier_aware: qwix's ``compute_scale_zero_point`` for ``mxfp8`` / ``mxfp4`` (quotient,
+  1.0 below ``sqrt(tiny)``, times ``c``, rounded to bfloat16, exponent bits kept).
+
+Elements: ``clip(x / 2**e, -fmax, fmax)`` rounded by ml_dtypes.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jdls.fp8._block import (
+    ELEMENT_FORMATS,
+    block_stats,
+    dequantize_blocks,
+    element_format,
+    quantize_blocks,
+)
+from jdls.fp8._block_dot import BlockScaling, block_dot_general, deepseek, mx
+from jdls.fp8._e8m0 import outlier_constant, shared_exponent
+
+ML_DTYPES = {
+    "e4m3": ml_dtypes.float8_e4m3fn,
+    "e5m2": ml_dtypes.float8_e5m2,
+    "e2m3": ml_dtypes.float6_e2m3fn,
+    "e3m2": ml_dtypes.float6_e3m2fn,
+    "e2m1": ml_dtypes.float4_e2m1fn,
+}
+RULES = ("up", "down", "outlier_aware")
+
+
+# ------------------------------------------------------------------------------------------
+# References (host, numpy).
+# ------------------------------------------------------------------------------------------
+
+
+def ref_down(amax: np.ndarray, fmax: float) -> np.ndarray:
+    a = amax.astype(np.float64)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        e = np.floor(np.log2(np.where(a == 0, 2.0**-126, a))) - math.floor(math.log2(fmax))
+    e = np.where(np.isfinite(a), np.maximum(e, -127), np.nan)
+    return np.where(np.isnan(e), 255, e + 127).astype(np.int64)
+
+
+def ref_up(amax: np.ndarray, fmax: float) -> np.ndarray:
+    with np.errstate(invalid="ignore", over="ignore"):
+        q = amax.astype(np.float32) / np.float32(fmax)
+    bits = q.view(np.uint32).astype(np.int64)
+    field, frac = bits >> 23, bits & 0x7FFFFF
+    below = (field == 0) & (frac <= 0x400000)
+    up = (frac > 0) & (field != 254) & ~below
+    return np.where(np.isfinite(amax), field + up, 255)
+
+
+def ref_outlier_aware(amax: np.ndarray, fmax: float, mantissa_bits: int) -> np.ndarray:
+    with np.errstate(invalid="ignore", over="ignore"):
+        s = amax.astype(np.float32) / np.float32(fmax)
+        s = np.where(s < np.sqrt(np.finfo(np.float32).tiny), np.float32(1.0), s)
+        t = (s * np.float32(outlier_constant(mantissa_bits))).astype(ml_dtypes.bfloat16)
+    return ((t.view(np.uint16) & 0x7F80) >> 7).astype(np.int64)
+
+
+def ref_codes(amax: np.ndarray, rule: str, fmt: str) -> np.ndarray:
+    f = ELEMENT_FORMATS[fmt]
+    if rule == "down":
+        return ref_down(amax, f.max)
+    if rule == "up":
+        return ref_up(amax, f.max)
+    return ref_outlier_aware(amax, f.max, f.mantissa_bits)
+
+
+def ref_quantize(x: np.ndarray, rule: str, fmt: str) -> tuple[np.ndarray, np.ndarray]:
+    """Blocks along the last axis of ``x`` (float32, shape (n, block)): codes and values."""
+    f = ELEMENT_FORMATS[fmt]
+    amax = np.max(np.abs(x.astype(np.float64)), axis=-1)
+    amax = np.where(np.isnan(x).any(-1), np.nan, amax).astype(np.float32)
+    codes = ref_codes(amax, rule, fmt)
+    e = np.where(codes == 255, 0, codes - 127)[:, None]
+    with np.errstate(invalid="ignore", over="ignore"):
+        q = np.clip(np.ldexp(x.astype(np.float64), -e), -f.max, f.max)
+    q = np.where(codes[:, None] == 255, 0.0, q).astype(np.float32)
+    return codes, q.astype(ML_DTYPES[fmt])
+
+
+def ref_dequantize(codes: np.ndarray, values: np.ndarray) -> np.ndarray:
+    e = np.where(codes == 255, 0, codes - 127)[:, None]
+    r = np.ldexp(values.astype(np.float64), e)
+    r = np.where(np.abs(r) < 2.0**-126, np.copysign(0.0, r), r)  # XLA CPU's flush-to-zero
+    with np.errstate(over="ignore"):
+        return np.where(codes[:, None] == 255, np.nan, r).astype(np.float32)
+
+
+# ------------------------------------------------------------------------------------------
+# Inputs.
+# ------------------------------------------------------------------------------------------
+
+
+def special_amax(fmax: float) -> np.ndarray:
+    """Zero, every power of two and its neighbours, ``fmax * 2**k`` and its neighbours, the
+    rounding boundaries below ``2**-126``, the largest float32, inf and NaN."""
+    f32 = np.float32
+    powers = [math.ldexp(1.0, k) for k in range(-149, 128)]
+    fm = [fmax * math.ldexp(1.0, k) for k in range(-160, 128)]
+    fm = [v for v in fm if 2.0**-149 <= v <= float(np.finfo(f32).max)]
+    bounds = [fmax * 2.0**-127 * (1 + 2.0**-23), fmax * 2.0**-127, fmax * 2.0**-126]
+    base = np.array(powers + fm + bounds + [2.0**-63 * fmax], np.float64).astype(f32)
+    bits = base.view(np.uint32).astype(np.int64)
+    near = np.concatenate([bits + d for d in (-2, -1, 0, 1, 2)])
+    near = near[(near >= 0) & (near < 0x7F800000)].astype(np.uint32).view(f32)
+    extra = np.array([0.0, np.finfo(f32).max, np.finfo(f32).tiny, np.inf, np.nan], f32)
+    return np.concatenate([near, extra])
+
+
+def random_amax(n: int, seed: int) -> np.ndarray:
+    """``n`` random non-negative float32 bit patterns (subnormals, inf and NaN included)."""
+    rng = np.random.default_rng(seed)
+    bits = rng.integers(0, 0x7FFFFFFF, n, dtype=np.uint32, endpoint=True)
+    return bits.view(np.float32)
+
+
+def random_blocks(n: int, block: int, seed: int) -> np.ndarray:
+    """``n`` blocks of float32 values: each block spans up to 40 binades below a random top
+    exponent (subnormals included); some blocks hold zeros only, inf, NaN or 2**+-127."""
+    rng = np.random.default_rng(seed)
+    top = rng.integers(0, 255, (n, 1))
+    field = np.maximum(top - rng.integers(0, 40, (n, block)), 0)
+    bits = (field << 23) | rng.integers(0, 1 << 23, (n, block))
+    bits |= rng.integers(0, 2, (n, block)) << 31
+    x = bits.astype(np.uint32).view(np.float32)
+    kind = rng.integers(0, 64, n)
+    x[kind == 0] = 0.0
+    x[kind == 1, 3] = np.inf
+    x[kind == 2, 5] = -np.inf
+    x[kind == 3, 7] = np.nan
+    x[kind == 4, 0] = 2.0**127
+    x[kind == 5] = np.float32(2.0**-127) * rng.integers(-1, 2, (int((kind == 5).sum()), block))
+    return x
+
+
+def _codes_of(amax: np.ndarray, rule: str, fmt: str) -> np.ndarray:
+    f = ELEMENT_FORMATS[fmt]
+    a = jnp.asarray(amax.view(np.uint32))
+    return np.asarray(
+        jax.jit(shared_exponent, static_argnums=(1, 2, 3))(a, rule, f.max, f.mantissa_bits)
+    )
+
+
+# ------------------------------------------------------------------------------------------
+# Shared exponents.
+# ------------------------------------------------------------------------------------------
+
+
+def _check_codes(amax: np.ndarray, rule: str, fmt: str) -> None:
+    got = _codes_of(amax, rule, fmt)
+    want = ref_codes(amax, rule, fmt)
+    finite = np.isfinite(amax)
+    np.testing.assert_array_equal(got[finite], want[finite])
+    assert (got[~finite] == 255).all()
+    if rule != "up":  # the OCP emulator and qwix give NaN / inf scales: E8M0's code 255
+        np.testing.assert_array_equal(want[~finite], 255)
+
+
+@pytest.mark.parametrize("fmt", sorted(ELEMENT_FORMATS))
+@pytest.mark.parametrize("rule", RULES)
+def test_shared_exponent_matches_reference_on_specials(rule, fmt):
+    amax = np.concatenate([special_amax(ELEMENT_FORMATS[fmt].max), random_amax(1 << 14, 7)])
+    _check_codes(amax, rule, fmt)
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("fmt", sorted(ELEMENT_FORMATS))
+@pytest.mark.parametrize("rule", RULES)
+def test_shared_exponent_matches_reference_on_a_million_patterns(rule, fmt):
+    _check_codes(random_amax(1 << 20, 8), rule, fmt)
+
+
+def test_rounding_up_differs_from_jax_only_for_nan():
+    # JAX's formula adds one to the exponent field 255 of a NaN quotient and wraps the uint8
+    # to 0 (the smallest scale); block scaling keeps the NaN scale. inf agrees (255).
+    amax = np.array([np.inf, np.nan], np.float32)
+    np.testing.assert_array_equal(_codes_of(amax, "up", "e4m3"), [255, 255])
+    np.testing.assert_array_equal(ref_up(amax, 448.0), [255, 255])  # the reference keeps it
+
+
+def test_rounding_up_never_clips_and_down_clips_below_twice_fmax():
+    amax = random_amax(1 << 16, 3)
+    amax = amax[np.isfinite(amax)]
+    for fmt, f in ELEMENT_FORMATS.items():
+        for rule in ("up", "down"):
+            e = _codes_of(amax, rule, fmt).astype(np.int64) - 127
+            top = amax.astype(np.float64) / np.ldexp(1.0, e)
+            if rule == "up":
+                assert (top[amax > f.max * 2.0**-126] <= f.max).all(), fmt
+            else:
+                assert (top[amax > 2.0**-100] < 2 * f.max).all(), fmt
+
+
+def test_outlier_constants_are_qwix_constants():
+    assert outlier_constant(3) == 60 / 31
+    assert outlier_constant(1) == 12 / 7
+
+
+# ------------------------------------------------------------------------------------------
+# Block quantization.
+# ------------------------------------------------------------------------------------------
+
+
+def _check_quantize(x: np.ndarray, rule: str, fmt: str) -> None:
+    block = x.shape[1]
+    fn = jax.jit(lambda v: quantize_blocks(v, (1, block), fmt, rule))
+    q = fn(jnp.asarray(x))
+    codes, values = ref_quantize(x, rule, fmt)
+    np.testing.assert_array_equal(np.asarray(q.codes)[:, 0], codes)
+    got = np.asarray(q.values)
+    if got.dtype == np.float32:  # FP6: values held in float32
+        np.testing.assert_array_equal(
+            got.view(np.uint32), values.astype(np.float32).view(np.uint32)
+        )
+    else:
+        np.testing.assert_array_equal(got.view(np.uint8), values.view(np.uint8))
+    deq = np.asarray(jax.jit(dequantize_blocks)(q))
+    np.testing.assert_array_equal(
+        deq.view(np.uint32), ref_dequantize(codes, values).view(np.uint32)
+    )
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_mxfp8_quantize_matches_reference(rule):
+    _check_quantize(random_blocks(1 << 14, 32, 99), rule, "e4m3")
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("rule", RULES)
+def test_mxfp8_quantize_matches_reference_on_a_million_blocks(rule):
+    for chunk in range(8):  # 8 x 2**17 blocks of 32
+        _check_quantize(random_blocks(1 << 17, 32, 100 + chunk), rule, "e4m3")
+
+
+@pytest.mark.parametrize("fmt", ["e5m2", "e2m3", "e3m2", "e2m1"])
+@pytest.mark.parametrize("rule", RULES)
+def test_other_mx_formats_quantize_matches_reference(rule, fmt):
+    _check_quantize(random_blocks(1 << 14, 32, 11), rule, fmt)
+
+
+def test_quantize_not_jitted_equals_jitted():
+    x = random_blocks(256, 32, 5)
+    a = quantize_blocks(jnp.asarray(x), (1, 32), "e4m3", "down")
+    b = jax.jit(lambda v: quantize_blocks(v, (1, 32), "e4m3", "down"))(jnp.asarray(x))
+    np.testing.assert_array_equal(np.asarray(a.codes), np.asarray(b.codes))
+    np.testing.assert_array_equal(
+        np.asarray(a.values).view(np.uint8), np.asarray(b.values).view(np.uint8)
+    )
+
+
+def test_blocks_in_two_dimensions_and_padding():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((200, 130)).astype(np.float32) * np.exp(
+        3 * rng.standard_normal((200, 1))
+    )
+    q = quantize_blocks(jnp.asarray(x), (128, 128), "e4m3", "up")
+    assert q.codes.shape == (2, 2) and q.values.shape == x.shape
+    padded = np.zeros((256, 256), np.float32)
+    padded[:200, :130] = x
+    tiles = padded.reshape(2, 128, 2, 128).transpose(0, 2, 1, 3).reshape(4, -1)
+    codes, values = ref_quantize(tiles, "up", "e4m3")
+    np.testing.assert_array_equal(np.asarray(q.codes).reshape(-1), codes)
+    back = values.reshape(2, 2, 128, 128).transpose(0, 2, 1, 3).reshape(256, 256)[:200, :130]
+    np.testing.assert_array_equal(np.asarray(q.values).view(np.uint8), back.view(np.uint8))
+
+
+def test_a_non_finite_value_makes_its_block_nan_and_only_its_block():
+    x = jnp.array([[1.0, jnp.inf, 2.0, 3.0], [1.0, 2.0, jnp.nan, 4.0]])
+    q = quantize_blocks(x, (1, 2), "e2m1", "up")  # FP4 has no NaN: the scale carries it
+    deq = np.asarray(dequantize_blocks(q))
+    assert np.isnan(deq[0, :2]).all() and np.isfinite(deq[0, 2:]).all()
+    assert np.isnan(deq[1, 2:]).all() and np.isfinite(deq[1, :2]).all()
+
+
+def test_block_stats_counts_clipped_flushed_and_nonfinite_blocks():
+    x = jnp.array([[449.0, 1.0, 1.0, 1.0, 2.0**-20, 1.0, jnp.nan, 1.0]])
+    down = {k: float(v) for k, v in block_stats(x, (1, 2), "e4m3", "down").items()}
+    up = {k: float(v) for k, v in block_stats(x, (1, 2), "e4m3", "up").items()}
+    assert down == {"clipped": 0.25, "flushed": 0.125, "nonfinite": 0.25}
+    assert up == {"clipped": 0.0, "flushed": 0.125, "nonfinite": 0.25}
+
+
+def test_bad_arguments_say_what_to_pass():
+    with pytest.raises(ValueError, match="rounding must be one of"):
+        quantize_blocks(jnp.ones((2, 32)), (1, 32), "e4m3", "nearest")
+    with pytest.raises(ValueError, match="element format must be one of"):
+        element_format("int8")
+    with pytest.raises(ValueError, match="one positive block length per axis"):
+        quantize_blocks(jnp.ones((2, 32)), (32,), "e4m3")
+    with pytest.raises(ValueError, match="weight_block"):
+        BlockScaling(weight_block=(128,))
+
+
+# ------------------------------------------------------------------------------------------
+# Dots: forward against jax.lax.scaled_dot, gradients against the same quantized dots.
+# ------------------------------------------------------------------------------------------
+
+
+def _lognormal(shape, seed):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal(shape) * np.exp(rng.standard_normal(shape))).astype(np.float32)
+
+
+def _dot32(a, b, dn):
+    """A float32-accumulated dot of dequantized operands, given (exactly) as bfloat16."""
+    assert (a.astype(jnp.bfloat16).astype(jnp.float32) == a).all()
+    assert (b.astype(jnp.bfloat16).astype(jnp.float32) == b).all()
+    return jax.lax.dot_general(
+        a.astype(jnp.bfloat16),
+        b.astype(jnp.bfloat16),
+        dn,
+        precision=jax.lax.Precision.HIGHEST,
+        preferred_element_type=jnp.float32,
+    )
+
+
+def _dot64(a, b, dn):
+    return jax.lax.dot_general(np.asarray(a, np.float64), np.asarray(b, np.float64), dn)
+
+
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "e2m1"])
+def test_mx_forward_equals_scaled_dot(rule, fmt):
+    x, w = jnp.asarray(_lognormal((2, 16, 96), 1)), jnp.asarray(_lognormal((2, 96, 24), 2))
+    dn = (((2,), (1,)), ((0,), (0,)))
+    qx = quantize_blocks(x, (1, 1, 32), fmt, rule)
+    qw = quantize_blocks(w, (1, 32, 1), fmt, rule)
+    want = jax.lax.scaled_dot(
+        qx.values,
+        qw.values,
+        lhs_scale=qx.scales,
+        rhs_scale=qw.scales,
+        dimension_numbers=dn,
+        preferred_element_type=jnp.float32,
+    )
+    got = jax.jit(lambda a, b: block_dot_general(a, b, dn, mx(fmt, rule)))(x, w)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_deepseek_forward_equals_scaled_dot():
+    x, w = jnp.asarray(_lognormal((32, 256), 3)), jnp.asarray(_lognormal((256, 256), 4))
+    dn = (((1,), (0,)), ((), ()))
+    qx = quantize_blocks(x, (1, 128), "e4m3", "up")
+    qw = quantize_blocks(w, (128, 128), "e4m3", "up")
+    rhs_scale = jnp.repeat(qw.scales_float32, 128, axis=1)  # scaled_dot: one scale per column
+    want = jax.lax.scaled_dot(
+        qx.values,
+        qw.values,
+        lhs_scale=qx.scales_float32,
+        rhs_scale=rhs_scale,
+        dimension_numbers=dn,
+        preferred_element_type=jnp.float32,
+    )
+    got = block_dot_general(x, w, dn, deepseek())
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _deq(x, block_shape, fmt, rule):
+    return dequantize_blocks(quantize_blocks(x, block_shape, fmt, rule))
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4))
+def _value_and_vjp(x, w, g, dn, recipe):
+    y, vjp = jax.vjp(lambda a, b: block_dot_general(a, b, dn, recipe), x, w)
+    return (y, *vjp(g))
+
+
+@pytest.mark.parametrize("recipe", [mx(), mx("e4m3", "down", backward="e5m2"), deepseek()])
+def test_gradients_equal_float32_dots_of_the_requantized_operands(recipe):
+    x, w = jnp.asarray(_lognormal((256, 384), 5)), jnp.asarray(_lognormal((384, 256), 6))
+    g = jnp.asarray(_lognormal((256, 256), 7))
+    dn = (((1,), (0,)), ((), ()))
+    y, dx, dw = _value_and_vjp(x, w, g, dn, recipe)
+    n, r, fw, bw = recipe.block, recipe.rounding, recipe.forward, recipe.backward
+    wb = recipe.weight_block
+    w_k = wb if isinstance(wb, tuple) else (wb, 1)
+    w_n = wb if isinstance(wb, tuple) else (1, wb)
+    want_y = _dot32(_deq(x, (1, n), fw, r), _deq(w, w_k, fw, r), dn)
+    want_dx = _dot32(_deq(g, (1, n), bw, r), _deq(w, w_n, fw, r), (((1,), (1,)), ((), ())))
+    want_dw = _dot32(_deq(x, (n, 1), fw, r), _deq(g, (n, 1), bw, r), (((0,), (0,)), ((), ())))
+    for got, want in ((y, want_y), (dx, want_dx), (dw, want_dw)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    # The same dots in float64: float32 accumulation is the only difference.
+    want64 = _dot64(_deq(g, (1, n), bw, r), _deq(w, w_n, fw, r), (((1,), (1,)), ((), ())))
+    np.testing.assert_allclose(np.asarray(dx), want64, rtol=1e-4, atol=1e-3)
+
+
+def test_dot_not_jitted_equals_jitted():
+    x, w = jnp.asarray(_lognormal((4, 64), 12)), jnp.asarray(_lognormal((64, 8), 13))
+    g = jnp.asarray(_lognormal((4, 8), 14))
+    dn = (((1,), (0,)), ((), ()))
+    y, vjp = jax.vjp(lambda a, b: block_dot_general(a, b, dn, deepseek()), x, w)
+    for got, want in zip((y, *vjp(g)), _value_and_vjp(x, w, g, dn, deepseek()), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_gradients_with_batch_and_several_free_axes():
+    x = jnp.asarray(_lognormal((3, 4, 5, 64), 8))  # batch, two free axes, contraction
+    w = jnp.asarray(_lognormal((3, 64, 6, 2), 9))  # batch, contraction, two free axes
+    dn = (((3,), (1,)), ((0,), (0,)))
+    y, dx, dw = _value_and_vjp(x, w, jnp.ones((3, 4, 5, 6, 2)), dn, mx())
+    assert y.shape == jax.lax.dot_general(x, w, dn).shape
+    x3, w3 = x.reshape(3, 20, 64), w.reshape(3, 64, 12)
+    g3 = jnp.ones((3, 20, 12))
+    want_dx = _dot32(
+        _deq(g3, (1, 1, 32), "e4m3", "up"),
+        _deq(w3, (1, 1, 32), "e4m3", "up"),
+        (((2,), (2,)), ((0,), (0,))),
+    )
+    want_dw = _dot32(
+        _deq(x3, (1, 32, 1), "e4m3", "up"),
+        _deq(g3, (1, 32, 1), "e4m3", "up"),
+        (((1,), (1,)), ((0,), (0,))),
+    )
+    np.testing.assert_array_equal(np.asarray(dx).reshape(3, 20, 64), np.asarray(want_dx))
+    np.testing.assert_array_equal(np.asarray(dw).reshape(3, 64, 12), np.asarray(want_dw))
+
+
+def test_gradients_keep_input_dtypes():
+    x, w = jnp.ones((8, 64), jnp.bfloat16), jnp.ones((64, 4), jnp.float16)
+    dn = (((1,), (0,)), ((), ()))
+    loss = lambda a, b: block_dot_general(a, b, dn).astype(jnp.float32).sum()  # noqa: E731
+    dx, dw = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
+    assert dx.dtype == jnp.bfloat16 and dw.dtype == jnp.float16
+
+
+@pytest.mark.parametrize("recipe", [mx(), mx("e2m1"), deepseek()])
+def test_an_inf_cotangent_gives_non_finite_gradients(recipe):
+    # Per-tensor FP8 dots that clip would launder it into finite gradients.
+    x, w = jnp.asarray(_lognormal((8, 256), 10)), jnp.asarray(_lognormal((256, 16), 11))
+    dn = (((1,), (0,)), ((), ()))
+    _, dx, dw = _value_and_vjp(x, w, jnp.zeros((8, 16)).at[2, 3].set(jnp.inf), dn, recipe)
+    assert not np.isfinite(np.asarray(dx)).all()
+    assert not np.isfinite(np.asarray(dw)).all()
+
+
+def test_an_inf_activation_gives_a_non_finite_output():
+    x = jnp.ones((4, 64)).at[1, 5].set(jnp.inf)
+    dot = jax.jit(block_dot_general, static_argnums=2)
+    y = dot(x, jnp.ones((64, 2)), (((1,), (0,)), ((), ())))
+    y = np.asarray(y)
+    assert np.isnan(y[1]).all() and np.isfinite(y[[0, 2, 3]]).all()
