@@ -17,15 +17,20 @@ Elements: ``clip(x / 2**e, -fmax, fmax)`` rounded by ml_dtypes.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import optax
 import pytest
 
+import jdls
+from jdls import fp8
 from jdls.fp8._block import (
     ELEMENT_FORMATS,
     block_stats,
@@ -462,3 +467,98 @@ def test_an_inf_activation_gives_a_non_finite_output():
     y = dot(x, jnp.ones((64, 2)), (((1,), (0,)), ((), ())))
     y = np.asarray(y)
     assert np.isnan(y[1]).all() and np.isfinite(y[[0, 2, 3]]).all()
+
+
+# ------------------------------------------------------------------------------------------
+# Block scaling as a jdls.fp8 recipe: the same dot, site and layers as per-tensor recipes.
+# ------------------------------------------------------------------------------------------
+
+
+def _site_step(x, w, g, dn, site):
+    y, vjp = jax.vjp(lambda a, b, s: fp8.dot_general(a, b, dn, site=s), x, w, site)
+    return (y, *vjp(g))
+
+
+def _dot32_f32(a, b, dn):
+    return jax.lax.dot_general(a, b, dn, preferred_element_type=jnp.float32)
+
+
+@pytest.mark.parametrize("recipe", [mx(), mx("e2m1", "down"), deepseek()])
+def test_recipe_in_the_fp8_dot_gives_the_requantized_float32_dots(recipe):
+    x, w = jnp.asarray(_lognormal((256, 256), 15)), jnp.asarray(_lognormal((256, 256), 16))
+    g = jnp.asarray(_lognormal((256, 256), 17))
+    dn = (((1,), (0,)), ((), ()))
+    site = fp8.init(recipe)
+    y, dx, dw, _ = jax.jit(
+        lambda a, b, c, s: _site_step(a, b, c, dn, s)  # site is a pytree
+    )(x, w, g, site)
+    n, r, fw, bw, wb = (
+        recipe.block,
+        recipe.rounding,
+        recipe.forward,
+        recipe.backward,
+        recipe.weight_block,
+    )
+    w_k = wb if isinstance(wb, tuple) else (wb, 1)
+    w_n = wb if isinstance(wb, tuple) else (1, wb)
+    want = [
+        _dot32_f32(_deq(x, (1, n), fw, r), _deq(w, w_k, fw, r), dn),
+        _dot32_f32(_deq(g, (1, n), bw, r), _deq(w, w_n, fw, r), (((1,), (1,)), ((), ()))),
+        _dot32_f32(_deq(x, (n, 1), fw, r), _deq(g, (n, 1), bw, r), (((0,), (0,)), ((), ()))),
+    ]
+    for got, exp in zip((y, dx, dw), want, strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(exp))
+    # the stand-alone block dot (bfloat16 operands, as scaled_dot) differs only in accumulation
+    y2 = block_dot_general(x, w, dn, recipe)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(y2), rtol=1e-5, atol=1e-4)
+
+
+def test_recipe_measurement_reports_clipped_blocks_and_flushed_values():
+    x = jnp.array([[449.0, 1.0, 1.0, 1.0, 2.0**-20, 1.0, 3.0, 1.0]])
+    recipe = dataclasses.replace(mx("e4m3", "down"), block=2)
+    q, m = recipe.quantize(x, recipe.init("lhs"), "lhs", (1,))
+    assert float(m.amax) == 449.0
+    assert float(m.saturated) == 0.25  # one block of four clipped its maximum
+    assert float(m.flushed) == 0.125  # 2**-20 next to 1.0
+    assert q.scale.shape == (1, 4)
+    _, m_up = dataclasses.replace(recipe, rounding="up").quantize(x, None, "lhs", (1,))
+    assert float(m_up.saturated) == 0.0
+    _, m_bad = recipe.quantize(x.at[0, 3].set(jnp.nan), None, "lhs", (1,))
+    assert float(m_bad.amax) == np.inf
+
+
+def test_recipe_scale_repeats_where_the_block_does_not_divide():
+    q, _ = mx().quantize(jnp.ones((3, 40)), None, "lhs", (1,))
+    assert q.scale.shape == (3, 40)  # 40 is not a multiple of 32: one scale per value
+    np.testing.assert_array_equal(np.asarray(q.dequantize()), np.ones((3, 40)))
+
+
+def test_a_model_switches_between_per_tensor_and_block_scaling_by_its_recipe():
+    x = jnp.asarray(_lognormal((4, 64), 18))
+
+    def run(recipe):
+        dot = functools.partial(fp8.linen.DotGeneral, recipe=recipe)
+        model = nn.Dense(8, dot_general_cls=dot)
+        variables = model.init(jax.random.key(0), x)
+        loss = lambda v: jnp.sum(model.apply(v, x) ** 2)  # noqa: E731
+        value, grads = jax.jit(jax.value_and_grad(loss))(variables)
+        return variables, value, grads
+
+    for recipe in (fp8.CurrentScaling(), mx(), deepseek(), mx("e2m1", "outlier_aware")):
+        _, value, grads = run(recipe)
+        assert np.isfinite(float(value))
+        assert np.isfinite(np.asarray(grads["params"]["kernel"])).all()
+        meter = grads["jdls"]["DotGeneral_0"]["fp8"].value.meter
+        assert float(meter.lhs.amax) == float(np.abs(np.asarray(x)).max())
+
+
+def test_jdls_wrap_skips_a_step_whose_block_scaled_gradient_overflowed():
+    x, w = jnp.asarray(_lognormal((8, 64), 19)), jnp.asarray(_lognormal((64, 4), 20))
+    dn = (((1,), (0,)), ((), ()))
+    _, _, dw, _ = jax.jit(lambda a, b, c, s: _site_step(a, b, c, dn, s))(
+        x, w, jnp.zeros((8, 4)).at[1, 1].set(jnp.inf), fp8.init(mx())
+    )
+    tx = jdls.wrap(optax.sgd(0.1), jdls.StaticScale(1.0))
+    opt_state = tx.init(w)
+    _, opt_state = tx.update(dw, opt_state, w)
+    assert int(jdls.stats(opt_state).skipped_steps) == 1

@@ -20,6 +20,8 @@ Example:
 """
 
 from jdls.fp8 import linen
+from jdls.fp8._block import BlockArray, block_stats, dequantize_blocks, quantize_blocks
+from jdls.fp8._block_dot import BlockScaling, BlockState, deepseek, mx
 from jdls.fp8._current import CurrentScaling, CurrentState
 from jdls.fp8._delayed import DelayedScaling, DelayedState
 from jdls.fp8._dot import dot_general
@@ -29,6 +31,9 @@ from jdls.fp8._recipe import Measurement, Quantized, Recipe, scale_from_amax
 from jdls.fp8._state import DotState, Fp8, Meter, init, telemetry
 
 __all__ = [
+    "BlockArray",
+    "BlockScaling",
+    "BlockState",
     "CurrentScaling",
     "CurrentState",
     "DelayedScaling",
@@ -40,11 +45,16 @@ __all__ = [
     "Meter",
     "Quantized",
     "Recipe",
+    "block_stats",
+    "deepseek",
+    "dequantize_blocks",
     "dot_general",
     "flax_fp8_ops",
     "format_max",
     "init",
     "linen",
+    "mx",
+    "quantize_blocks",
     "scale_from_amax",
     "telemetry",
     "transformer_engine",

@@ -37,6 +37,7 @@ __all__ = [
     "block_stats",
     "dequantize_blocks",
     "element_format",
+    "quantize_and_measure",
     "quantize_blocks",
 ]
 
@@ -214,16 +215,7 @@ def quantize_blocks(
       >>> q.scales_float32.tolist(), dequantize_blocks(q).tolist()
       ([[0.0078125, 2.0]], [[1.0, -3.0, 512.0, 0.5]])
     """
-    x = jnp.asarray(x)
-    fmt = element_format(fmt)
-    if rounding not in ROUNDINGS:
-        raise ValueError(
-            f"rounding must be one of {ROUNDINGS} (how the shared exponent is rounded), "
-            f"got {rounding!r}"
-        )
-    block_shape = _check_blocks(x.shape, block_shape)
-    _, _, codes, q = _quantize(x, block_shape, fmt, rounding)
-    return BlockArray(_unblocked(q, x.shape), codes.astype(jnp.uint8), block_shape, fmt.name)
+    return quantize_and_measure(x, block_shape, fmt, rounding)[0]
 
 
 def dequantize_blocks(q: BlockArray) -> jax.Array:
@@ -254,8 +246,21 @@ def block_stats(
       >>> {k: float(v) for k, v in block_stats(x, (1, 2), "e4m3", "down").items()}
       {'clipped': 0.5, 'flushed': 0.25, 'nonfinite': 0.5}
     """
+    return quantize_and_measure(x, block_shape, fmt, rounding)[1]
+
+
+def quantize_and_measure(
+    x: jax.Array, block_shape: tuple[int, ...], fmt: Any = "e4m3", rounding: str = "up"
+) -> tuple[BlockArray, dict[str, jax.Array]]:
+    """:func:`quantize_blocks` and :func:`block_stats` in one pass, plus ``"amax"``: the
+    largest magnitude of ``x`` in float32 (inf when ``x`` holds an inf or NaN)."""
     x = jnp.asarray(x)
     fmt = element_format(fmt)
+    if rounding not in ROUNDINGS:
+        raise ValueError(
+            f"rounding must be one of {ROUNDINGS} (how the shared exponent is rounded), "
+            f"got {rounding!r}"
+        )
     block_shape = _check_blocks(x.shape, block_shape)
     xb, a, codes, q = _quantize(x, block_shape, fmt, rounding)
     finite = codes != NAN_CODE
@@ -264,8 +269,12 @@ def block_stats(
     nonzero = (lax.bitcast_convert_type(xb, jnp.uint32) & jnp.uint32(0x7FFFFFFF)) != 0
     flushed = nonzero & (q.astype(jnp.float32) == 0) & _expand(finite)
     blocks = math.prod(codes.shape)
-    return {
+    amax = lax.bitcast_convert_type(jnp.max(a), jnp.float32) if a.size else jnp.float32(0)
+    stats = {
         "clipped": jnp.sum(clipped, dtype=jnp.float32) / blocks,
         "flushed": jnp.sum(flushed, dtype=jnp.float32) / max(x.size, 1),
         "nonfinite": jnp.sum(~finite, dtype=jnp.float32) / blocks,
+        "amax": jnp.where(jnp.isfinite(amax), amax, jnp.inf),
     }
+    blocked = BlockArray(_unblocked(q, x.shape), codes.astype(jnp.uint8), block_shape, fmt.name)
+    return blocked, stats

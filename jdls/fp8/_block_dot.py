@@ -29,14 +29,27 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 from jax import lax
 
-from jdls.fp8._block import dequantize_blocks, element_format, quantize_blocks
+from jdls.fp8._block import (
+    BlockArray,
+    dequantize_blocks,
+    element_format,
+    quantize_and_measure,
+    quantize_blocks,
+)
 from jdls.fp8._e8m0 import ROUNDINGS
+from jdls.fp8._recipe import Measurement, Quantized, Role, check_role
 
-__all__ = ["BlockScaling", "block_dot_general", "deepseek", "mx"]
+__all__ = ["BlockScaling", "BlockState", "block_dot_general", "deepseek", "mx"]
 
 DimensionNumbers = tuple[tuple[tuple[int, ...], tuple[int, ...]], tuple[tuple[int, ...], ...]]
+
+
+@struct.dataclass
+class BlockState:
+    """The (empty) state of one tensor under block scaling: its scales are current."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,14 +57,17 @@ class BlockScaling:
     """A block-scaled FP8 recipe: block shapes, element formats and the exponent's rounding.
 
     Configuration only (frozen, hashable, static under ``jax.jit``); block scaling keeps no
-    state between steps.
+    state between steps. It is a ``jdls.fp8`` recipe: give it to ``jdls.fp8.init`` (or a
+    linen / NNX / Equinox FP8 layer) in place of a per-tensor recipe, nothing else changes.
+    Its :class:`jdls.fp8.Measurement` reports ``saturated`` as the fraction of *blocks* whose
+    largest value was clipped and ``flushed`` as the fraction of values flushed to zero.
 
     Args:
       block: length of the 1-D blocks of activations and output gradients along the axis each
         dot contracts (32 for MX, 128 for DeepSeek-V3's 1x128 tiles).
       weight_block: an int for 1-D weight blocks along each dot's contraction axis (MX), or
-        ``(a, b)`` for fixed tiles of ``a`` along the weight's forward contraction axis and
-        ``b`` along its other axis (DeepSeek-V3: ``(128, 128)``).
+        a square tile ``(n, n)``, the same tiles in the forward and both backward dots
+        (DeepSeek-V3: ``(128, 128)``).
       forward: element format of activations and weights (``jdls.fp8._block``).
       backward: element format of the output gradient.
       rounding: the shared exponent's rule: ``"up"``, ``"down"`` or ``"outlier_aware"``.
@@ -81,12 +97,85 @@ class BlockScaling:
         object.__setattr__(self, "weight_block", wb)
         sizes = [self.block, *(wb if isinstance(wb, tuple) else (wb,))]
         if not all(isinstance(v, int) and v >= 1 for v in sizes) or (
-            isinstance(wb, tuple) and len(wb) != 2
+            isinstance(wb, tuple) and (len(wb) != 2 or wb[0] != wb[1])
         ):
             raise ValueError(
-                f"block must be a positive int and weight_block a positive int or a pair of "
-                f"them, got block={self.block!r}, weight_block={self.weight_block!r}"
+                f"block must be a positive int and weight_block a positive int (1-D blocks) or "
+                f"a square tile (n, n), got block={self.block!r}, "
+                f"weight_block={self.weight_block!r}"
             )
+
+    # -- The jdls.fp8 recipe protocol (jdls/fp8/_recipe.py). ---------------------------------
+
+    @property
+    def compute_dtype(self) -> Any:
+        """The dot dequantizes the blocks and accumulates in float32."""
+        return jnp.dtype(jnp.float32)
+
+    @property
+    def requantize_backward(self) -> bool:
+        """The backward dots quantize again along their own contraction axes."""
+        return True
+
+    def init(self, role: Role) -> BlockState:
+        check_role(role)
+        return BlockState()
+
+    def block_shape(self, shape: tuple[int, ...], role: Role, axes: tuple[int, ...]):
+        """The block of a tensor of ``shape`` in ``role`` whose ``axes`` a dot contracts.
+
+        ``block`` values along the last contracted axis (a 1-D block; several contracted axes:
+        along the last one), or for a weight (``"rhs"``) with a 2-D ``weight_block``, a tile of
+        ``weight_block`` along the last contracted axis and the last other axis.
+        """
+        block = [1] * len(shape)
+        if not shape:
+            return tuple(block)
+        along = axes[-1] if axes else len(shape) - 1
+        wb = self.weight_block
+        if role == "rhs" and isinstance(wb, tuple):
+            block[along] = wb[0]
+            others = [d for d in range(len(shape)) if d not in axes]
+            if others:
+                block[others[-1]] = wb[1]
+        else:
+            block[along] = wb if role == "rhs" else self.block  # type: ignore[assignment]
+        return tuple(block)
+
+    def quantize(
+        self, x: jax.Array, state: BlockState, role: Role, axes: tuple[int, ...] = ()
+    ) -> tuple[Quantized, Measurement]:
+        """``x`` in blocks along the contracted ``axes``, with one power-of-two scale each.
+
+        The scale is float32 with one entry per block (repeated along an axis whose length is
+        not a multiple of the block, so that every axis divides); a block holding inf or NaN
+        has a NaN scale.
+        """
+        del state
+        fmt = self.backward if role == "grad" else self.forward
+        shape = self.block_shape(x.shape, role, tuple(axes))
+        q, stats = quantize_and_measure(x, shape, fmt, self.rounding)
+        measurement = Measurement(
+            amax=stats["amax"], saturated=stats["clipped"], flushed=stats["flushed"]
+        )
+        return Quantized(values=q.values, scale=_dividing_scale(q)), measurement
+
+    def update(
+        self, state: BlockState, measurement: Measurement, role: Role, skipped: Any = False
+    ) -> BlockState:
+        del measurement, role, skipped
+        return state
+
+
+def _dividing_scale(q: BlockArray) -> jax.Array:
+    """The block scales in float32, repeated to full length along an axis the block does not
+    divide (``jdls.fp8.Quantized`` needs every axis of the scale to divide the values')."""
+    scale = q.scales_float32
+    for axis, (n, b) in enumerate(zip(q.values.shape, q.block_shape, strict=True)):
+        if b > 1 and n % b:
+            scale = jnp.repeat(scale, b, axis=axis)
+            scale = jax.lax.slice_in_dim(scale, 0, n, axis=axis)
+    return scale
 
 
 def mx(fmt: str = "e4m3", rounding: str = "up", backward: str | None = None) -> BlockScaling:
