@@ -302,8 +302,8 @@ def test_block_stats_counts_clipped_flushed_and_nonfinite_blocks():
     x = jnp.array([[449.0, 1.0, 1.0, 1.0, 2.0**-20, 1.0, jnp.nan, 1.0]])
     down = {k: float(v) for k, v in block_stats(x, (1, 2), "e4m3", "down").items()}
     up = {k: float(v) for k, v in block_stats(x, (1, 2), "e4m3", "up").items()}
-    assert down == {"clipped": 0.25, "flushed": 0.125, "nonfinite": 0.25}
-    assert up == {"clipped": 0.0, "flushed": 0.125, "nonfinite": 0.25}
+    assert down == {"clipped": 0.25, "flushed": 0.125, "nonfinite": 0.25, "amax": np.inf}
+    assert up == {"clipped": 0.0, "flushed": 0.125, "nonfinite": 0.25, "amax": np.inf}
 
 
 def test_bad_arguments_say_what_to_pass():

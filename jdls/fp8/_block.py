@@ -237,14 +237,16 @@ def block_stats(
     - ``"clipped"``: finite blocks whose largest magnitude exceeded ``fmax`` after scaling
       (so it was clipped), over all blocks;
     - ``"flushed"``: non-zero finite values that became zero, over all values;
-    - ``"nonfinite"``: blocks holding inf or NaN (their scale is NaN), over all blocks.
+    - ``"nonfinite"``: blocks holding inf or NaN (their scale is NaN), over all blocks;
+
+    and ``"amax"``, the largest magnitude (inf when ``x`` holds an inf or NaN).
 
     Example:
       >>> import jax.numpy as jnp
       >>> from jdls.fp8._block import block_stats
       >>> x = jnp.array([[449.0, 1e-6, 1.0, jnp.inf]])
       >>> {k: float(v) for k, v in block_stats(x, (1, 2), "e4m3", "down").items()}
-      {'clipped': 0.5, 'flushed': 0.25, 'nonfinite': 0.5}
+      {'clipped': 0.5, 'flushed': 0.25, 'nonfinite': 0.5, 'amax': inf}
     """
     return quantize_and_measure(x, block_shape, fmt, rounding)[1]
 
