@@ -26,6 +26,7 @@ from jdls._checks import check_int
 from jdls._norm import FloatLeaves, GlobalNorm, flatten_floats, tree_norm
 from jdls._retry import first_attempt, retry, value_and_grad_of
 from jdls._scale import DynamicScale, LossScale, check_scale
+from jdls._site import Site, is_site
 
 __all__ = ["AccumulateInfo", "accumulate"]
 
@@ -156,9 +157,7 @@ def accumulate(
         ok = a.finite
         grads = jax.tree_util.tree_unflatten(tree.treedef, a.leaves)
         # A dropped micro-batch never enters the sum: ``where``, not a multiplication (0 * inf).
-        total = jax.tree_util.tree_map(
-            lambda t, g: jnp.where(ok, t + g, t).astype(t.dtype), total, grads
-        )
+        total = _add_kept(total, grads, ok)
         loss_sum = jnp.where(ok, loss_sum + loss.astype(jnp.float32), loss_sum)
         new_scale = a.scale.adjust(False)  # the dropped micro-batch's own overflow
         s = jax.tree_util.tree_map(lambda old, new: jnp.where(ok, old, new), a.scale, new_scale)
@@ -171,11 +170,39 @@ def accumulate(
     skip = dropped > max_dropped
     divisor = kept.astype(jnp.float32)
     grads = jax.tree_util.tree_map(
-        lambda t: jnp.where(skip, jnp.nan, t / divisor.astype(t.dtype)).astype(t.dtype), total
+        lambda t: (
+            t
+            if is_site(t)
+            else jnp.where(skip, jnp.nan, t / divisor.astype(t.dtype)).astype(t.dtype)
+        ),
+        total,
+        is_leaf=is_site,
     )
     loss = loss_sum / divisor
     info = AccumulateInfo(kept, dropped, tries, skip, mask, scale)
     return ((loss, auxes) if has_aux else loss), grads, info
+
+
+def _add_kept(total: Any, grads: Any, ok: jax.Array) -> Any:
+    """``total + grads`` where ``ok``. A site's measurements combine by its kind's
+    ``accumulate(a, b)`` when it has one (an FP8 amax: the maximum), else add; they are never
+    divided by the number of micro-batches."""
+
+    def add(t: Any, g: Any) -> Any:
+        if is_site(t):
+            combine = getattr(t.kind, "accumulate", None)
+            value = (
+                combine(t.value, g.value)
+                if combine is not None
+                else jax.tree_util.tree_map(jnp.add, t.value, g.value)
+            )
+            kept = jax.tree_util.tree_map(
+                lambda a, b: jnp.where(ok, a, b).astype(b.dtype), value, t.value
+            )
+            return Site(t.kind, kept)
+        return jnp.where(ok, t + g, t).astype(t.dtype)
+
+    return jax.tree_util.tree_map(add, total, grads, is_leaf=is_site)
 
 
 def _measure(tree: FloatLeaves) -> tuple[GlobalNorm, jax.Array]:

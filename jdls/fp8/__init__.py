@@ -28,7 +28,7 @@ from jdls.fp8._dot import dot_general
 from jdls.fp8._formats import Formats, format_max
 from jdls.fp8._presets import flax_fp8_ops, transformer_engine
 from jdls.fp8._recipe import Measurement, Quantized, Recipe, scale_from_amax
-from jdls.fp8._state import DotState, Fp8, Meter, init, telemetry
+from jdls.fp8._state import DotState, Fp8, Meter, init, step_applied, telemetry
 
 __all__ = [
     "BlockArray",
@@ -56,6 +56,7 @@ __all__ = [
     "mx",
     "quantize_blocks",
     "scale_from_amax",
+    "step_applied",
     "telemetry",
     "transformer_engine",
 ]

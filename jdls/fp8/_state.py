@@ -18,12 +18,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 from flax import struct
 
 from jdls._site import Site, SiteKind, is_site
+from jdls._stats import stats
 from jdls.fp8._recipe import ROLES, Measurement, Recipe
 
-__all__ = ["DotState", "Fp8", "Meter", "init", "telemetry"]
+__all__ = ["DotState", "Fp8", "Meter", "init", "step_applied", "telemetry"]
 
 
 @struct.dataclass
@@ -38,6 +40,13 @@ class Meter:
     def zeros(cls) -> Meter:
         return cls(Measurement.zeros(), Measurement.zeros(), Measurement.zeros())
 
+    @classmethod
+    def empty(cls) -> Meter:
+        """Nothing measured yet: amaxes of ``-inf`` (a maximum's identity), fractions 0."""
+        zero = jnp.zeros((), jnp.float32)
+        m = Measurement(amax=jnp.full((), -jnp.inf, jnp.float32), saturated=zero, flushed=zero)
+        return cls(m, m, m)
+
     def combine(self, other: Meter) -> Meter:
         """Two uses' measurements combined: the maximum of each."""
         return jax.tree.map(jnp.maximum, self, other)
@@ -51,12 +60,16 @@ class DotState:
       lhs, rhs, grad: the recipe's state of the left operand, the right operand and the
         output gradient (``recipe.init(role)``).
       meter: the last step's :class:`Meter`; its cotangent is the step's measurement.
+      pending: the largest finite measurements of the steps since the state was last
+        updated (steps skipped, or micro-batches of a step not yet applied); an amax of
+        ``-inf`` when there were none.
     """
 
     lhs: Any
     rhs: Any
     grad: Any
     meter: Meter
+    pending: Meter
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,20 +88,40 @@ class Fp8(SiteKind):
 
     def init(self) -> DotState:
         lhs, rhs, grad = (self.recipe.init(role) for role in ROLES)
-        return DotState(lhs=lhs, rhs=rhs, grad=grad, meter=Meter.zeros())
+        return DotState(lhs=lhs, rhs=rhs, grad=grad, meter=Meter.zeros(), pending=Meter.empty())
 
     def backward(self, residuals: Any, g: Any) -> tuple[Any, Any]:
         raise TypeError("an FP8 site is used by jdls.fp8.dot_general, not jdls.apply_site")
 
+    def accumulate(self, a: DotState, b: DotState) -> DotState:
+        """Two micro-batches' measurements: the maximum of each (the step's amax is the
+        largest of its micro-batches')."""
+        return jax.tree.map(jnp.maximum, a, b)
+
     def update(self, value: DotState, measurement: DotState, finite: jax.Array) -> DotState:
-        """Each tensor's state updated from its measurement; the meter keeps the measurement."""
-        meter = measurement.meter
-        skipped = jnp.logical_not(finite)
-        new = {
-            role: self.recipe.update(getattr(value, role), getattr(meter, role), role, skipped)
-            for role in ROLES
-        }
-        return DotState(**new, meter=meter)
+        """The next state from this step's measurement (``measurement.meter``).
+
+        When ``finite`` (the step was applied), the largest finite measurements since the last
+        applied step (this one's included) go to the recipe; otherwise (a skipped step, or a
+        micro-batch of ``optax.MultiSteps`` before its step) they wait in ``pending``. An amax
+        that is not finite never reaches the recipe. The meter keeps this step's measurement.
+        """
+        new = measurement.meter
+
+        def finite_max(p: jax.Array, m: jax.Array) -> jax.Array:
+            return jnp.where(jnp.isfinite(m), jnp.maximum(p, m), p)
+
+        pending = jax.tree.map(finite_max, value.pending, new)
+        applied = jnp.asarray(finite, bool)
+        skipped = jnp.logical_not(applied)
+        roles = {}
+        for role in ROLES:
+            old = getattr(value, role)
+            updated = self.recipe.update(old, getattr(pending, role), role, skipped)
+            roles[role] = jax.tree.map(lambda u, o: jnp.where(applied, u, o), updated, old)
+        empty = Meter.empty()
+        pending = jax.tree.map(lambda e, p: jnp.where(applied, e, p), empty, pending)
+        return DotState(**roles, meter=new, pending=pending)
 
 
 def init(recipe: Recipe, axis_name: Any = None) -> Site:
@@ -101,6 +134,37 @@ def init(recipe: Recipe, axis_name: Any = None) -> Site:
       ((8,), 1.0)
     """
     return Site(Fp8(recipe, axis_name))
+
+
+def step_applied(opt_state: Any) -> jax.Array:
+    """Whether the last ``tx.update`` of a ``jdls.wrap`` changed the parameters: its step was
+    finite and, with ``optax.MultiSteps`` inside the wrap, completed an accumulated step.
+
+    Pass it as ``finite`` to ``jdls.update_sites`` when the micro-batches go through
+    ``jdls.wrap(optax.MultiSteps(...))`` one call at a time: the FP8 measurements of the
+    micro-batches then wait until the step is applied and enter the history as their maximum.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jdls
+      >>> tx = jdls.wrap(optax.MultiSteps(optax.sgd(0.1), every_k_schedule=2))
+      >>> params = jnp.ones(2)
+      >>> opt_state = tx.init(params)
+      >>> _, opt_state = tx.update(jnp.ones(2), opt_state, params)
+      >>> bool(jdls.fp8.step_applied(opt_state))
+      False
+      >>> _, opt_state = tx.update(jnp.ones(2), opt_state, params)
+      >>> bool(jdls.fp8.step_applied(opt_state))
+      True
+    """
+    applied = jnp.asarray(stats(opt_state).finite, bool)
+
+    def is_multi(x: Any) -> bool:
+        return isinstance(x, optax.MultiStepsState)
+
+    for leaf in jax.tree.leaves(opt_state, is_leaf=is_multi):
+        if is_multi(leaf):
+            applied = applied & (leaf.mini_step == 0)
+    return applied
 
 
 def _is_fp8(x: Any) -> bool:

@@ -1,0 +1,86 @@
+"""jdls.fp8 with gradient accumulation: a step's amax is the largest of its micro-batches'."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from _helpers import assert_bitwise_equal
+
+import jdls
+from jdls import fp8
+
+DN = (((1,), (0,)), ((), ()))
+SCALES = jnp.array([1.0, 30.0, 2.0])  # the second micro-batch has the largest inputs
+
+
+def _loss(variables, batch):
+    y = fp8.dot_general(batch["x"], variables["w"], DN, site=variables["site"])
+    return jnp.mean((y - batch["t"]) ** 2)
+
+
+def _micro_batches():
+    k = jax.random.split(jax.random.key(0), 2)
+    x = jax.random.normal(k[0], (3, 4, 8)) * SCALES[:, None, None]
+    return {"x": x, "t": jax.random.normal(k[1], (3, 4, 2))}
+
+
+def _variables():
+    return {"w": jnp.ones((8, 2)) * 0.1, "site": fp8.init(fp8.DelayedScaling(4))}
+
+
+def test_accumulate_takes_the_maximum_of_the_micro_batches_measurements():
+    variables, batches = _variables(), _micro_batches()
+    _, grads, info = jdls.accumulate(_loss, jdls.StaticScale(1.0), variables, batches)
+    assert int(info.kept) == 3
+    meter = grads["site"].value.meter
+    amaxes = [float(jnp.max(jnp.abs(batches["x"][i]))) for i in range(3)]
+    assert float(meter.lhs.amax) == max(amaxes)
+    # the parameters' gradient is still the mean over the micro-batches
+    each = [
+        jax.grad(_loss)(variables, jax.tree.map(lambda b, i=i: b[i], batches)) for i in range(3)
+    ]
+    np.testing.assert_allclose(grads["w"], sum(g["w"] for g in each) / 3, rtol=1e-6)
+    site = jdls.update_sites(variables["site"], grads["site"])
+    assert site.value.lhs.history.tolist() == [max(amaxes), 0.0, 0.0, 0.0]
+
+
+def test_multisteps_one_micro_batch_at_a_time_gives_the_same_state_as_accumulate():
+    variables, batches = _variables(), _micro_batches()
+    _, grads, _ = jdls.accumulate(_loss, jdls.StaticScale(1.0), variables, batches)
+    expected = jdls.update_sites(variables["site"], grads["site"])
+
+    tx = jdls.wrap(optax.MultiSteps(optax.sgd(0.1), every_k_schedule=3), jdls.StaticScale(1.0))
+    params, site = {"w": variables["w"]}, variables["site"]
+    opt_state = tx.init(params)
+    for i in range(3):
+        batch = jax.tree.map(lambda b, i=i: b[i], batches)
+        g = jax.grad(_loss)({"w": params["w"], "site": site}, batch)
+        _, opt_state = tx.update({"w": g["w"]}, opt_state, params)
+        site = jdls.update_sites(site, g["site"], fp8.step_applied(opt_state))
+        if i < 2:  # before the step is applied, the state waits
+            assert_bitwise_equal(site.value.lhs.history, expected.value.lhs.history * 0)
+    for role in ("lhs", "rhs"):
+        assert_bitwise_equal(getattr(site.value, role), getattr(expected.value, role))
+    assert float(site.value.pending.lhs.amax) == -np.inf
+
+
+def test_a_skipped_step_carries_its_finite_measurements_to_the_next():
+    recipe = fp8.DelayedScaling(4)
+    site = fp8.init(recipe)
+    x = jnp.full((2, 8), 5.0)
+
+    def grads_of(x, ct):
+        _, vjp = jax.vjp(lambda s: fp8.dot_general(x, jnp.ones((8, 2)), DN, site=s), site)
+        return vjp(ct)[0]
+
+    # a step whose output gradient overflowed: skipped; the input amax 5 waits
+    site = jdls.update_sites(site, grads_of(x, jnp.full((2, 2), jnp.inf)), False)
+    assert site.value.lhs.history.tolist() == [0.0] * 4
+    assert float(site.value.pending.lhs.amax) == 5.0
+    assert float(site.value.pending.grad.amax) == -np.inf  # the inf never waits
+    # the next (applied) step records the larger of the two
+    site = jdls.update_sites(site, grads_of(x * 0.5, jnp.ones((2, 2))), True)
+    assert site.value.lhs.history.tolist() == [5.0, 0.0, 0.0, 0.0]
+    assert site.value.grad.history.tolist() == [1.0, 0.0, 0.0, 0.0]
