@@ -248,6 +248,32 @@ def test_spikes_every_fifty_steps_are_each_skipped_and_cost_no_margin():
     assert float(scale.loss_scale) == 2.0 ** (15 - 6 + 8)
 
 
+@with_and_without_jit
+def test_a_measurement_understated_by_a_steady_factor_is_learned_from_one_run(jit):
+    # The backward pass computes gradients of 2**-3, the rule is shown 2**-13 (clipped in
+    # front of the wrap, say): one run of overflows teaches the margin the factor.
+    adjust = maybe_jit(lambda s, f, a: s.adjust(f, a), jit)
+    scale, skipped, used = jdls.AdaptiveScale(), [], []
+    for _ in range(30):
+        used.append(math.log2(float(scale.loss_scale)))
+        finite = 2.0**-3 * float(scale.loss_scale) <= F16_MAX
+        skipped.append(not finite)
+        scale = adjust(scale, finite, 2.0**-13 if finite else np.inf)
+    assert [k for k, s in enumerate(skipped) if s] == [1, 2, 3]
+    assert used[:5] == [0, 22, 21, 19, 15]  # predicted 2**22; backoffs of 1, 2, 4 bits
+    assert set(used[5:]) == {18}  # below 2**19, the lowest scale that overflowed
+    assert int(scale.state.margin) == 10 and int(scale.state.learning) == 0
+
+
+def test_a_burst_of_overflows_long_after_a_prediction_teaches_nothing():
+    scale = jdls.AdaptiveScale()
+    for step in range(140):
+        bad = 100 <= step < 116  # 16 inf losses in a row
+        scale = scale.adjust(not bad, np.inf if bad else 2.0**-3)
+    assert int(scale.state.margin) == 6
+    assert float(scale.loss_scale) == right_scale(2.0**-3, 6)
+
+
 def test_margin_window_is_checked():
     with pytest.raises(ValueError, match="margin_window"):
         jdls.rules.Adaptive(margin_window=0)

@@ -52,9 +52,13 @@ class Adaptive(Rule):
     ``amax * 2**k <= fmax * 2**-margin``, where ``amax`` is the largest magnitude of the
     unscaled gradients and ``fmax`` the compute format's largest finite value: the scaled
     gradients then use as much of the format's range as the margin allows, whatever the
-    scale was, so the useful scale is reached in one step. When every scaled gradient
-    flushed to zero (``amax * scale`` below half the format's smallest subnormal) the scale
-    jumps by the whole usable range at once.
+    scale was, so the useful scale is reached in one step.
+
+    A step whose gradients are all zero measured nothing: they may be exactly zero (a loss
+    weight of 0, a frozen phase) or all flushed. Before any gradient was measured the scale
+    rises on such a step to at most ``2**15`` (the classic rule's start; the format's largest
+    power of two when that is smaller), never lowering it; after one, it holds. Either way it
+    doubles every ``growth_interval`` finite steps in a row, as the classic rule would.
 
     A non-finite step backs off by ``2**-b``, where ``b`` doubles with each overflow in a
     row (1, 2, 4, ... bits, at most ``max_backoff_bits``): a start far too high is left in a
@@ -71,8 +75,9 @@ class Adaptive(Rule):
     predicted scale, soon after a measurement, ends, and this step's measurement would put
     the scale again at or above the lowest scale that overflowed in the run, the margin rises
     by as many bits as keep it below (at most ``max_margin``). The measurement then
-    understates the backward pass by a steady factor (gradients clipped before the wrap
-    measures them, a 16-bit loss whose seed overflows): once learned, the factor costs no
+    understates the backward pass by a steady factor (gradients clipped by a transformation
+    in front of the wrap that does not hand over what it received, as ``jdls.clip`` does; a
+    backward intermediate larger than every parameter gradient): once learned, it costs no
     more overflows.
 
     Without a measurement, :meth:`jdls.DynamicScale.adjust` refuses a finite step (a
