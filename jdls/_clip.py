@@ -15,6 +15,7 @@ import optax
 from jdls._checks import check_limit
 from jdls._handoff import remember
 from jdls._norm import AxisName, check_sharded, clip_by_norm, flatten_floats, tree_norm
+from jdls._site import sites_apart
 
 __all__ = ["clip"]
 
@@ -110,7 +111,8 @@ def clip(
         remember(out.floats, n, axis_name)
         return out.unflatten(), state
 
-    return optax.GradientTransformation(optax.init_empty_state, update_fn)
+    # Sites among the gradients (their measurements) pass on unclipped, outside the norm.
+    return optax.GradientTransformation(*sites_apart(optax.init_empty_state, update_fn, None))
 
 
 def _clip_value(g: jax.Array, max_value: Any) -> jax.Array:

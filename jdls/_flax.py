@@ -16,7 +16,7 @@ It is also the one module that imports flax: it registers the loss scales with
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -26,8 +26,10 @@ from flax import serialization
 from flax.training import train_state
 
 from jdls._grad import reject_axis_name, scaled_value_and_grad
+from jdls._layer_scales import LayerScale, scale_layers
+from jdls._linen_sites import SITES
 from jdls._scale import DynamicScale, LossScale, NoOpScale, StaticScale, check_scale
-from jdls._site import Site
+from jdls._site import Site, is_site, update_sites
 from jdls._stats import (
     Stats,
     WrapState,
@@ -83,15 +85,51 @@ class TrainState(train_state.TrainState):
             )
         super().__init_subclass__(**kwargs)
 
+    # No default here (a subclass may add fields without one, as Flax's examples add
+    # ``batch_stats``): ``create`` gives None.
+    sites: Any
+
+    @classmethod
+    def create(  # type: ignore[override]
+        cls, *, apply_fn: Any, params: Any, tx: Any, sites: Any = None, **kwargs: Any
+    ) -> Any:
+        """Flax's ``TrainState.create``, with the model's sites (its ``"jdls"`` collection,
+        e.g. ``variables["jdls"]`` of a model from ``jdls.linen.probes``), None without."""
+        return super().create(apply_fn=apply_fn, params=params, tx=tx, sites=sites, **kwargs)
+
     def apply_gradients(self, *, grads: Any, **kwargs: Any) -> TrainState:
         """Flax's ``apply_gradients``; other fields given (e.g. ``batch_stats``) keep their old
         values on a skipped step, as the parameters and the optimizer state do.
 
+        With :attr:`sites`, ``grads`` is shaped like :attr:`variables` (what
+        :meth:`value_and_grad` returns): ``grads["params"]`` go to the optimizer, and every
+        site is updated by its kind from its measurement ``grads["jdls"]``, knowing whether
+        the step was taken (never given to the optimizer, never clipped or decayed).
+
         ``step`` still counts every call, as in Flax.
         """
+        measured = None
+        if self.sites is not None:
+            if not isinstance(grads, Mapping) or set(grads) != {"params", SITES}:
+                raise ValueError(
+                    "this TrainState holds sites (its 'jdls' collection): pass the gradients "
+                    "of state.variables, {'params': ..., 'jdls': ...}, as "
+                    "state.value_and_grad(loss_fn)(state.variables) returns them"
+                )
+            grads, measured = grads["params"], grads[SITES]
         new = super().apply_gradients(grads=grads, **kwargs)
         kept = {k: keep_if_skipped(new.opt_state, v, getattr(self, k)) for k, v in kwargs.items()}
+        if measured is not None:
+            kept["sites"] = update_sites(self.sites, measured, stats(new.opt_state).finite)
         return new.replace(**kept) if kept else new
+
+    @property
+    def variables(self) -> dict[str, Any]:
+        """``{"params": params, "jdls": sites}`` (without ``"jdls"`` when there are no sites):
+        what ``apply_fn`` takes and :meth:`value_and_grad` differentiates."""
+        if self.sites is None:
+            return {"params": self.params}
+        return {"params": self.params, SITES: self.sites}
 
     @property
     def scale(self) -> LossScale:
@@ -142,7 +180,36 @@ class TrainState(train_state.TrainState):
           (2.0, [2.0, 2.0])
         """
         reject_axis_name(axis_name)
-        return self.scale.value_and_grad(fun, argnums=argnums, has_aux=has_aux)
+        if self.sites is None:
+            return self.scale.value_and_grad(fun, argnums=argnums, has_aux=has_aux)
+        if argnums != 0:
+            raise ValueError(
+                "a TrainState with sites differentiates fun(variables, ...) in its first "
+                f"argument (state.variables); got argnums={argnums}"
+            )
+        layered = any(
+            isinstance(site, Site) and isinstance(site.kind, LayerScale)
+            for site in jax.tree_util.tree_leaves(self.sites, is_leaf=is_site)
+        )
+        if not layered:
+            return self.scale.value_and_grad(fun, has_aux=has_aux)
+
+        def value_and_grad_fn(*args: Any, **kwargs: Any) -> Any:
+            # per-layer scales: the site at ("jdls", *path, "layer_scale") scales the
+            # parameters under ("params", *path)
+            value, (grads,) = scale_layers(
+                fun,
+                args,
+                kwargs,
+                (0,),
+                layer_of=lambda path: ("params", *path[2:-1]),
+                param_path=lambda path: path[1:],
+                has_aux=has_aux,
+                who="jdls.linen.TrainState.value_and_grad",
+            )
+            return value, grads
+
+        return value_and_grad_fn
 
 
 def from_flax_train_state(

@@ -154,7 +154,10 @@ class Telemetry(NamedTuple):
         for path, site in found:
             if not isinstance(site, Site) or not isinstance(site.kind, Probe):
                 continue
-            name = "/".join(_key(k) for k in path)
+            keys = [_key(k) for k in path]
+            if len(keys) > 1 and keys[-1] == "probe":  # a framework's probe: its module's name
+                keys = keys[:-1]
+            name = "/".join(keys)
             value = jnp.asarray(site.value, _F32)
             stack = value.shape[:-1]
             rows.append(value.reshape(-1, len(FIELDS)))

@@ -39,6 +39,7 @@ from jdls._norm import (
 )
 from jdls._retry import classify, first_attempt
 from jdls._scale import AdaptiveScale, DynamicScale, LossScale, check_scale
+from jdls._site import sites_apart
 from jdls._skip import cond_branches, keep_dtypes, select
 from jdls._stats import Stats, WrapState
 
@@ -265,7 +266,10 @@ def wrap(
             _fail_if_stuck(stats.consecutive_skips, max_consecutive_skips)
         return new_updates, WrapState(_adjust(step.scale, finite, n), inner_state, stats)
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    # Sites among the parameters (per-layer scales, probes, FP8 state): never given to the
+    # inner optimizer, never clipped or in the norm; each updated by its kind, skip-aware.
+    init, update = sites_apart(init_fn, update_fn, lambda state: state.stats.finite)
+    return optax.GradientTransformationExtraArgs(init, update)
 
 
 def _adjust(scale: LossScale, finite: jax.Array, n: GlobalNorm) -> LossScale:

@@ -31,9 +31,11 @@ import jax
 import jax.numpy as jnp
 
 from jdls._grad import scaled_value_and_grad
+from jdls._layer_scales import scale_layers
 from jdls._scale import LossScale, check_scale
+from jdls._site import is_site_update
 
-__all__ = ["apply_updates", "value_and_grad"]
+__all__ = ["apply_updates", "layer_scaled_value_and_grad", "value_and_grad"]
 
 
 def value_and_grad(
@@ -79,7 +81,9 @@ def apply_updates(model: Any, updates: Any) -> Any:
     """``eqx.apply_updates(model, updates)`` with every parameter kept in its own dtype.
 
     Leaves whose update is ``None`` (the non-array leaves of an Equinox model, and the arrays
-    that were not differentiated) are kept as they are; every other parameter becomes
+    that were not differentiated) are kept as they are; a :class:`jdls.Site` field takes its
+    new state from ``jdls.wrap``'s update (the site updated from its measurement, or kept on
+    a skipped step as its kind says); every other parameter becomes
     ``(p + u).astype(p.dtype)``, as in ``optax.apply_updates``. ``eqx.apply_updates`` computes
     ``p + u``, so float32 updates (what ``jdls.wrap`` returns for 16-bit gradients) would turn
     bfloat16 or float16 parameters into float32, and ``eqx.filter_jit`` would compile the step
@@ -105,6 +109,65 @@ def apply_updates(model: Any, updates: Any) -> Any:
     def apply(u: Any, p: Any) -> Any:
         if u is None:
             return p
+        if is_site_update(u):
+            return u.site
         return jnp.asarray(p + u).astype(jnp.asarray(p).dtype)
 
-    return jax.tree_util.tree_map(apply, updates, model, is_leaf=lambda x: x is None)
+    stop = lambda x: x is None or is_site_update(x)  # noqa: E731
+    return jax.tree_util.tree_map(apply, updates, model, is_leaf=stop)
+
+
+def layer_scaled_value_and_grad(
+    fun: Callable[..., Any], *, has_aux: bool = False
+) -> Callable[..., Any]:
+    """Per-layer scales for an Equinox model: ``fun(model, *args)`` where each layer module
+    holds a :func:`jdls.layer_site` field (stacked with the layer, e.g. by ``eqx.filter_vmap``)
+    and passes its output through it with :func:`jdls.apply_site`.
+
+    The loss is scaled by the last layer's scale, each site multiplies the backward cotangent
+    by the ratio of its layer's scale to the next one's, and the gradients of every array of
+    a layer module (the site's parent) are unscaled by that layer's scale; the gradients at
+    the sites are their measurements. ``jdls.wrap`` (with ``jdls.NoOpScale()``) updates the
+    sites and :func:`apply_updates` puts them in place: the ordinary Equinox step.
+
+    Args:
+      fun: the loss, ``fun(model, *args)``; returns a scalar, or ``(loss, aux)``.
+      has_aux: whether ``fun`` returns ``(loss, aux)``.
+
+    Returns:
+      A function ``(model, *args) -> (value, grads)``, as ``eqx.filter_value_and_grad``.
+
+    Example:
+      >>> import equinox as eqx, jax, jax.numpy as jnp, jdls, jdls.equinox
+      >>> class Layer(eqx.Module):
+      ...     linear: eqx.nn.Linear
+      ...     site: jdls.Site
+      ...     def __call__(self, x):
+      ...         return jdls.apply_site(jnp.tanh(self.linear(x)), self.site)
+      >>> keys = jax.random.split(jax.random.key(0), 2)
+      >>> model = [Layer(eqx.nn.Linear(2, 2, key=k), jdls.layer_site(jdls.StaticScale(2.0**s), i))
+      ...          for i, (k, s) in enumerate(zip(keys, (10, 3)))]
+      >>> def loss(m, x):
+      ...     for layer in m:
+      ...         x = layer(x)
+      ...     return jnp.sum(x)
+      >>> _, grads = jdls.equinox.layer_scaled_value_and_grad(loss)(model, jnp.ones(2))
+      >>> ref = eqx.filter_grad(loss)(model, jnp.ones(2))
+      >>> bool(jnp.allclose(grads[0].linear.weight, ref[0].linear.weight, rtol=1e-6))
+      True
+    """
+
+    def value_and_grad_fn(model: Any, *args: Any, **kwargs: Any) -> Any:
+        value, (grads,) = scale_layers(
+            fun,
+            (model, *args),
+            kwargs,
+            (0,),
+            layer_of=lambda path: path[:-1],  # the module holding the site
+            param_path=lambda path: path,
+            has_aux=has_aux,
+            who="jdls.equinox.layer_scaled_value_and_grad",
+        )
+        return value, grads
+
+    return value_and_grad_fn

@@ -4,7 +4,7 @@
 * ``scale.value_and_grad`` differentiates it as ``eqx.filter_value_and_grad`` does
   (gradients for the floating-point arrays, ``None`` elsewhere), bit for bit, eager and under
   ``eqx.filter_jit``; so do ``jdls.accumulate``, ``jdls.multi_loss_value_and_grad``,
-  ``jdls.probed_value_and_grad`` and ``jdls.layer_scaled_value_and_grad``.
+  sites (probes, per-layer scales) as Equinox fields.
 * ``jdls.wrap``, ``jdls.clip``, ``jdls.stats`` and ``jdls.nonfinite_paths`` take Equinox's
   ``None`` leaves, with float32, bfloat16 and float16 parameters, and under ``shard_map``.
 * A model and its optimizer state survive ``eqx.tree_serialise_leaves`` and orbax bit for bit.
@@ -277,39 +277,153 @@ def test_multi_loss_takes_an_equinox_model(backward):
 
 
 @jit_ids
-def test_probed_value_and_grad_takes_an_equinox_model(jit):
+def test_a_probe_field_measures_and_leaves_the_gradients_unchanged(jit):
     model, (x, y) = make_model(), data()
+    probe = jdls.Site(jdls.Probe())
 
-    def probed_loss(m, x, y):
-        h = jdls.probe(jax.vmap(m)(x).astype(jnp.float16), "out")
+    def probed_loss(m, site, x, y):
+        h = jdls.apply_site(jax.vmap(m)(x).astype(jnp.float16), site)
         return jnp.mean((h.astype(jnp.float32) - y) ** 2)
 
     scale = jdls.StaticScale(2.0**10)
-    loss, grads, t = maybe_filter_jit(jdls.probed_value_and_grad(probed_loss, scale), jit)(
-        model, x, y
+    loss, grads = maybe_filter_jit(
+        jdls.equinox.value_and_grad(lambda mp, x, y: probed_loss(*mp, x, y), scale), jit
+    )((model, probe), x, y)
+    ref_loss, ref = maybe_filter_jit(
+        jdls.equinox.value_and_grad(lambda m, x, y: probed_loss(m, probe, x, y), scale), jit
+    )(model, x, y)
+    assert jdls.Telemetry.of({"out": grads[1]}).names == ("out",)
+    assert_bitwise_equal((loss, grads[0]), (ref_loss, ref))
+
+
+class Block(eqx.Module):
+    linear: eqx.nn.Linear
+    probe: jdls.Site
+    scale: jdls.Site
+
+    def __call__(self, h: jax.Array) -> jax.Array:
+        h = jnp.tanh(jax.vmap(self.linear)(h.astype(self.linear.weight.dtype)) + 1.0)
+        return jdls.apply_site(jdls.apply_site(h, self.probe), self.scale)
+
+
+class Stacked(eqx.Module):
+    """Blocks made by eqx.filter_vmap (their sites stacked with them), run by lax.scan of
+    eqx.filter_checkpoint, and a head: the shape of an Equinox transformer."""
+
+    blocks: Block
+    head: eqx.nn.Linear
+    head_scale: jdls.Site
+
+    def __init__(self, key: jax.Array, depth: int = 4, width: int = 8, levels=None):
+        keys = jax.random.split(key, depth + 1)
+        levels = [1.0] * depth if levels is None else levels
+
+        def make(key: jax.Array, level: jax.Array) -> Block:
+            site = jdls.layer_site(jdls.StaticScale(1.0), 0)
+            site = jdls.Site(site.kind, {**site.value, "scale": jdls.StaticScale(1.0)})
+            block = Block(eqx.nn.Linear(width, width, key=key), jdls.Site(jdls.Probe()), site)
+            return eqx.tree_at(lambda b: b.scale.value["scale"].loss_scale, block, level)
+
+        self.blocks = eqx.filter_vmap(make)(keys[:depth], jnp.asarray(levels, jnp.float32))
+        self.head = eqx.nn.Linear(width, 1, key=keys[depth])
+        self.head_scale = jdls.layer_site(jdls.StaticScale(2.0**-3), 1)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        dynamic, static = eqx.partition(self.blocks, eqx.is_array)
+
+        @eqx.filter_checkpoint
+        def body(h: jax.Array, d: Block) -> tuple[jax.Array, None]:
+            return eqx.combine(d, static)(h), None
+
+        h, _ = jax.lax.scan(body, x, dynamic)
+        return jdls.apply_site(jax.vmap(self.head)(h), self.head_scale)
+
+
+LEVELS = [2.0**30, 2.0**-6, 2.0**12, 2.0**3]
+
+
+def stacked_loss(model: Stacked, x: jax.Array, y: jax.Array) -> jax.Array:
+    return jnp.mean((model(x) - y) ** 2)
+
+
+def test_a_scanned_checkpointed_stack_has_a_site_per_layer():
+    """Per-layer scales (2**36 apart within the stack) and probes in an eqx.filter_vmap
+    stack run by lax.scan of eqx.filter_checkpoint: the gradients are float32
+    eqx.filter_grad's, a row of telemetry per layer, and the ordinary Equinox step (jdls.wrap,
+    jdls.equinox.apply_updates) records the measurements in the model's sites."""
+    model = Stacked(jax.random.key(0), levels=LEVELS)
+    x = jax.random.normal(jax.random.key(1), (16, 8))
+    y = jnp.ones((16, 1))
+    fn = eqx.filter_jit(jdls.equinox.layer_scaled_value_and_grad(stacked_loss))
+    loss, grads = fn(model, x, y)
+    ref_loss, ref = eqx.filter_value_and_grad(stacked_loss)(model, x, y)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    params = lambda t: eqx.filter(  # noqa: E731
+        jdls.split_sites(t)[0], eqx.is_array, is_leaf=lambda v: v is None
     )
-    ref_loss, ref = maybe_filter_jit(eqx.filter_value_and_grad(probed_loss), jit)(model, x, y)
-    assert t.names == ("out",)
-    assert_bitwise_equal((loss, grads), (ref_loss, ref))
+    for g, r in zip(
+        jax.tree_util.tree_leaves(params(grads)),
+        jax.tree_util.tree_leaves(params(ref)),
+        strict=True,
+    ):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-7 * float(jnp.max(jnp.abs(r))))
+    t = jdls.Telemetry.of(grads)
+    assert t.names == tuple(f"blocks[{i}]" for i in range(4))
+    assert np.asarray(t.uses).tolist() == [1.0] * 4
+    # each probe sits before its layer's site in the forward pass: it sees its layer's scale
+    probes_plain = jdls.Telemetry.of(ref)
+    np.testing.assert_allclose(t.amax, np.asarray(probes_plain.amax) * np.array(LEVELS), rtol=1e-5)
+
+    tx = jdls.wrap(optax.sgd(0.1), jdls.NoOpScale())
+    opt_state = tx.init(eqx.filter(model, eqx.is_array))
+    updates, opt_state = tx.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+    new = jdls.equinox.apply_updates(model, updates)
+    np.testing.assert_allclose(jdls.Telemetry.of(new).amax, t.amax)
+    assert new.blocks.scale.value["scale"].loss_scale.tolist() == LEVELS  # static scales
+    np.testing.assert_allclose(
+        new.blocks.scale.value["amax"],
+        jnp.max(
+            jnp.stack(
+                [
+                    jnp.abs(grads.blocks.linear.weight).reshape(4, -1).max(1),
+                    jnp.abs(grads.blocks.linear.bias).max(1),
+                ]
+            ),
+            axis=0,
+        ),
+    )
 
 
-def test_layer_scales_take_a_dict_of_equinox_layers():
+def test_layer_scales_take_equinox_layers_holding_their_sites():
     key0, key1 = jax.random.split(jax.random.key(0))
-    layers = {
-        "hidden": eqx.nn.Sequential([eqx.nn.Linear(4, 8, key=key0), eqx.nn.Lambda(jax.nn.relu)]),
-        "out": eqx.nn.Linear(8, 2, key=key1),
-    }
+
+    class Layer(eqx.Module):
+        inner: eqx.Module
+        site: jdls.Site
+
+        def __call__(self, x):
+            return jdls.apply_site(jax.vmap(self.inner)(x), self.site)
+
+    layers = [
+        Layer(
+            eqx.nn.Sequential([eqx.nn.Linear(4, 8, key=key0), eqx.nn.Lambda(jax.nn.relu)]),
+            jdls.layer_site(jdls.StaticScale(2.0**6), 0),
+        ),
+        Layer(eqx.nn.Linear(8, 2, key=key1), jdls.layer_site(jdls.StaticScale(2.0**2), 1)),
+    ]
     x, y = data()
 
     def loss(p, x, y):
-        h = jdls.layer_boundary(jax.vmap(p["hidden"])(x), "hidden")
-        h = jdls.layer_boundary(jax.vmap(p["out"])(h), "out")
+        h = x
+        for layer in p:
+            h = layer(h)
         return jnp.mean((h - y) ** 2)
 
-    scales = {"hidden": jdls.StaticScale(2.0**6), "out": jdls.StaticScale(2.0**2)}
-    _, grads, finite = jdls.layer_scaled_value_and_grad(loss, scales)(layers, x, y)
-    assert_bitwise_equal(grads, eqx.filter_grad(loss)(layers, x, y))
-    assert grads["hidden"].layers[1].fn is None and bool(finite["hidden"])
+    _, grads = jdls.equinox.layer_scaled_value_and_grad(loss)(layers, x, y)
+    ref = eqx.filter_grad(loss)(layers, x, y)
+    rest, measured = jdls.split_sites(grads)
+    assert_bitwise_equal(rest, jdls.split_sites(ref)[0])
+    assert rest[0].inner.layers[1].fn is None and float(measured[0].site.value["finite"]) == 1.0
 
 
 def test_retrying_with_an_equinox_model():

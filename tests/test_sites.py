@@ -492,3 +492,40 @@ def test_apply_site_says_what_to_pass() -> None:
         jdls.Site("probe")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="stack of 4"):
         jdls.apply_site(jnp.ones(2), probes())
+
+
+def test_wrap_keeps_sites_from_the_optimizer_and_updates_them() -> None:
+    """Sites among the parameters: never clipped, decayed or given to the inner optimizer;
+    jdls.wrap returns each one updated by its kind (skip-aware), jdls.equinox.apply_updates
+    puts it in place, and optax.apply_updates refuses (it would add it to the old state)."""
+    import optax
+
+    import jdls.equinox
+
+    params = {"w": jnp.ones(3), "probe": jdls.Site(jdls.Probe()), "count": jdls.Site(_Count())}
+
+    def loss(p):
+        h = jdls.apply_site(jdls.apply_site(p["w"] * 2.0, p["probe"]), p["count"])
+        return jnp.sum(h)
+
+    tx = optax.chain(
+        jdls.clip(1e-3), jdls.wrap(optax.adamw(1e-2, weight_decay=0.5), jdls.NoOpScale())
+    )
+    state = tx.init(params)
+    _, grads = jdls.StaticScale(4.0).value_and_grad(loss)(params)
+    assert grads["probe"].value.tolist() == [4.0, 3.0, 3.0, 0.0, 0.0, 1.0]  # not unscaled
+    updates, state = jax.jit(tx.update)(grads, state, params)
+    new = jdls.equinox.apply_updates(params, updates)
+    assert new["probe"].value.tolist() == grads["probe"].value.tolist()
+    assert float(new["count"].value) == 1.0
+    plain = optax.chain(optax.clip_by_global_norm(1e-3), optax.adamw(1e-2, weight_decay=0.5))
+    w = {"w": params["w"]}
+    expected, _ = plain.update({"w": grads["w"]}, plain.init(w), w)
+    np.testing.assert_array_equal(new["w"], params["w"] + expected["w"])
+    with pytest.raises(ValueError, match="structure"):
+        optax.apply_updates(params, updates)
+    bad = {**grads, "w": jnp.full(3, jnp.nan)}
+    updates, state = tx.update(bad, state, new)
+    skipped = jdls.equinox.apply_updates(new, updates)
+    assert float(skipped["count"].value) == 1.0  # _Count does not count a skipped step
+    np.testing.assert_array_equal(skipped["w"], new["w"])

@@ -1,0 +1,136 @@
+"""Sites in a Flax linen model without model edits: a probe after every module, a per-layer
+scale after every top-level layer.
+
+:func:`probes_linen` and :func:`layer_scales_linen` return the model wrapped in a module that
+shares its scope (the parameters keep their paths) and, inside its own ``__call__``, passes
+module outputs through sites (``flax.linen.intercept_methods``). The sites' values are
+variables of the collection ``"jdls"`` (:data:`SITES`) at each module's path, made by
+``model.init`` like the parameters: under ``nn.scan`` with ``variable_axes={"params": 0,
+"jdls": 0}`` one site per layer, stacked like the layer's parameters. The interception is part
+of the wrapper's traced code, so every trace of the wrapped model (a jitted ``apply`` traced
+before, ``nn.remat``, ``nn.scan``, ``nn.jit``) has the sites; nothing is read from Python
+state outside it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+
+from jdls._layer_scales import layer_site
+from jdls._probe import Probe
+from jdls._scale import LossScale, check_scale
+from jdls._site import Site, apply_site
+
+__all__ = ["LAYER_SCALE", "PROBE", "SITES", "layer_scales_linen", "probes_linen"]
+
+#: The variable collection that holds the sites of a linen model.
+SITES = "jdls"
+#: The variable names of a module's probe and per-layer scale in :data:`SITES`.
+PROBE = "probe"
+LAYER_SCALE = "layer_scale"
+
+
+class _Sites(nn.Module):
+    """``model`` with its module outputs passed through sites (see the module docstring)."""
+
+    jdls_wrapped: nn.Module
+    make: Callable[..., Any]  # (module path, first-seen index) -> (variable name, Site) or None
+
+    def setup(self) -> None:
+        nn.share_scope(self, self.jdls_wrapped)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        seen: dict[tuple[str, ...], int] = {}  # forward order of the layers, this trace
+
+        def interceptor(next_fun: Callable[..., Any], a: Any, kw: Any, context: Any) -> Any:
+            out = next_fun(*a, **kw)
+            module = context.module
+            if context.method_name != "__call__" or module is self or module is self.jdls_wrapped:
+                return out
+            # the path in the model: the wrapper shares its scope (the variables' paths), but
+            # submodules made in the model's setup see the wrapper's field name first
+            path = tuple(str(p) for p in module.scope.path)
+            path = path[1:] if path[:1] == ("jdls_wrapped",) else path
+            made = self.make(path, seen.setdefault(path, len(seen)))
+            if made is None:
+                return out
+            name, site = made
+            variable = module.variable(SITES, name, lambda: site)
+            return apply_site(out, variable.value)
+
+        with nn.intercept_methods(interceptor):
+            return self.jdls_wrapped(*args, **kwargs)
+
+
+def probes_linen(model: nn.Module, compute_dtype: Any = "float16") -> nn.Module:
+    """``model`` with a :class:`jdls.Probe` after every submodule's ``__call__``.
+
+    The probes are variables ``"probe"`` of the collection ``"jdls"`` at each module's path:
+    ``init`` makes them, ``apply`` takes them (``{"params": ..., "jdls": ...}``); their
+    gradients are what they measured (:meth:`jdls.Telemetry.of`). Inside ``nn.scan``, add
+    ``"jdls": 0`` to ``variable_axes``: a row of telemetry per layer.
+
+    Args:
+      model: a linen module (not changed).
+      compute_dtype: the format whose flushing to zero the probes count.
+
+    Returns:
+      A linen module with ``model``'s parameters at the same paths.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, flax.linen as nn, jdls
+      >>> model = jdls.linen.probes(nn.Sequential([nn.Dense(4), nn.relu, nn.Dense(1)]))
+      >>> variables = model.init(jax.random.key(0), jnp.ones((1, 3)))
+      >>> sorted(variables), sorted(variables["params"])
+      (['jdls', 'params'], ['layers_0', 'layers_2'])
+      >>> loss = lambda v: jnp.sum(model.apply(v, jnp.ones((2, 3))))
+      >>> _, grads = jdls.StaticScale(8.0).value_and_grad(loss)(variables)
+      >>> jdls.Telemetry.of(grads["jdls"]).names
+      ('layers_0', 'layers_2')
+    """
+    kind = Probe(compute_dtype)
+
+    def make(path: tuple[str, ...], order: int) -> tuple[str, Site]:
+        del path, order
+        return PROBE, Site(kind)
+
+    return _Sites(model, make)
+
+
+def layer_scales_linen(model: nn.Module, scale: LossScale) -> nn.Module:
+    """``model`` with a per-layer scale (:func:`jdls.layer_site`) after every top-level
+    submodule (``"Dense_0"``, ``"layers_1"``; the module under ``nn.scan``: one per layer).
+
+    The sites are variables ``"layer_scale"`` of the collection ``"jdls"``, made by ``init``
+    with ``scale`` each, in the order the layers are called (the chain's forward order). The
+    top-level submodules must form a chain (each one's output the next one's input); each
+    layer's parameters are those under its path. Differentiate with
+    ``jdls.linen.TrainState.value_and_grad`` (or :func:`jdls.layer_scaled_value_and_grad` on
+    ``(params, sites)``).
+
+    Args:
+      model: a linen module (not changed).
+      scale: every layer's initial scale (``jdls.AdaptiveScale()``, say).
+
+    Returns:
+      A linen module with ``model``'s parameters at the same paths.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, flax.linen as nn, jdls
+      >>> net = nn.Sequential([nn.Dense(4), nn.tanh, nn.Dense(1)])
+      >>> model = jdls.linen.layer_scales(net, jdls.StaticScale(2.0**10))
+      >>> variables = model.init(jax.random.key(0), jnp.ones((1, 3)))
+      >>> sorted(variables["jdls"])
+      ['layers_0', 'layers_2']
+    """
+    check_scale(scale, "scale")
+
+    def make(path: tuple[str, ...], order: int) -> tuple[str, Site] | None:
+        if len(path) != 1:
+            return None
+        return LAYER_SCALE, layer_site(scale, order)
+
+    return _Sites(model, make)

@@ -1,0 +1,221 @@
+"""Sites in Flax linen models: jdls.linen.probes and jdls.linen.layer_scales on a stack of
+blocks run by nn.scan(nn.remat(Block)), jdls.linen.TrainState carrying the sites, compared
+with the same blocks unrolled in Python."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from _helpers import maybe_jit, with_and_without_jit
+
+import jdls
+
+DEPTH, WIDTH = 4, 8
+
+
+class Block(nn.Module):
+    dtype: object = jnp.float16
+
+    @nn.compact
+    def __call__(self, h, _=None):
+        return jnp.tanh(nn.Dense(WIDTH, dtype=self.dtype, name="dense")(h) + 1.0), None
+
+
+class Scanned(nn.Module):
+    dtype: object = jnp.float16
+    remat: bool = True
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(WIDTH, dtype=self.dtype, name="embed")(x)
+        block = nn.remat(Block) if self.remat else Block
+        stack = nn.scan(
+            block,
+            variable_axes={"params": 0, "jdls": 0},
+            split_rngs={"params": True},
+            length=DEPTH,
+        )
+        h, _ = stack(self.dtype, name="blocks")(h, None)
+        return nn.Dense(1, dtype=self.dtype, name="head")(h).astype(jnp.float32)
+
+
+class Unrolled(nn.Module):
+    """The same layers, one module per block (the reference)."""
+
+    dtype: object = jnp.float16
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(WIDTH, dtype=self.dtype, name="embed")(x)
+        for i in range(DEPTH):
+            h, _ = Block(self.dtype, name=f"block_{i}")(h)
+        return nn.Dense(1, dtype=self.dtype, name="head")(h).astype(jnp.float32)
+
+
+def _x():
+    return jax.random.normal(jax.random.key(1), (16, 4))
+
+
+def unstack(tree: dict) -> dict:
+    """The scanned model's variables as the unrolled model's (block_i for blocks[i])."""
+    out = {k: v for k, v in tree.items() if k != "blocks"}
+    for i in range(DEPTH):
+        out[f"block_{i}"] = jax.tree_util.tree_map(lambda a, i=i: a[i], tree["blocks"])
+    return out
+
+
+def state_of(model, x, scale=None):
+    scale = jdls.NoOpScale() if scale is None else scale
+    variables = model.init(jax.random.key(0), x)
+    return jdls.linen.TrainState.create(
+        apply_fn=model.apply,
+        params=variables["params"],
+        sites=variables["jdls"],
+        tx=jdls.wrap(optax.sgd(0.1), scale),
+    )
+
+
+def train_step(state, x):
+    loss, grads = state.value_and_grad(lambda v: jnp.mean(state.apply_fn(v, x) ** 2))(
+        state.variables
+    )
+    return state.apply_gradients(grads=grads), loss, grads
+
+
+@pytest.mark.parametrize("remat", [True, False], ids=["nn.remat", "plain"])
+@with_and_without_jit
+def test_probes_in_a_scanned_stack_give_a_row_per_layer(remat: bool, jit: bool) -> None:
+    x = _x()
+    state = state_of(jdls.linen.probes(Scanned(remat=remat)), x, jdls.StaticScale(2.0**8))
+    new, _, grads = maybe_jit(train_step, jit)(state, x)
+    t = jdls.Telemetry.of(grads["jdls"])
+    assert t.names == (
+        "blocks/dense[0]", "blocks/dense[1]", "blocks/dense[2]", "blocks/dense[3]",
+        "blocks[0]", "blocks[1]", "blocks[2]", "blocks[3]",
+        "embed", "head",
+    )  # fmt: skip
+    assert np.asarray(t.uses).tolist() == [1.0] * 10
+    # the reference: the same blocks unrolled, the same parameters
+    reference = jdls.linen.probes(Unrolled())
+    ref_vars = reference.init(jax.random.key(0), x)
+    params = unstack(state.params)
+    _, ref_grads = jdls.StaticScale(2.0**8).value_and_grad(
+        lambda v: jnp.mean(reference.apply(v, x) ** 2)
+    )({"params": params, "jdls": ref_vars["jdls"]})
+    ref = jdls.Telemetry.of(ref_grads["jdls"])
+    by_name = dict(zip(ref.names, np.asarray(ref.amax), strict=True))
+    for i in range(DEPTH):
+        np.testing.assert_allclose(t.amax[i], by_name[f"block_{i}/dense"], rtol=2e-3)
+        np.testing.assert_allclose(t.amax[4 + i], by_name[f"block_{i}"], rtol=2e-3)
+    # the step recorded the measurement in the sites
+    np.testing.assert_allclose(jdls.Telemetry.of(new.sites).amax, t.amax)
+    for a, b in zip(
+        jax.tree_util.tree_leaves(unstack(grads["params"])),
+        jax.tree_util.tree_leaves(ref_grads["params"]),
+        strict=True,
+    ):
+        np.testing.assert_allclose(a, b, rtol=2e-3, atol=1e-6)
+
+
+@with_and_without_jit
+def test_layer_scales_in_a_scanned_remat_stack_are_exact(jit: bool) -> None:
+    """float32, a scale per layer (the scanned stack's layers each their own): the gradients
+    are jax.grad's, and each site is adjusted from its own layer's gradients."""
+    x = _x()
+    model = jdls.linen.layer_scales(Scanned(jnp.float32), jdls.AdaptiveScale(2.0**8))
+    state = state_of(model, x)
+    levels = {"embed": 2.0**30, "head": 2.0**-4}
+    stacked = jnp.array([2.0**e for e in (3, 20, -6, 12)])
+
+    def set_level(path, site):
+        key = path[0].key  # the layer: "embed", "blocks" (stacked) or "head"
+        value = dict(site.value)
+        level = stacked if key == "blocks" else jnp.float32(levels[key])
+        value["scale"] = value["scale"].replace(loss_scale=level)
+        return jdls.Site(site.kind, value)
+
+    sites = jax.tree_util.tree_map_with_path(set_level, state.sites, is_leaf=jdls.is_site)
+    state = state.replace(sites=sites)
+    new, loss, grads = maybe_jit(train_step, jit)(state, x)
+    ref_loss, ref = jax.value_and_grad(
+        lambda p: jnp.mean(model.apply({"params": p, "jdls": state.sites}, x) ** 2)
+    )(state.params)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    for a, b in zip(
+        jax.tree_util.tree_leaves(grads["params"]), jax.tree_util.tree_leaves(ref), strict=True
+    ):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7 * float(jnp.max(jnp.abs(b))))
+    blocks = new.sites["blocks"]["layer_scale"].value
+    assert blocks["scale"].loss_scale.shape == (DEPTH,)
+    amax = jnp.max(
+        jnp.stack(
+            [
+                jnp.abs(g).reshape(DEPTH, -1).max(1)
+                for g in jax.tree_util.tree_leaves(grads["params"]["blocks"])
+            ]
+        ),
+        axis=0,
+    )
+    np.testing.assert_allclose(blocks["amax"], amax)
+    assert not np.all(np.asarray(blocks["scale"].loss_scale) == np.asarray(stacked))
+
+
+def test_a_skipped_step_keeps_the_scales_and_records_the_probes() -> None:
+    x = _x().at[0, 0].set(jnp.inf)
+    state = state_of(jdls.linen.layer_scales(Scanned(), jdls.AdaptiveScale(2.0**8)), x)
+    new, _, _ = jax.jit(train_step)(state, x)
+    assert not bool(new.stats.finite)
+    old_levels = [
+        s.value["scale"].loss_scale
+        for s in jax.tree_util.tree_leaves(state.sites, is_leaf=jdls.is_site)
+    ]
+    new_levels = [
+        s.value["scale"].loss_scale
+        for s in jax.tree_util.tree_leaves(new.sites, is_leaf=jdls.is_site)
+    ]
+    for a, b in zip(old_levels, new_levels, strict=True):
+        assert np.all(np.asarray(b) <= np.asarray(a))  # nothing grows on a skipped step
+    probes = state_of(jdls.linen.probes(Scanned()), x)
+    after, _, _ = jax.jit(train_step)(probes, x)
+    assert float(jnp.max(jdls.Telemetry.of(after.sites).nonfinite)) == 1.0
+
+
+def test_a_jitted_apply_traced_before_keeps_its_sites() -> None:
+    """An evaluation step traced the jitted apply before, outside any differentiation: the
+    sites are the apply's own variables, so the cached trace has them."""
+    x = _x()
+    model = jdls.linen.probes(Scanned())
+    state = state_of(model, x)
+    apply = jax.jit(model.apply)
+    apply(state.variables, x)  # traced and cached
+    loss_fn = lambda v: jnp.mean(apply(v, x) ** 2)  # noqa: E731
+    _, grads = state.value_and_grad(loss_fn)(state.variables)
+    t = jdls.Telemetry.of(grads["jdls"])
+    assert np.asarray(t.uses).tolist() == [1.0] * len(t.names) and len(t.names) == 10
+
+
+def test_nn_jit_inside_the_model_keeps_its_sites() -> None:
+    class Jitted(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.jit(Block)(name="block")(x)[0]
+            return nn.Dense(1, name="head")(h)
+
+    x = _x()
+    model = jdls.linen.probes(Jitted())
+    state = state_of(model, x)
+    _, grads = state.value_and_grad(lambda v: jnp.mean(model.apply(v, x) ** 2))(state.variables)
+    t = jdls.Telemetry.of(grads["jdls"])
+    assert "block" in t.names and np.asarray(t.uses).tolist() == [1.0] * len(t.names)
+    assert float(jnp.min(t.amax)) > 0
+
+
+def test_train_state_with_sites_says_what_to_pass() -> None:
+    x = _x()
+    state = state_of(jdls.linen.probes(Scanned()), x)
+    with pytest.raises(ValueError, match="state.variables"):
+        state.apply_gradients(grads=state.params)
