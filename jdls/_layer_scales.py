@@ -125,6 +125,13 @@ class LayerScale(SiteKind):
         zeros = jnp.zeros((), _F32)
         return [leaf(c) for c in g], {"scale": None, "ratio": zeros, "amax": zeros, "finite": zeros}
 
+    def reduce(self, measurement: Any, axis_name: Any) -> Any:
+        return {
+            **measurement,
+            "amax": jax.lax.pmax(measurement["amax"], axis_name),
+            "finite": jax.lax.pmin(measurement["finite"], axis_name),
+        }
+
     def update(self, value: Any, measurement: Any, finite: jax.Array) -> Any:
         scale = value["scale"]
         amax, own = measurement["amax"], measurement["finite"] > 0

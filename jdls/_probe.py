@@ -99,6 +99,13 @@ class Probe(SiteKind):
         del residuals
         return g, statistics(g, self.compute_dtype)
 
+    def reduce(self, measurement: jax.Array, axis_name: Any) -> jax.Array:
+        # the largest magnitude and the uses (1 on each device) by max, the counts by sum
+        largest = jax.lax.pmax(measurement, axis_name)
+        summed = jax.lax.psum(measurement, axis_name)
+        by_max = jnp.array([f in ("amax", "uses") for f in FIELDS])
+        return jnp.where(by_max, largest, summed)
+
     def update(self, value: jax.Array, measurement: jax.Array, finite: jax.Array) -> jax.Array:
         del value, finite
         return measurement

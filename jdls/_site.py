@@ -95,6 +95,11 @@ class SiteKind:
         one). Default: compared with the shapes of :meth:`init`."""
         return _extra_axes(self, value)
 
+    def reduce(self, measurement: Any, axis_name: Any) -> Any:
+        """The measurements of every device (``axis_name``, inside ``shard_map`` or
+        ``pmap``) combined into one. Default: the largest (``lax.pmax``)."""
+        return jax.tree_util.tree_map(lambda m: jax.lax.pmax(m, axis_name), measurement)
+
     def update(self, value: Any, measurement: Any, finite: jax.Array) -> Any:
         """The site's value for the next step, from this step's ``measurement`` and whether
         the step was taken (``finite``; a skipped step is ``False``). Default: unchanged."""
@@ -335,7 +340,9 @@ def merge_sites(rest: Any, sites: Any) -> Any:
     return jax.tree_util.tree_map(pick, sites, rest, is_leaf=stop)
 
 
-def _update_one(site: Site, measured: Site | None, finite: jax.Array) -> Site:
+def _update_one(
+    site: Site, measured: Site | None, finite: jax.Array, axis_name: Any = None
+) -> Site:
     if measured is None:
         return site
     if not isinstance(measured, Site) or measured.kind != site.kind:
@@ -346,11 +353,14 @@ def _update_one(site: Site, measured: Site | None, finite: jax.Array) -> Site:
     update: Callable[..., Any] = site.kind.update
     for _ in site.kind.stack_shape(site.value):
         update = jax.vmap(update, in_axes=(0, 0, None))
+    value = measured.value
+    if axis_name is not None:
+        value = site.kind.reduce(value, axis_name)
     # the measurement's integer leaves are None (held fixed) or float0: the kind ignores them
-    return Site(site.kind, update(site.value, measured.value, finite))
+    return Site(site.kind, update(site.value, value, finite))
 
 
-def update_sites(sites: Any, measurements: Any, finite: Any = True) -> Any:
+def update_sites(sites: Any, measurements: Any, finite: Any = True, axis_name: Any = None) -> Any:
     """Every :class:`Site` in ``sites`` updated by its kind from its measurement.
 
     ``measurements`` are the gradients at the sites (:func:`split_sites` of the gradients);
@@ -363,6 +373,9 @@ def update_sites(sites: Any, measurements: Any, finite: Any = True) -> Any:
       measurements: the same structure, with the measurements at the sites (``None``
         elsewhere, or the same leaves).
       finite: a boolean scalar.
+      axis_name: inside ``shard_map`` or ``pmap`` with each device's own measurements (its
+        own copy of the sites): the axis over which each kind combines them
+        (:meth:`SiteKind.reduce`), so that every device updates alike.
 
     Returns:
       ``sites`` with every site's value updated.
@@ -382,7 +395,7 @@ def update_sites(sites: Any, measurements: Any, finite: Any = True) -> Any:
     )
 
     def one(site: Any, measured: Any) -> Any:
-        return _update_one(site, measured, finite) if is_site(site) else site
+        return _update_one(site, measured, finite, axis_name) if is_site(site) else site
 
     return jax.tree_util.tree_map(
         one, sites, measured_sites, is_leaf=lambda x: is_site(x) or x is None

@@ -337,18 +337,12 @@ def test_under_shard_map_on_8_devices_the_scales_agree() -> None:
     sites = sites_of({k: jdls.AdaptiveScale(2.0**10) for k in params})
     fn = jdls.layer_scaled_value_and_grad(residual_loss)
 
-    def reduce(m: jdls.Site) -> jdls.Site:
-        v = m.value
-        amax, finite = jax.lax.pmax(v["amax"], "data"), jax.lax.pmin(v["finite"], "data")
-        return jdls.Site(m.kind, {**v, "amax": amax, "finite": finite})
-
     def step(params: dict, x: jax.Array) -> tuple:
         varying = jax.lax.pcast((params, sites), "data", to="varying")
         _, (local, measurements) = fn(*varying, x)
         grads = jax.lax.pmean(local, "data")
-        reduced = {k: reduce(m) for k, m in measurements.items()}
         taken = jdls.all_finite(grads)
-        new_scales = scales_of(jdls.update_sites(sites, reduced, taken))
+        new_scales = scales_of(jdls.update_sites(sites, measurements, taken, axis_name="data"))
         own = scales_of(jdls.update_sites(sites, measurements, jdls.all_finite(local)))
         _, (summed, _) = fn(params, sites, x)  # replicated parameters: JAX's psum
         return grads, summed, new_scales, _stacked(new_scales), _stacked(own)

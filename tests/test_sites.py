@@ -529,3 +529,33 @@ def test_wrap_keeps_sites_from_the_optimizer_and_updates_them() -> None:
     skipped = jdls.equinox.apply_updates(new, updates)
     assert float(skipped["count"].value) == 1.0  # _Count does not count a skipped step
     np.testing.assert_array_equal(skipped["w"], new["w"])
+
+
+def test_update_sites_combines_the_devices_measurements_as_each_kind_says() -> None:
+    """shard_map, a different batch shard per device, sites varying per device: with
+    axis_name, probes sum their counts and take the largest magnitude, per-layer scales the
+    largest magnitude and the least finiteness; every device then holds the same sites."""
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+    params, scale = _params(), jdls.StaticScale(2.0**6)
+    x = jax.random.normal(jax.random.key(3), (2, BATCH, WIDTH))
+
+    def step(x):
+        sites = jax.lax.pcast(probes(), "data", to="varying")
+        _, (_, measured) = scale.value_and_grad(scanned, (0, 1))(params, sites, x[0])
+        new = jdls.update_sites(sites, measured, True, axis_name="data")
+        return jax.tree_util.tree_map(lambda v: v[None], new)
+
+    new = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("data"), out_specs=P("data")))(x)
+    assert np.all(np.asarray(new.value)[0] == np.asarray(new.value)[1])
+    per_device = [telemetry_of(unrolled, scale, False, params, probes(), x[d])[2] for d in (0, 1)]
+    whole = jdls.Telemetry.of(jax.tree_util.tree_map(lambda v: v[0], new))
+    np.testing.assert_allclose(
+        whole.amax, np.maximum(per_device[0].amax, per_device[1].amax), rtol=2e-3
+    )
+    assert np.asarray(whole.uses).tolist() == [1.0] * DEPTH
+    np.testing.assert_allclose(
+        whole.zeros, (np.asarray(per_device[0].zeros) + np.asarray(per_device[1].zeros)) / 2
+    )
