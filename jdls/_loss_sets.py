@@ -52,6 +52,10 @@ EMPTY: LossSet = frozenset()
 
 _F32 = jnp.float32
 
+#: The output variable of an equation that nothing reads (``jax.extend.core.DropVar`` in recent
+#: jax, ``jax.core.DropVar`` before).
+_DROP_VAR: type = getattr(jcore, "DropVar", None) or jax.core.DropVar  # type: ignore[attr-defined]
+
 # The call primitives whose sub-jaxpr is inlined, and the parameter holding it.
 _INLINED = {
     jcore.primitives.jit_p: "jaxpr",
@@ -369,6 +373,6 @@ def evaluate(scope: Scope, levels: Levels, consts: Sequence[Any], args: Sequence
                     for y, v in zip(outs, eqn.outvars, strict=True)
                 ]
         for v, y in zip(eqn.outvars, outs, strict=True):
-            if not isinstance(v, jcore.DropVar):
+            if not isinstance(v, _DROP_VAR):
                 env[v] = y
     return [read(v) for v in jaxpr.outvars]

@@ -155,12 +155,12 @@ def vary_like(x: Any, like: Any) -> Any:
 
 def vary_over(x: Any, axes: tuple[Any, ...]) -> Any:
     """``x`` marked as varying over the manual mesh ``axes`` (``lax.pcast``; ``lax.pvary``
-    before jax 0.8)."""
+    before jax 0.8.2)."""
     if not axes:
         return x
     if hasattr(lax, "pcast"):
         return lax.pcast(x, axes, to="varying")
-    return lax.pvary(x, axes)  # type: ignore[attr-defined]  # pragma: no cover - jax < 0.8
+    return lax.pvary(x, axes)  # type: ignore[attr-defined]  # pragma: no cover - jax < 0.8.2
 
 
 def sum_like(x: Any, like: Any) -> Any:

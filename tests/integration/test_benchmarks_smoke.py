@@ -19,6 +19,8 @@ from _helpers import ROOT
 # need the ``peers`` extra, so the smoke test skips without it.
 pytest.importorskip("jmp", reason="the benchmarks compare with jmp (pip install -e '.[peers]')")
 
+pytestmark = pytest.mark.full  # minutes: the full suite only (docs/contributing.md)
+
 
 def _registry() -> object:
     """``benchmarks/_registry.py``, the one list of suites (benchmarks/ is not installed)."""

@@ -95,6 +95,7 @@ def _leaves_bytes(npz, prefix):
 
 @pytest.mark.parametrize("name", list(worker.WRAPS))
 @pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.full
 def test_resume_in_fresh_process_is_bit_identical(resumed, fmt, name):
     results, expected = resumed
     mid, full = expected[name]
@@ -110,6 +111,7 @@ def test_resume_in_fresh_process_is_bit_identical(resumed, fmt, name):
     assert _leaves_bytes(out, "final_") == host_bytes(full)
 
 
+@pytest.mark.full
 def test_checkpoint_caught_interesting_states(resumed):
     """The save point is not trivial for the scales with extra counters."""
     _, expected = resumed

@@ -39,6 +39,8 @@ from jax.sharding import PartitionSpec as P
 
 import jdls
 
+pytestmark = pytest.mark.full  # two processes and soaks: the full suite only
+
 TIMEOUT_S = 150
 LOCAL_DEVICES = 2
 

@@ -122,7 +122,19 @@ def _imported_top_modules(source: str) -> set[str]:
     return names
 
 
-@pytest.mark.parametrize("block", RUN_BLOCKS, ids=[b.id for b in RUN_BLOCKS])
+#: The pages whose blocks the quick run executes, a reader's first steps; the full suite runs
+#: every page's (docs/contributing.md, "Run the tests").
+QUICK_PAGES = frozenset(
+    {"README.md", "docs/index.md", "docs/getting-started.md", "docs/concepts.md"}
+)
+
+
+def _block_param(block: Block) -> object:
+    quick = block.path.relative_to(ROOT).as_posix() in QUICK_PAGES
+    return pytest.param(block, id=block.id, marks=() if quick else pytest.mark.full)
+
+
+@pytest.mark.parametrize("block", [_block_param(b) for b in RUN_BLOCKS])
 def test_python_block_runs(block: Block, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A ```python block of the docs runs, standalone, without error."""
     if block.skip:

@@ -68,6 +68,7 @@ def test_quickstart():
     assert result["loss"] < 1.0
 
 
+@pytest.mark.full
 def test_demo_claims(tmp_path, capsys):
     """Shortened demo: float16 without scaling fails; float16 + jdls matches float32.
 
@@ -105,6 +106,7 @@ def test_demo_claims(tmp_path, capsys):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.full
 def test_demo_other_formats_and_errors(tmp_path):
     demo = load("demo")
     results = demo.main(
@@ -119,6 +121,7 @@ def test_demo_other_formats_and_errors(tmp_path):
     assert not list(tmp_path.iterdir())  # --no-plot writes nothing
 
 
+@pytest.mark.full
 def test_nnx_transformer():
     result = load("nnx_transformer").main(["--steps", "6", "--sample", "8", "--quiet"])
     assert np.isfinite(result["loss"])
@@ -127,6 +130,7 @@ def test_nnx_transformer():
     assert result["sample"].startswith("def wrap(") and len(result["sample"]) == 9 + 8
 
 
+@pytest.mark.full
 def test_data_parallel_modes_agree():
     results = load("data_parallel").main(["--steps", "8", "--batch-size", "64", "--quiet"])
     jit, shard_map = results["jit"], results["shard_map"]
@@ -137,6 +141,7 @@ def test_data_parallel_modes_agree():
     assert jit["losses"][-1] < jit["losses"][0]
 
 
+@pytest.mark.full
 def test_cbfloat16():
     results = load("cbfloat16").main(["--steps", "20", "--quiet"])
     assert list(results) == ["float16+jdls", "cbfloat16", "cbfloat16+jdls"]
@@ -148,6 +153,7 @@ def test_cbfloat16():
         assert r["skipped_steps"] == 0
 
 
+@pytest.mark.full
 def test_zero_skip(tmp_path):
     """Injected scale-caused overflows: retries drop no batch and the schedule follows the
     data; skipping drops batches and the schedule falls behind by as many."""
@@ -162,6 +168,7 @@ def test_zero_skip(tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.full
 def test_data_parallel_runs_as_a_script():
     """As a reader runs it: a fresh process, which must set up 8 CPU devices by itself."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
@@ -179,6 +186,7 @@ def test_data_parallel_runs_as_a_script():
     assert "jit: final loss" in proc.stdout
 
 
+@pytest.mark.full
 def test_multitask_per_loss_scales_recover_the_small_loss():
     """The example's claim, at its defaults (2,000 steps, about 25 s): one global scale loses
     the classifier weighted 1e-4, per-loss scales (PyTorch's rule, AdaptiveScale) learn it as
@@ -201,6 +209,7 @@ def test_multitask_per_loss_scales_recover_the_small_loss():
     assert adaptive.scales["classifier"] >= 2.0**8 * adaptive.scales["reconstruction"]
 
 
+@pytest.mark.full
 def test_equinox_cnn_matches_float32_where_unscaled_float16_fails():
     results = load("equinox_cnn").main(["--steps", "150", "--quiet"])
     f32, f16, scaled = results["float32"], results["float16"], results["float16+jdls"]

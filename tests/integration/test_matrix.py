@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _helpers import FULL_MATRIX, assert_bitwise_equal, covering_sample, enable_x64
+from _helpers import FULL_MATRIX, FULL_SUITE, assert_bitwise_equal, covering_sample, enable_x64
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -71,11 +71,13 @@ def _kind_sample(kind):
 
 
 FULL = FULL_MATRIX
-COMBINATIONS = _all_combinations() if FULL else _sample()
+# The quick run takes the fewest cells that hold every value of every axis, and two cells of
+# each other model kind (tests/conftest.py).
+COMBINATIONS = _all_combinations() if FULL else _sample(SAMPLE_SIZE if FULL_SUITE else 0)
 KIND_COMBINATIONS = [
     (kind, *c)
     for kind in MODEL_KINDS[1:]
-    for c in (_all_combinations() if FULL else _kind_sample(kind))
+    for c in (_all_combinations() if FULL else _kind_sample(kind)[: None if FULL_SUITE else 2])
 ]
 
 

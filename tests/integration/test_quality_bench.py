@@ -39,6 +39,7 @@ def test_the_tasks_are_named_and_explained():
 
 
 @pytest.mark.parametrize("name", ["tiny weight", "cnn"])
+@pytest.mark.full(keep=1)
 def test_a_run_reports_every_metric(name):
     task = short(name)
     r = q.train(task, q.rules()["AdaptiveScale"], seeds=2)
@@ -78,6 +79,7 @@ def test_registered():
     assert isinstance(q.rules()["jdls classic"]("float16"), jdls.DynamicScale)
 
 
+@pytest.mark.full
 def test_the_default_scale_reaches_float32_on_the_tiny_weight_task():
     """``jdls.wrap(optax.adam(...))`` with no scale: within 0.02 of float32's test accuracy on
     the digits MLP whose loss is weighted 2**-32 (400 steps), where PyTorch's rule is not."""

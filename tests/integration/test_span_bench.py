@@ -16,6 +16,8 @@ if str(ROOT) not in sys.path:
 
 from benchmarks import bench_span as sp
 
+pytestmark = pytest.mark.full  # trains every rule: the full suite only
+
 
 @pytest.fixture(scope="module")
 def small_tasks():
