@@ -364,8 +364,11 @@ def nnx_value_and_grad(
     scale = snapshot(check_scale(scale))
 
     argnums_spec: Any = argnums if isinstance(argnums, int) else tuple(argnums)
+    from jdls._nnx_sites import SiteVariable
+
     if wrt is None:
         wrt = nnx.Param
+    wrt = nnx.Any(wrt, SiteVariable)  # the sites' gradients: their measurements
     if isinstance(argnums_spec, int):
         argnums_spec = nnx.DiffState(argnums_spec, wrt)
     else:

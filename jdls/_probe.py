@@ -162,7 +162,9 @@ class Telemetry(NamedTuple):
             if not isinstance(site, Site) or not isinstance(site.kind, Probe):
                 continue
             keys = [_key(k) for k in path]
-            if len(keys) > 1 and keys[-1] == "probe":  # a framework's probe: its module's name
+            if keys[-1:] == ["value"]:  # an NNX Variable's value
+                keys = keys[:-1]
+            if keys[-1:] in (["probe"], ["jdls_probe"]):  # a framework's probe: its module
                 keys = keys[:-1]
             name = "/".join(keys)
             value = jnp.asarray(site.value, _F32)

@@ -10,21 +10,27 @@ import jdls
 def test_framework_modules_hold_their_entry_points() -> None:
     """Each framework module exports its entry points without a framework suffix."""
     assert sorted(jdls.linen.__all__) == [
+        "SITES",
         "TrainState",
         "from_train_state",
-        "layer_boundaries",
+        "layer_scales",
         "probes",
     ]
     assert sorted(jdls.nnx.__all__) == [
-        "layer_boundaries",
+        "Optimizer",
+        "SiteVariable",
+        "layer_scale",
         "layer_scaled_value_and_grad",
+        "layer_scales",
         "probes",
         "set_scale",
         "value_and_grad",
     ]
+    assert jdls.linen.SITES == "jdls"
     for module in (jdls.linen, jdls.nnx):
         for name in module.__all__:
-            assert callable(getattr(module, name)), (module.__name__, name)
+            if name != "SITES":
+                assert callable(getattr(module, name)), (module.__name__, name)
 
 
 def test_top_level_names_carry_no_framework_suffix() -> None:
