@@ -167,10 +167,6 @@ def torch_gradscaler(**kwargs: Any) -> tuple[Any, Callable[[bool], None]]:
 #: ``JDLS_FULL_MATRIX=1`` runs every cell of the composition matrices; otherwise a fixed sample.
 FULL_MATRIX = os.environ.get("JDLS_FULL_MATRIX") == "1"
 
-#: The full suite (``python -m pytest --full`` or ``JDLS_FULL=1``; tests/conftest.py) rather than
-#: the quick run: a module that picks its cases when imported reads it.
-FULL_SUITE = os.environ.get("JDLS_FULL") == "1"
-
 #: ``jax.enable_x64`` as a context manager (``jax.experimental.enable_x64`` before jax 0.8).
 if hasattr(jax, "enable_x64"):
     enable_x64 = jax.enable_x64

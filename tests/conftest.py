@@ -34,7 +34,7 @@ if _TESTS not in sys.path:
 
 def pytest_addoption(parser):
     """``--soak-steps N`` runs the long fault-injection soak (tests/integration/test_soak.py)
-    for N steps; ``--full`` runs the full suite."""
+    for N steps; ``--full`` runs the full suite, ``--full-only`` what the quick run leaves out."""
     parser.addoption(
         "--soak-steps",
         type=int,
@@ -49,21 +49,26 @@ def pytest_addoption(parser):
         help="the full suite: every test marked full and every combination of the parametrized "
         "tests (the same as JDLS_FULL=1; JDLS_FULL_MATRIX=1 adds every cell of the matrices)",
     )
+    parser.addoption(
+        "--full-only",
+        action="store_true",
+        default=False,
+        help="the full suite less the quick run (CI runs the quick run, then this)",
+    )
 
 
 def full_suite(config: pytest.Config) -> bool:
     """Whether this run is the full suite (``--full`` or ``JDLS_FULL=1``)."""
-    return bool(config.getoption("--full")) or os.environ.get("JDLS_FULL") == "1"
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    # Modules that choose their cases when imported read JDLS_FULL (tests/_helpers.FULL_SUITE);
-    # --full sets it before collection, in every xdist worker too.
-    if full_suite(config):
-        os.environ["JDLS_FULL"] = "1"
+    return (
+        bool(config.getoption("--full"))
+        or bool(config.getoption("--full-only"))
+        or os.environ.get("JDLS_FULL") == "1"
+    )
 
 
 def pytest_report_header(config: pytest.Config) -> str:
+    if config.getoption("--full-only"):
+        return "jdls: the full suite less the quick run"
     if full_suite(config):
         return "jdls: the full suite"
     return "jdls: the quick run (--full or JDLS_FULL=1 runs the full suite)"
@@ -115,12 +120,15 @@ def _decorator(item: pytest.Item, name: str) -> tuple[str, ...]:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if full_suite(config):
+    full_only = bool(config.getoption("--full-only"))
+    if full_suite(config) and not full_only:
         return
     tests: dict[str, list[pytest.Item]] = defaultdict(list)
     for item in items:
         tests[item.nodeid.split("[")[0]].append(item)
-    keep = {id(i) for group in tests.values() for i in _quick_cases(group)}
+    quick = {id(i) for group in tests.values() for i in _quick_cases(group)}
+    # --full-only: the complement
+    keep = {id(i) for i in items if id(i) not in quick} if full_only else quick
     deselected = [item for item in items if id(item) not in keep]
     if deselected:
         config.hook.pytest_deselected(items=deselected)

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _helpers import FULL_MATRIX, FULL_SUITE, assert_bitwise_equal, covering_sample, enable_x64
+from _helpers import FULL_MATRIX, assert_bitwise_equal, covering_sample, enable_x64
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -71,14 +71,22 @@ def _kind_sample(kind):
 
 
 FULL = FULL_MATRIX
-# The quick run takes the fewest cells that hold every value of every axis, and two cells of
-# each other model kind (tests/conftest.py).
-COMBINATIONS = _all_combinations() if FULL else _sample(SAMPLE_SIZE if FULL_SUITE else 0)
+COMBINATIONS = _all_combinations() if FULL else _sample()
 KIND_COMBINATIONS = [
     (kind, *c)
     for kind in MODEL_KINDS[1:]
-    for c in (_all_combinations() if FULL else _kind_sample(kind)[: None if FULL_SUITE else 2])
+    for c in (_all_combinations() if FULL else _kind_sample(kind))
 ]
+# The quick run (tests/conftest.py) takes the fewest cells that hold every value of every axis,
+# and two cells of each other model kind; the others are marked full.
+QUICK = {*_sample(0), *((kind, *c) for kind in MODEL_KINDS[1:] for c in _kind_sample(kind)[:2])}
+
+
+def _cells(cells):
+    return [
+        pytest.param(*c, id="-".join(c), marks=() if c in QUICK else pytest.mark.full)
+        for c in cells
+    ]
 
 
 def test_sample_covers_every_value():
@@ -326,19 +334,13 @@ def _inner_state(state):
     return state.inner_state if isinstance(state, jdls.WrapState) else state
 
 
-@pytest.mark.parametrize(
-    ("dtype", "sharding", "optimizer", "skip"),
-    COMBINATIONS,
-    ids=["-".join(c) for c in COMBINATIONS],
-)
+@pytest.mark.parametrize(("dtype", "sharding", "optimizer", "skip"), _cells(COMBINATIONS))
 def test_injected_steps_leave_no_trace(dtype, sharding, optimizer, skip):
     _check_no_trace("dict", dtype, sharding, optimizer, skip)
 
 
 @pytest.mark.parametrize(
-    ("kind", "dtype", "sharding", "optimizer", "skip"),
-    KIND_COMBINATIONS,
-    ids=["-".join(c) for c in KIND_COMBINATIONS],
+    ("kind", "dtype", "sharding", "optimizer", "skip"), _cells(KIND_COMBINATIONS)
 )
 def test_model_kinds(kind, dtype, sharding, optimizer, skip):
     if kind == "equinox":
