@@ -177,8 +177,9 @@ def test_scanned_rematerialised_stack_has_one_site_per_layer():
     assert len(rows["blocks/Dense_0/DotGeneral_0/fp8"]["lhs"]["amax"]) == 3
 
 
-def test_fp8_state_is_never_clipped_decayed_or_optimized():
-    """With the sites split off, clipping and weight decay see the parameters only."""
+def test_train_state_updates_fp8_sites_with_no_extra_line():
+    """jdls.linen.TrainState: value_and_grad and apply_gradients, nothing FP8-specific; the
+    FP8 state never reaches clipping, weight decay or the optimizer's state."""
     recipe = fp8.DelayedScaling(LENGTH)
     model = _Mlp(functools.partial(fp8.linen.DotGeneral, recipe=recipe))
     x, t = _batch(1)
@@ -186,9 +187,22 @@ def test_fp8_state_is_never_clipped_decayed_or_optimized():
     tx = jdls.wrap(
         optax.chain(optax.clip_by_global_norm(1e-3), optax.adamw(1e-3, weight_decay=0.5))
     )
-    opt_state = tx.init(variables["params"])
-    grads = jax.grad(lambda v: _mse(model.apply(v, x), t))(variables)
-    _, opt_state = tx.update(grads["params"], opt_state, variables["params"])
-    sites = jdls.update_sites(variables["jdls"], grads["jdls"], jdls.stats(opt_state).finite)
-    site = sites["Dense_0"]["DotGeneral_0"]["fp8"].value
-    assert float(site.lhs.history[0]) == float(jnp.max(jnp.abs(x)))
+    state = jdls.linen.TrainState.create(
+        apply_fn=model.apply, params=variables["params"], tx=tx, sites=variables["jdls"]
+    )
+
+    @jax.jit
+    def step(state, x, t):
+        loss_fn = lambda v: _mse(state.apply_fn(v, x), t)  # noqa: E731
+        loss, grads = state.value_and_grad(loss_fn)(state.variables)
+        return state.apply_gradients(grads=grads), loss
+
+    for i in range(3):
+        x, t = _batch(i)
+        state, _ = step(state, x, t)
+        site = state.sites["Dense_0"]["DotGeneral_0"]["fp8"].value
+        assert float(site.lhs.history[0]) == float(jnp.max(jnp.abs(x)))
+    assert int(state.stats.skipped_steps) == 0
+    # the optimizer's state is that of the parameters alone
+    expected = jax.tree.structure(tx.init(variables["params"]))
+    assert jax.tree.structure(state.opt_state) == expected

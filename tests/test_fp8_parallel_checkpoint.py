@@ -19,13 +19,9 @@ from jdls import fp8
 
 
 class _Mlp(nn.Module):
-    axis_name: object = None
-
     @nn.compact
     def __call__(self, x):
-        dot = functools.partial(
-            fp8.linen.DotGeneral, recipe=fp8.DelayedScaling(4), axis_name=self.axis_name
-        )
+        dot = functools.partial(fp8.linen.DotGeneral, recipe=fp8.DelayedScaling(4))
         x = nn.relu(nn.Dense(16, dot_general_cls=dot)(x))
         return nn.Dense(2, dot_general_cls=dot)(x)
 
@@ -45,10 +41,11 @@ def _grads(model, variables, x, t):
 
 
 def test_shard_map_reduces_every_amax_over_the_data_axis():
-    """Per-device amaxes, reduced by the site's axis_name, equal the whole batch's."""
+    """Per-device amaxes, reduced over the axis the site is replicated on, equal the whole
+    batch's (no axis name given anywhere)."""
     n_dev = 4
     mesh = jax.make_mesh((n_dev,), ("data",), devices=jax.devices()[:n_dev])
-    single, sharded = _Mlp(), _Mlp(axis_name="data")
+    single = sharded = _Mlp()
     x, t = _data(0)
     variables = single.init(jax.random.key(0), x)
     expected = _grads(single, variables, x, t)["jdls"]

@@ -203,8 +203,6 @@ def _fp8_dot_bwd(
     grad_lhs = _grad_of(qg_l, qr, lhs, dims, True, acc, first).astype(lhs.dtype)
     grad_rhs = _grad_of(qg_r, ql, rhs, dims, False, acc, first).astype(rhs.dtype)
     meter = Meter(lhs=ml, rhs=mr, grad=mg)
-    if kind.axis_name is not None:
-        meter = jax.tree.map(lambda v: lax.pmax(v, kind.axis_name), meter)
     zeros = jax.tree.map(jnp.zeros_like, state)
     # Inside shard_map, an operand the device did not vary over (replicated weights) gets the
     # sum of the devices' gradients, as JAX's own transpose gives it; a measurement the maximum.

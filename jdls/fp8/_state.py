@@ -74,17 +74,17 @@ class DotState:
 
 @dataclasses.dataclass(frozen=True)
 class Fp8(SiteKind):
-    """The site kind of an FP8 dot: its recipe and where its amaxes are reduced.
+    """The site kind of an FP8 dot: its recipe.
 
     Args:
       recipe: the FP8 recipe (e.g. :class:`jdls.fp8.DelayedScaling`).
-      axis_name: a mapped axis (``shard_map``, ``pmap``) over which the backward pass takes the
-        maximum of each measurement, so that every data-parallel replica updates its scales
-        from the global amax. ``None`` under ``jit`` (amaxes of sharded arrays are global).
+
+    Measurements of several devices combine by their maximum: inside ``shard_map`` the dot
+    takes it over the axes the site is replicated on; under ``pmap`` pass ``axis_name`` to
+    ``jdls.update_sites`` (the default ``SiteKind.reduce``, ``lax.pmax``).
     """
 
     recipe: Recipe
-    axis_name: Any = None
 
     def init(self) -> DotState:
         lhs, rhs, grad = (self.recipe.init(role) for role in ROLES)
@@ -124,8 +124,8 @@ class Fp8(SiteKind):
         return DotState(**roles, meter=new, pending=pending)
 
 
-def init(recipe: Recipe, axis_name: Any = None) -> Site:
-    """A new FP8 dot site: ``jdls.Site(jdls.fp8.Fp8(recipe, axis_name))``.
+def init(recipe: Recipe) -> Site:
+    """A new FP8 dot site: ``jdls.Site(jdls.fp8.Fp8(recipe))``.
 
     Example:
       >>> import jdls
@@ -133,7 +133,7 @@ def init(recipe: Recipe, axis_name: Any = None) -> Site:
       >>> site.value.lhs.history.shape, float(site.value.grad.scale)
       ((8,), 1.0)
     """
-    return Site(Fp8(recipe, axis_name))
+    return Site(Fp8(recipe))
 
 
 def step_applied(opt_state: Any) -> jax.Array:

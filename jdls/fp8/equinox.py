@@ -15,7 +15,6 @@ as usual; the gradient's sites are the step's measurements::
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import equinox as eqx
 import jax
@@ -36,7 +35,6 @@ class Linear(eqx.Module):
     Args:
       in_features, out_features, use_bias: as ``eqx.nn.Linear`` (and its initialisation).
       recipe: the FP8 recipe (default: delayed scaling, history 1024).
-      axis_name: a mapped axis to take each amax's maximum over (``shard_map``).
       key: a ``jax.random`` key.
 
     Example:
@@ -59,7 +57,6 @@ class Linear(eqx.Module):
         use_bias: bool = True,
         *,
         recipe: Recipe | None = None,
-        axis_name: Any = None,
         key: jax.Array,
     ) -> None:
         wkey, bkey = jax.random.split(key)
@@ -68,7 +65,7 @@ class Linear(eqx.Module):
         self.bias = (
             jax.random.uniform(bkey, (out_features,), minval=-lim, maxval=lim) if use_bias else None
         )
-        self.site = init(DelayedScaling() if recipe is None else recipe, axis_name)
+        self.site = init(DelayedScaling() if recipe is None else recipe)
         self.in_features, self.out_features = in_features, out_features
 
     def __call__(self, x: jax.Array) -> jax.Array:

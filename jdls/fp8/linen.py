@@ -45,12 +45,9 @@ class DotGeneral(nn.Module):
 
     Attributes:
       recipe: the FP8 recipe (default: delayed scaling, history 1024, e4m3 / e5m2).
-      axis_name: a mapped axis to take each amax's maximum over (data parallelism under
-        ``shard_map``); ``None`` under ``jit``.
     """
 
     recipe: Recipe = DelayedScaling()
-    axis_name: Any = None
 
     @nn.compact
     def __call__(
@@ -62,7 +59,7 @@ class DotGeneral(nn.Module):
         preferred_element_type: Any = None,
         **kwargs: Any,
     ) -> jax.Array:
-        site = self.variable(COLLECTION, "fp8", init, self.recipe, self.axis_name)
+        site = self.variable(COLLECTION, "fp8", init, self.recipe)
         return dot_general(
             lhs,
             rhs,
@@ -81,7 +78,6 @@ class Einsum(nn.Module):
 
     Attributes:
       recipe: the FP8 recipe.
-      axis_name: as for :class:`DotGeneral`.
 
     Example:
       >>> import jax, jax.numpy as jnp, jdls
@@ -93,7 +89,6 @@ class Einsum(nn.Module):
     """
 
     recipe: Recipe = DelayedScaling()
-    axis_name: Any = None
 
     @nn.compact
     def __call__(
@@ -104,7 +99,7 @@ class Einsum(nn.Module):
         precision: Any = None,
         preferred_element_type: Any = None,
     ) -> jax.Array:
-        site = self.variable(COLLECTION, "fp8", init, self.recipe, self.axis_name)
+        site = self.variable(COLLECTION, "fp8", init, self.recipe)
 
         def dot(a: Any, b: Any, dims: Any, precision: Any = None, **kwargs: Any) -> jax.Array:
             pet = kwargs.get("preferred_element_type")
