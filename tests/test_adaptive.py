@@ -177,27 +177,57 @@ def test_scales_are_powers_of_two_and_hit_the_margin():
 
 
 @with_and_without_jit
-def test_all_zero_steps_rise_to_the_classic_start_before_a_measurement_then_hold(jit):
-    # All zero: exactly zero gradients or all flushed, nothing measured either way.
+def test_all_zero_steps_look_once_then_settle_at_the_classic_start(jit):
+    # All zero: exactly zero gradients or all flushed, nothing measured either way. The first
+    # such step looks higher by the whole usable range (float16, margin 6: 2**34 from 1)...
     adjust = maybe_jit(lambda s, a: s.adjust(True, a), jit)
-    assert float(adjust(jdls.AdaptiveScale(1.0), 0.0).loss_scale) == 2.0**15
-    assert float(adjust(jdls.AdaptiveScale(2.0**-40), 0.0).loss_scale) == 2.0**15
-    assert float(adjust(jdls.AdaptiveScale(2.0**20), 0.0).loss_scale) == 2.0**20  # not lowered
-    fp8 = jdls.AdaptiveScale(1.0, "float8_e4m3fn")  # max 448: its largest power of two
-    assert float(adjust(fp8, 0.0).loss_scale) == 2.0**8
-    measured = adjust(jdls.AdaptiveScale(1.0), 2.0**-3)
-    assert float(measured.loss_scale) == 2.0**12 and int(measured.state.measured) == 1
-    held = measured
-    for _ in range(5):  # after a measurement: held
-        held = adjust(held, 0.0)
-        assert float(held.loss_scale) == 2.0**12
-    # ... and doubled every growth_interval finite steps, as the classic rule.
-    scale = jdls.AdaptiveScale(1.0, growth_interval=3)
+    look = adjust(jdls.AdaptiveScale(1.0), 0.0)
+    assert float(look.loss_scale) == 2.0**34 and int(look.state.looking) == 1
+    # ... where flushed gradients are measured,
+    assert float(adjust(look, 2.0**-30).loss_scale) == right_scale(2.0**-30, 6)
+    # and zeros again are zeros: back to the start, raised to at most 2**15, settled there.
     used = []
-    for _ in range(7):
+    scale = look
+    for _ in range(4):
         scale = adjust(scale, 0.0)
         used.append(math.log2(float(scale.loss_scale)))
-    assert used == [15, 15, 16, 16, 16, 17, 17]
+    assert used == [15] * 4 and int(scale.state.settled) == 15
+    high = adjust(adjust(jdls.AdaptiveScale(2.0**20), 0.0), 0.0)
+    assert float(high.loss_scale) == 2.0**20  # never lowered
+    fp8 = adjust(adjust(jdls.AdaptiveScale(1.0, "float8_e4m3fn"), 0.0), 0.0)
+    assert float(fp8.loss_scale) == 2.0**8  # max 448: its largest power of two
+    # After a measurement, an all-zero step holds (a frozen phase) ...
+    measured = adjust(jdls.AdaptiveScale(1.0), 2.0**-3)
+    assert float(measured.loss_scale) == 2.0**12
+    held = measured
+    for _ in range(5):
+        held = adjust(held, 0.0)
+        assert float(held.loss_scale) == 2.0**12
+    # ... and doubles every growth_interval finite steps, as the classic rule.
+    scale = adjust(jdls.AdaptiveScale(1.0, growth_interval=3), 2.0**-3)
+    used = []
+    for _ in range(6):
+        scale = adjust(scale, 0.0)
+        used.append(math.log2(float(scale.loss_scale)))
+    assert used == [12, 13, 13, 13, 14, 14]
+
+
+def test_an_all_zero_step_after_a_burst_returns_to_the_settled_scale():
+    scale = jdls.AdaptiveScale()
+    for step in range(120):
+        bad = 100 <= step < 116  # 16 inf losses in a row: the scale backs off 104 bits
+        scale = scale.adjust(not bad, np.inf if bad else 2.0**-3)
+    assert float(scale.loss_scale) == 2.0**12  # measured again at once
+    for soon, back in ((False, 12), (True, 11)):
+        low = jdls.AdaptiveScale()
+        for _ in range(2 if soon else 20):
+            low = low.adjust(True, 2.0**-3)
+        for _ in range(16):
+            low = low.adjust(False, np.inf)
+        assert float(low.loss_scale) < 2.0**-90
+        # all flushed at the low scale: back to 2**12, or one binade below it when the run
+        # began soon after the prediction (which then overflowed)
+        assert float(low.adjust(True, 0.0).loss_scale) == 2.0**back
 
 
 def test_backoff_doubles_its_bits_and_an_overflow_at_a_predicted_scale_raises_the_margin():

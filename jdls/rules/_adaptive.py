@@ -20,6 +20,7 @@ __all__ = ["Adaptive", "AdaptiveState"]
 _F32 = jnp.float32
 _I32 = jnp.int32
 _EXP_MIN, _EXP_MAX = -126, 127  # the normal powers of two of float32
+_NONE = -(2**30)  # AdaptiveState.settled before the rule settled anywhere
 
 
 class AdaptiveState(NamedTuple):
@@ -31,7 +32,11 @@ class AdaptiveState(NamedTuple):
       counter: finite steps since the start or the last overflow (saturating at ``2**30``;
         without measurements: since the last growth).
       overflows: non-finite steps in a row up to the last one.
-      measured: 1 once a finite step measured a gradient that was not zero, else 0.
+      settled: the exponent of the scale the rule last settled on from evidence (the
+        prediction of the last measurement, or the start it returns to after a look found
+        only zeros); ``-2**30`` before either.
+      looking: 1 when the last step raised the scale by the whole usable range to look for
+        gradients that all flushed, else 0.
       learning: 1 during a run of overflows that began at a predicted scale soon after a
         measurement (the measurement may understate what the backward pass computes), else 0.
     """
@@ -39,7 +44,8 @@ class AdaptiveState(NamedTuple):
     margin: jax.Array
     counter: jax.Array
     overflows: jax.Array
-    measured: jax.Array
+    settled: jax.Array
+    looking: jax.Array
     learning: jax.Array
 
 
@@ -55,10 +61,14 @@ class Adaptive(Rule):
     scale was, so the useful scale is reached in one step.
 
     A step whose gradients are all zero measured nothing: they may be exactly zero (a loss
-    weight of 0, a frozen phase) or all flushed. Before any gradient was measured the scale
-    rises on such a step to at most ``2**15`` (the classic rule's start; the format's largest
-    power of two when that is smaller), never lowering it; after one, it holds. Either way it
-    doubles every ``growth_interval`` finite steps in a row, as the classic rule would.
+    weight of 0, a frozen phase) or all flushed. Before any measurement the scale rises by
+    the whole usable range for one step, to look: if the gradients had flushed, that step
+    measures them; if it is all zero too, they are zeros, and the scale comes back to where
+    it was, raised to at most ``2**15`` (the classic rule's start; the format's largest power
+    of two when that is smaller), and settles there. Right after a run of overflows (a burst
+    of bad batches backs off far), an all-zero step returns to the scale the rule had settled
+    on (one binade below it when the run began there). Otherwise it holds. A held scale doubles every ``growth_interval`` finite steps in a
+    row, as the classic rule's would.
 
     A non-finite step backs off by ``2**-b``, where ``b`` doubles with each overflow in a
     row (1, 2, 4, ... bits, at most ``max_backoff_bits``): a start far too high is left in a
@@ -177,7 +187,8 @@ class Adaptive(Rule):
         margin: int | None = None,
         counter: int = 0,
         overflows: int = 0,
-        measured: int = 0,
+        settled: int | None = None,
+        looking: int = 0,
         learning: int = 0,
     ) -> AdaptiveState:
         """Counters to start from (default: a fresh run with the initial ``margin``).
@@ -192,10 +203,12 @@ class Adaptive(Rule):
             raise ValueError(f"margin must be <= max_margin ({self.max_margin}), got {m}")
         counter = check_int("counter", counter, 0)
         overflows = check_int("overflows", overflows, 0)
-        flags = [check_int(k, v, 0) for k, v in (("measured", measured), ("learning", learning))]
+        flags = [check_int(k, v, 0) for k, v in (("looking", looking), ("learning", learning))]
         if max(flags) > 1:
-            raise ValueError(f"measured and learning must be 0 or 1, got {flags}")
-        return AdaptiveState(*(jnp.asarray(v, _I32) for v in (m, counter, overflows, *flags)))
+            raise ValueError(f"looking and learning must be 0 or 1, got {flags}")
+        settled = _NONE if settled is None else check_int("settled", settled, _EXP_MIN)
+        values = (m, counter, overflows, settled, *flags)
+        return AdaptiveState(*(jnp.asarray(v, _I32) for v in values))
 
     def start(self, loss_scale: float) -> float:
         """``loss_scale`` if it lies within ``[min_loss_scale, max_loss_scale]``."""
@@ -238,7 +251,9 @@ class Adaptive(Rule):
         margin = jnp.where(soon, jnp.minimum(state.margin + 1, _I32(self.max_margin)), state.margin)
         learning = jnp.where(state.overflows == 0, soon.astype(_I32), state.learning)
         overflows = jnp.minimum(state.overflows, _I32(2**30)) + 1
-        return backed_off, AdaptiveState(margin, _I32(0), overflows, state.measured, learning)
+        return backed_off, AdaptiveState(
+            margin, _I32(0), overflows, state.settled, _I32(0), learning
+        )
 
     def adjust(
         self, loss_scale: jax.Array, state: AdaptiveState, finite: jax.Array
@@ -250,7 +265,12 @@ class Adaptive(Rule):
         grow = counted >= self.growth_interval
         grown = self._clamp(jnp.where(grow, loss_scale * _F32(2.0), loss_scale))
         on_finite = AdaptiveState(
-            state.margin, jnp.where(grow, _I32(0), counted), _I32(0), state.measured, _I32(0)
+            state.margin,
+            jnp.where(grow, _I32(0), counted),
+            _I32(0),
+            state.settled,
+            _I32(0),
+            _I32(0),
         )
         return _select(finite, (grown, on_finite), (backed_off, on_overflow))
 
@@ -291,18 +311,35 @@ class Adaptive(Rule):
         k = jnp.clip(k_at_zero_margin - margin, lo, hi)
         margin = jnp.where(lower, jnp.maximum(margin - 1, _I32(self.min_margin)), margin)
 
-        # All zero: no measurement. Before any, rise to the classic start (never lower);
-        # after one, hold. Then double every growth_interval finite steps, as the classic rule.
-        start = jnp.maximum(log2_scale, _I32(min(15, g - 1)))
-        lifted = (state.measured == 0) & (start > log2_scale)
-        held = jnp.where(lifted, _pow2(jnp.clip(start, lo, hi)), loss_scale)
-        held = jnp.where(counted % self.growth_interval == 0, held * _F32(2.0), held)
+        # All zero: no measurement (see the class docstring).
+        log2_max, log2_sub = self.format_range()
+        jump = math.floor(log2_max - log2_sub + 1) - state.margin  # the whole usable range
+        never = state.settled == _NONE
+        look = never & (state.looking == 0)
+        back = jnp.maximum(log2_scale - jump, _I32(min(15, g - 1)))  # the look found zeros
+        after_overflows = ~never & (state.overflows > 0)
+        target = jnp.where(
+            look,
+            log2_scale + jump,
+            jnp.where(
+                state.looking > 0,
+                back,
+                jnp.where(after_overflows, state.settled - state.learning, log2_scale),
+            ),
+        )
+        moved = look | (state.looking > 0) | after_overflows
+        held = jnp.where(moved, _pow2(jnp.clip(target, lo, hi)), loss_scale)
+        grow = ~moved & (counted % self.growth_interval == 0)
+        held = jnp.where(grow, held * _F32(2.0), held)
         predicted = jnp.where(measured, _pow2(k), held)
+        settled = jnp.where(
+            measured, k, jnp.where(state.looking > 0, jnp.clip(back, lo, hi), state.settled)
+        )
         # An inf or NaN measurement (a hand-made adjust on a non-finite step): the lowest.
         predicted = self._clamp(jnp.where(jnp.isfinite(amax), predicted, _pow2(_I32(lo))))
 
         on_finite = AdaptiveState(
-            margin, counted, _I32(0), state.measured | measured.astype(_I32), _I32(0)
+            margin, counted, _I32(0), settled, (look & ~measured).astype(_I32), _I32(0)
         )
         return _select(finite, (predicted, on_finite), (backed_off, on_overflow))
 
