@@ -16,6 +16,7 @@ import functools
 from collections.abc import Callable
 from typing import Any, cast
 
+import jax
 from flax import nnx
 
 from jdls._layer_scales import layer_site, scale_layers
@@ -193,7 +194,7 @@ class Optimizer(nnx.Optimizer):  # type: ignore[type-arg]
         measured = nnx.state(grads, SiteVariable)
         if len(measured):
             sites = nnx.state(model, SiteVariable)
-            finite = stats(nnx.as_pure(self.opt_state)).finite
+            finite = stats(self.opt_state).finite  # stats reads the Variables' values
             nnx.update(model, update_sites(sites, measured, finite))
         return updates
 
@@ -227,7 +228,9 @@ def nnx_layer_scaled_value_and_grad(
         p, s = nnx.to_pure_dict(params), nnx.to_pure_dict(sites)
 
         def fun(p: Any, s: Any, *a: Any, **kw: Any) -> Any:
-            params_now, sites_now = nnx.State(params), nnx.State(sites)
+            # fresh Variables (a tree_map rebuilds them): the traced values never reach the
+            # model's own Variables
+            params_now, sites_now = jax.tree_util.tree_map(lambda v: v, (params, sites))
             nnx.replace_by_pure_dict(params_now, p)
             nnx.replace_by_pure_dict(sites_now, s)
             copy = nnx.merge(graphdef, params_now, sites_now, rest, copy=True)
@@ -247,7 +250,7 @@ def nnx_layer_scaled_value_and_grad(
         )
         if len(new_rest):
             nnx.update(model, new_rest)
-        grads_params, grads_sites = nnx.State(params), nnx.State(sites)
+        grads_params, grads_sites = jax.tree_util.tree_map(lambda v: v, (params, sites))
         nnx.replace_by_pure_dict(grads_params, g_params)
         nnx.replace_by_pure_dict(grads_sites, g_sites)
         grads = nnx.merge_state(grads_params, grads_sites)

@@ -167,6 +167,20 @@ def torch_gradscaler(**kwargs: Any) -> tuple[Any, Callable[[bool], None]]:
 #: ``JDLS_FULL_MATRIX=1`` runs every cell of the composition matrices; otherwise a fixed sample.
 FULL_MATRIX = os.environ.get("JDLS_FULL_MATRIX") == "1"
 
+
+def as_pure(tree: Any) -> Any:
+    """``tree`` with its Flax NNX Variables replaced by their values (``nnx.as_pure`` from flax
+    0.12.7)."""
+    from flax import nnx
+
+    if hasattr(nnx, "as_pure"):
+        return nnx.as_pure(tree)
+    is_variable = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+    return jax.tree_util.tree_map(
+        lambda v: v.get_value() if is_variable(v) else v, tree, is_leaf=is_variable
+    )
+
+
 #: ``jax.enable_x64`` as a context manager (``jax.experimental.enable_x64`` before jax 0.8).
 if hasattr(jax, "enable_x64"):
     enable_x64 = jax.enable_x64

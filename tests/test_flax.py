@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _helpers import assert_bitwise_equal, maybe_jit, with_and_without_jit
+from _helpers import as_pure, assert_bitwise_equal, maybe_jit, with_and_without_jit
 from flax import nnx, serialization
 from flax.training import train_state
 
@@ -278,17 +278,17 @@ def make_nnx(scale=None, dropout=False, inner=None):
 
 
 def params_of(model):
-    return nnx.as_pure(nnx.state(model, nnx.Param))
+    return as_pure(nnx.state(model, nnx.Param))
 
 
 def test_nnx_scale_is_discoverable():
     _, optimizer = make_nnx()
-    for where in (optimizer, optimizer.opt_state, nnx.as_pure(optimizer.opt_state)):
+    for where in (optimizer, optimizer.opt_state, as_pure(optimizer.opt_state)):
         scale = jdls.get_scale(where)
         assert isinstance(scale, jdls.DynamicScale)
         assert float(scale.loss_scale) == 1024.0
         assert int(jdls.stats(where).skipped_steps) == 0
-    pure = jdls.get_scale(nnx.as_pure(optimizer.opt_state))
+    pure = jdls.get_scale(as_pure(optimizer.opt_state))
     assert isinstance(pure.loss_scale, jax.Array)
 
 
@@ -306,13 +306,13 @@ def test_nnx_optimizer_finite_step_is_the_inner_update(jit):
 
     loss, grads = (nnx.jit(step) if jit else step)(model, optimizer)
     assert float(loss) == float(ref_loss)
-    assert_bitwise_equal(nnx.as_pure(grads), nnx.as_pure(ref_grads))
+    assert_bitwise_equal(as_pure(grads), as_pure(ref_grads))
 
     inner = optax.sgd(0.1)
-    updates, _ = inner.update(nnx.as_pure(ref_grads), inner.init(before), before)
+    updates, _ = inner.update(as_pure(ref_grads), inner.init(before), before)
     assert_bitwise_equal(params_of(model), optax.apply_updates(before, updates))
-    stats = jdls.stats(nnx.as_pure(optimizer.opt_state))
-    assert float(jdls.get_scale(nnx.as_pure(optimizer.opt_state)).loss_scale) == 2048.0
+    stats = jdls.stats(as_pure(optimizer.opt_state))
+    assert float(jdls.get_scale(as_pure(optimizer.opt_state)).loss_scale) == 2048.0
     assert int(stats.skipped_steps) == 0
     assert int(optimizer.step[...]) == 1
 
@@ -323,7 +323,7 @@ def test_nnx_value_and_grad_is_exact_in_float32():
     loss, grads = jdls.nnx.value_and_grad(nnx_loss, scale)(model)
     ref_loss, ref_grads = nnx.value_and_grad(nnx_loss)(model)
     assert float(loss) == float(ref_loss)
-    assert_bitwise_equal(nnx.as_pure(grads), nnx.as_pure(ref_grads))
+    assert_bitwise_equal(as_pure(grads), as_pure(ref_grads))
 
 
 def test_nnx_optimizer_nonfinite_step_is_skipped_exactly():
@@ -332,16 +332,16 @@ def test_nnx_optimizer_nonfinite_step_is_skipped_exactly():
     _, grads = jdls.nnx.value_and_grad(nnx_loss, scale)(model)
     optimizer.update(model, grads)  # one real step first
     params = params_of(model)
-    opt_state = nnx.as_pure(optimizer.opt_state)
+    opt_state = as_pure(optimizer.opt_state)
 
     bad_x = X.at[0, 0].set(jnp.inf)
     scale = jdls.get_scale(optimizer)
     _, grads = jdls.nnx.value_and_grad(lambda m: nnx_loss(m, bad_x), scale)(model)
-    assert not bool(jdls.all_finite(nnx.as_pure(grads)))
+    assert not bool(jdls.all_finite(as_pure(grads)))
     optimizer.update(model, grads)
 
     assert_bitwise_equal(params_of(model), params)
-    new_state = nnx.as_pure(optimizer.opt_state)
+    new_state = as_pure(optimizer.opt_state)
     assert_bitwise_equal(new_state.inner_state, opt_state.inner_state)
     stats = jdls.stats(new_state)
     assert float(jdls.get_scale(new_state).loss_scale) == 1024.0  # 2048 halved
@@ -352,7 +352,7 @@ def test_nnx_optimizer_nonfinite_step_is_skipped_exactly():
 def test_nnx_stats_and_scale_are_snapshots():
     model, optimizer = make_nnx()
     before = jdls.stats(optimizer)
-    pure = jdls.get_scale(nnx.as_pure(optimizer.opt_state))
+    pure = jdls.get_scale(as_pure(optimizer.opt_state))
     scale = jdls.get_scale(optimizer)
     assert not isinstance(scale.loss_scale, nnx.Variable)
     assert not isinstance(before.consecutive_skips, nnx.Variable)
@@ -377,7 +377,7 @@ def test_nnx_value_and_grad_with_rngs_and_batch_stats():
     assert not np.array_equal(np.asarray(model.norm.mean[...]), mean_before)  # BN updated
     assert set(nnx.to_pure_dict(grads)) == {"dense", "norm"}
     optimizer.update(model, grads)
-    assert int(jdls.stats(nnx.as_pure(optimizer.opt_state)).skipped_steps) == 0
+    assert int(jdls.stats(as_pure(optimizer.opt_state)).skipped_steps) == 0
 
 
 def test_nnx_value_and_grad_has_aux_argnums_and_float16():
@@ -397,15 +397,15 @@ def test_nnx_value_and_grad_has_aux_argnums_and_float16():
     assert pred.dtype == jnp.float16
     assert float(loss) == pytest.approx(1e-8 * float(jnp.sum(pred.astype(jnp.float32))))
     assert g_x.dtype == jnp.float32 and g_x.shape == X.shape
-    kernel = nnx.as_pure(g_model)["kernel"]
+    kernel = as_pure(g_model)["kernel"]
     assert kernel.dtype == jnp.float32
     # d loss / d kernel[i, j] = 1e-8 * sum_b x[b, i]: lost in float16 without the scale
     expected = 1e-8 * np.tile(np.asarray(X).sum(0)[:, None], (1, 2))
     np.testing.assert_allclose(kernel, expected, rtol=2e-3)
     _, (g_plain, _) = nnx.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(model, X)
-    assert float(jnp.abs(nnx.as_pure(g_plain)["kernel"]).max()) == 0.0
+    assert float(jnp.abs(as_pure(g_plain)["kernel"]).max()) == 0.0
     optimizer.update(model, g_model)
-    assert int(jdls.stats(nnx.as_pure(optimizer.opt_state)).skipped_steps) == 0
+    assert int(jdls.stats(as_pure(optimizer.opt_state)).skipped_steps) == 0
 
 
 def test_nnx_value_and_grad_rejects_a_non_scale():
@@ -416,7 +416,7 @@ def test_nnx_value_and_grad_rejects_a_non_scale():
 def test_set_nnx_scale_replaces_value_and_rule_then_trains():
     model, optimizer = make_nnx()
     jdls.nnx.set_scale(optimizer, jdls.presets.pytorch(init_scale=8.0, growth_interval=1))
-    scale = jdls.get_scale(nnx.as_pure(optimizer.opt_state))
+    scale = jdls.get_scale(as_pure(optimizer.opt_state))
     assert float(scale.loss_scale) == 8.0
     assert scale.rule == jdls.presets.pytorch(growth_interval=1).rule
 
@@ -427,7 +427,7 @@ def test_set_nnx_scale_replaces_value_and_rule_then_trains():
         optimizer.update(model, grads)
 
     step(model, optimizer)
-    scale = jdls.get_scale(nnx.as_pure(optimizer.opt_state))
+    scale = jdls.get_scale(as_pure(optimizer.opt_state))
     assert float(scale.loss_scale) == 16.0  # the new rule's growth
     assert scale.rule == jdls.presets.pytorch(growth_interval=1).rule
 

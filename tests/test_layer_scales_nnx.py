@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _helpers import assert_bitwise_equal, maybe_jit, with_and_without_jit
+from _helpers import as_pure, assert_bitwise_equal, maybe_jit, with_and_without_jit
 from flax import nnx
 
 import jdls
@@ -44,7 +44,7 @@ def mse(model: nnx.Module, x: jax.Array) -> jax.Array:
 def by_layer(state: nnx.State) -> dict[str, list[jax.Array]]:
     """The arrays of a param state by layer (``layers/2``), on the host."""
     out: dict[str, list] = {}
-    for path, value in nnx.to_flat_state(nnx.as_pure(state)):
+    for path, value in nnx.to_flat_state(as_pure(state)):
         out.setdefault(f"{path[0]}/{path[1]}", []).append(np.asarray(value))
     return out
 
@@ -53,7 +53,7 @@ def assert_close_in_float32(state: nnx.State, expected: nnx.State) -> None:
     """Equal to float32 rounding (rtol 1e-6): two jitted programs, ours with the boundaries'
     multiplies, fuse differently, and XLA then sums (the bias's batch sum) or rounds in
     another order, as jitted ``nnx.grad`` itself differs from eager ``nnx.grad``."""
-    ours, theirs = nnx.to_flat_state(nnx.as_pure(state)), nnx.to_flat_state(nnx.as_pure(expected))
+    ours, theirs = nnx.to_flat_state(as_pure(state)), nnx.to_flat_state(as_pure(expected))
     assert [p for p, _ in ours] == [p for p, _ in theirs]
     for (path, a), (_, b) in zip(ours, theirs, strict=True):
         atol = 1e-6 * float(np.max(np.abs(b)))
@@ -84,11 +84,11 @@ def test_nnx_per_layer_grads_equal_float32_grads(jit: bool) -> None:
     assert float(value) == float(expected_value)
     assert sorted(finite) == sorted(names) and all(bool(f) for f in finite.values())
     if not jit:
-        assert_bitwise_equal(nnx.as_pure(grads), nnx.as_pure(expected))
+        assert_bitwise_equal(as_pure(grads), as_pure(expected))
         return
     ones = dict.fromkeys(names, jdls.StaticScale(1.0))
     _, unscaled, _ = maybe_jit(ours, jit)(ones, state, x)
-    assert_bitwise_equal(nnx.as_pure(grads), nnx.as_pure(unscaled))
+    assert_bitwise_equal(as_pure(grads), as_pure(unscaled))
     assert_close_in_float32(grads, expected)
 
 
@@ -140,11 +140,11 @@ def test_nnx_jit_model_argument_and_custom_module_with_lists() -> None:
         value, grads, finite = fn(model, scales, x)
         expected_value, expected = reference(twin, x)
         assert float(value) == float(expected_value)
-        assert_bitwise_equal(nnx.as_pure(grads), nnx.as_pure(unscaled))
+        assert_bitwise_equal(as_pure(grads), as_pure(unscaled))
         assert_close_in_float32(grads, expected)
     assert sorted(finite) == sorted(scales)
-    counts = nnx.as_pure(nnx.state(model, nnx.RngCount))
-    assert counts == nnx.as_pure(nnx.state(twin, nnx.RngCount))
+    counts = as_pure(nnx.state(model, nnx.RngCount))
+    assert counts == as_pure(nnx.state(twin, nnx.RngCount))
     assert int(dict(nnx.to_flat_state(counts))[("drop", "rngs", "count")]) == 2  # once a call
     assert type(model.blocks[0]) is Block and type(model.head) is nnx.Linear  # restored
 
@@ -289,4 +289,4 @@ def test_nnx_boundaries_and_probes_nest() -> None:
 
     _, grads, _ = jdls.nnx.layer_scaled_value_and_grad(probed, scales)(model, x)
     _, plain, _ = jdls.nnx.layer_scaled_value_and_grad(mse, scales)(model, x)
-    assert_bitwise_equal(nnx.as_pure(grads), nnx.as_pure(plain))
+    assert_bitwise_equal(as_pure(grads), as_pure(plain))
