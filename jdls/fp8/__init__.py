@@ -19,7 +19,7 @@ Example:
   (1.0, 2.0)
 """
 
-from jdls.fp8 import linen
+from jdls.fp8 import linen, nnx
 from jdls.fp8._block import BlockArray, block_stats, dequantize_blocks, quantize_blocks
 from jdls.fp8._block_dot import BlockScaling, BlockState, deepseek, mx
 from jdls.fp8._current import CurrentScaling, CurrentState
@@ -54,6 +54,7 @@ __all__ = [
     "init",
     "linen",
     "mx",
+    "nnx",
     "quantize_blocks",
     "scale_from_amax",
     "step_applied",
