@@ -57,8 +57,8 @@ RULES = ("up", "down", "outlier_aware")
 
 
 def ref_down(amax: np.ndarray, fmax: float) -> np.ndarray:
-    a = amax.astype(np.float64)
-    with np.errstate(invalid="ignore", divide="ignore"):
+    with np.errstate(invalid="ignore", divide="ignore"):  # NaN bit patterns, log2(0)
+        a = amax.astype(np.float64)
         e = np.floor(np.log2(np.where(a == 0, 2.0**-126, a))) - math.floor(math.log2(fmax))
     e = np.where(np.isfinite(a), np.maximum(e, -127), np.nan)
     return np.where(np.isnan(e), 255, e + 127).astype(np.int64)
