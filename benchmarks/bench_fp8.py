@@ -232,20 +232,26 @@ def _event_stats(
     scale = np.stack([r["scale"].reshape(-1) for r in records])
     flushed = np.stack([r["flushed"].reshape(-1) for r in records])
     first, last = min(events), max(events)
-    untracked, off = [], []
+    untracked = []
     for t in range(first + 1, len(records)):
         tracking = np.empty(amax.shape[1])
         for d in range(amax.shape[1]):
             seen = amax[:t, d][np.isfinite(amax[:t, d])]
             tracking[d] = seen[-history:].max() / E5M2_MAX
-        ratio = scale[t] / tracking
+        ratio = scale[t] / tracking  # 1 when the scale is the finite history's
         untracked.append(bool(np.any(np.abs(np.log2(ratio)) > 1e-3)))
-        off.append(bool(np.any((ratio > 100) | (ratio < 0.01))))
-    clipped = amax[first + 1 :] > scale[first + 1 :] * E5M2_MAX * (1 + 1e-6)
+    # against the step's own amax: r < 1 clips the largest values, r > 100 loses 6+ binades
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = scale * E5M2_MAX / np.where(np.isfinite(amax) & (amax > 0), amax, np.nan)
+    after = ratio[first + 1 :]
+    clipping = np.any(after < 1 - 1e-6, axis=1)
+    coarse = np.any(after > 100, axis=1)
+    settled = [t for t in range(last + 1, len(records)) if not np.any(ratio[t] > 100)]
     return {
         "steps_not_tracking_after_event": int(np.sum(untracked)),
-        "steps_scale_off_100x": int(np.sum(off)),
-        "steps_clipping_after_event": int(np.sum(np.any(clipped, axis=1))),
+        "steps_clipping_after_event": int(np.sum(clipping)),
+        "steps_scale_over_100x_amax": int(np.sum(coarse)),
+        "steps_to_settle_after_last_event": (settled[0] - last) if settled else None,
         "mean_flushed_during_events": float(np.mean(flushed[first : last + history + 1])),
     }
 
