@@ -111,6 +111,11 @@ def layer_scales_linen(model: nn.Module, scale: LossScale) -> nn.Module:
     ``jdls.linen.TrainState.value_and_grad`` (or :func:`jdls.layer_scaled_value_and_grad` on
     ``(params, sites)``).
 
+    The forward order is the order in which ``init`` calls the layers. Layers of one class
+    each wrapped in ``nn.jit`` share one trace (``nn.jit`` reuses the first one's), so their
+    sites share one position: ``value_and_grad`` then raises an error (never a different
+    result); use ``nn.jit`` around the whole model instead.
+
     Args:
       model: a linen module (not changed).
       scale: every layer's initial scale (``jdls.AdaptiveScale()``, say).
@@ -128,9 +133,9 @@ def layer_scales_linen(model: nn.Module, scale: LossScale) -> nn.Module:
     """
     check_scale(scale, "scale")
 
-    def make(path: tuple[str, ...], order: int) -> tuple[str, Site] | None:
+    def make(path: tuple[str, ...], seen: int) -> tuple[str, Site] | None:
         if len(path) != 1:
             return None
-        return LAYER_SCALE, layer_site(scale, order)
+        return LAYER_SCALE, layer_site(scale, seen)
 
     return _Sites(model, make)
