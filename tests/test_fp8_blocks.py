@@ -565,3 +565,20 @@ def test_jdls_wrap_skips_a_step_whose_block_scaled_gradient_overflowed():
     opt_state = tx.init(w)
     _, opt_state = tx.update(dw, opt_state, w)
     assert int(jdls.stats(opt_state).skipped_steps) == 1
+
+
+def test_telemetry_reports_each_sites_clipped_blocks_and_flushed_values():
+    x = jnp.ones((2, 64)).at[0, 0].set(449.0).at[1, 40].set(2.0**-20)
+    w = jnp.ones((64, 4))
+    dn = (((1,), (0,)), ((), ()))
+    sites = {"down": fp8.init(mx("e4m3", "down")), "up": fp8.init(mx("e4m3", "up"))}
+    step = jax.jit(
+        lambda s: jax.grad(
+            lambda s: sum(jnp.sum(fp8.dot_general(x, w, dn, site=v)) for v in s.values())
+        )(s)
+    )
+    sites = jdls.update_sites(sites, step(sites))
+    rows = fp8.telemetry(sites)
+    # x has 4 blocks of 32: the 449 clips its block's maximum when rounding down
+    assert rows["down"]["lhs"] == {"amax": 449.0, "saturated": 0.25, "flushed": 1 / 128}
+    assert rows["up"]["lhs"] == {"amax": 449.0, "saturated": 0.0, "flushed": 1 / 128}
