@@ -174,6 +174,8 @@ def _is_fp8(x: Any) -> bool:
 def _path_name(path: Any) -> str:
     """``"blocks/Dense_0/fp8"`` for a path of dict keys, attributes and indices."""
     names = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
+    if names and names[-1] == "value":  # the site inside an NNX Variable
+        names.pop()
     return "/".join(names)
 
 
