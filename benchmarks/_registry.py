@@ -88,7 +88,7 @@ SUITES: dict[str, Suite] = {
             "quality",
             "benchmarks.bench_quality",
             "suite",
-            "scaling quality: 10 rules x 12 tasks, 3 seeds (metric, skips, settling, underflow);"
+            "scaling quality: 10 rules x 18 tasks, 3 seeds (metric, skips, settling, underflow);"
             " not in all",
             in_all=False,
         ),
