@@ -246,8 +246,11 @@ def dot_general(
     next step's scales.
 
     Args:
-      lhs, rhs, dimension_numbers, precision, preferred_element_type: as for
-        ``jax.lax.dot_general``; ``precision`` applies to the forward dot.
+      lhs: the left operand, as for ``jax.lax.dot_general``.
+      rhs: the right operand.
+      dimension_numbers: as for ``jax.lax.dot_general``.
+      precision: the forward dot's precision (the backward dots use ``HIGHEST``).
+      preferred_element_type: the output dtype.
       out_sharding: the forward dot's output sharding, as for ``jax.lax.dot_general``.
       site: the dot's FP8 site (from :func:`jdls.fp8.init`), one site (inside a scan over
         layers, this layer's slice of the stacked sites).

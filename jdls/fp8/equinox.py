@@ -33,7 +33,9 @@ class Linear(eqx.Module):
     """``y = x @ weight.T + bias`` with the matrix product in FP8.
 
     Args:
-      in_features, out_features, use_bias: as ``eqx.nn.Linear`` (and its initialisation).
+      in_features: the input size, as ``eqx.nn.Linear`` (and its initialisation).
+      out_features: the output size.
+      use_bias: whether to add a bias.
       recipe: the FP8 recipe (default: delayed scaling, history 1024).
       key: a ``jax.random`` key.
 
