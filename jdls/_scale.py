@@ -199,7 +199,7 @@ class DynamicScale(LossScale):
           grad_amax: the largest magnitude of the step's unscaled gradients
             (``optax.tree_utils.tree_norm(grads, ord=jnp.inf)``), for rules that use it
             (``rule.observes``, e.g. :class:`jdls.rules.Adaptive`: :func:`jdls.wrap`,
-            :func:`jdls.wrap_groups`, :func:`jdls.adjust_layer_scales` and
+            :func:`jdls.wrap_groups`, :func:`jdls.update_sites` (per-layer scales) and
             :func:`jdls.adjust_loss_scales` pass it to them);
             ignored by a rule that does not use it.
 
@@ -288,7 +288,8 @@ def missing_measurement(rule: Rule) -> str:
         f"and none was given: pass it, scale.adjust(finite, "
         "grad_amax=optax.tree_utils.tree_norm(grads, ord=jnp.inf)); or let jdls measure it: "
         "jdls.wrap, jdls.wrap_groups and jdls.linen.TrainState do, per layer "
-        "jdls.adjust_layer_scales(scales, grads), per loss jdls.adjust_loss_scales(scales, "
+        "jdls.update_sites(sites, measurements, finite) with the measurements of "
+        "jdls.layer_scaled_value_and_grad, per loss jdls.adjust_loss_scales(scales, "
         "finite, grad_amax) with jdls.multi_loss_value_and_grad(..., with_amax=True). "
         "(scale.adjust(False) needs no measurement: an overflow backs off.)"
     )
@@ -312,7 +313,7 @@ def AdaptiveScale(
     gradient a few bits (the adaptive margin) below the maximum of ``compute_dtype``, so it
     reaches the useful scale in a step or two from any start; an overflow backs off and
     raises the margin. :func:`jdls.wrap` (and :class:`jdls.linen.TrainState`, ``nnx.Optimizer``),
-    :func:`jdls.wrap_groups` and :func:`jdls.adjust_layer_scales` measure the gradients for
+    :func:`jdls.wrap_groups` and :func:`jdls.update_sites` (per-layer scales) measure the gradients for
     it; adjusted by hand, it needs the measurement: ``scale.adjust(finite, grad_amax)``
     (``scale.adjust(True)`` alone is a ValueError).
 

@@ -4,7 +4,7 @@ Scale kinds: ``NoOpScale``, ``StaticScale``, ``DynamicScale`` with each rule of
 ``jdls.rules``, every scale preset of ``jdls.presets``, ``AdaptiveScale``. Paths: ``jdls.wrap``
 (jitted and eager), ``jdls.retrying``, ``jdls.wrap_groups``, ``jdls.accumulate``,
 ``jdls.linen.TrainState.apply_gradients``, an ``nnx.Optimizer`` (with ``jdls.nnx.set_scale`` and
-``jdls.nnx.value_and_grad``), ``jdls.adjust_layer_scales``, per-loss scales (``jdls.adjust_loss_scales``), and
+``jdls.nnx.value_and_grad``), per-layer scales (``jdls.update_sites``), per-loss scales (``jdls.adjust_loss_scales``), and
 ``presets.cerebras_wrap``. After a few steps mixing finite and overflowing gradients, each
 path's scale must equal (value equality: same rule, bit-identical arrays) what ``jdls.wrap``
 gives for the same gradients, in the sense the path documents (a dropped micro-batch, a
@@ -274,22 +274,42 @@ def test_retrying(kind):
 
 
 @kinds_jit_and_some_eager
-def test_adjust_layer_scales(kind, jit):
+def test_update_sites_of_per_layer_scales(kind, jit):
     """Per layer: when every layer is finite each scale moves with its own layer's gradients;
     when one is not, its scale backs off and the others stay. Each layer's scale is then
     ``jdls.wrap`` fed that layer's gradients on the steps where it moves."""
-    adjust = maybe_jit(jdls.adjust_layer_scales, jit)
-    scales = {"a": KINDS[kind](), "b": KINDS[kind]()}
+
+    def adjust(sites, g):
+        measured = {
+            k: jdls.Site(
+                s.kind,
+                {
+                    "scale": None,
+                    "ratio": jnp.zeros(()),
+                    "amax": jnp.max(
+                        jnp.abs(
+                            jnp.concatenate([jnp.ravel(v) for v in jax.tree_util.tree_leaves(g[k])])
+                        )
+                    ),
+                    "finite": jdls.all_finite(g[k]).astype(jnp.float32),
+                },
+            )
+            for k, s in sites.items()
+        }
+        return jdls.update_sites(sites, measured, jdls.all_finite(g))
+
+    adjust = maybe_jit(adjust, jit)
+    sites = {"a": jdls.layer_site(KINDS[kind](), 0), "b": jdls.layer_site(KINDS[kind](), 1)}
     got: dict[str, list[Any]] = {"a": [], "b": []}
     fed: dict[str, list[Any]] = {"a": [], "b": []}
     for g in STEPS:
-        scales = adjust(scales, g)
+        sites = adjust(sites, g)
         everything = bool(jdls.all_finite(g))
-        for k in scales:
+        for k in sites:
             if everything or not bool(jdls.all_finite(g[k])):
                 fed[k].append(g[k])
-                got[k].append(scales[k])
-    for k in scales:
+                got[k].append(sites[k].value["scale"])
+    for k in sites:
         assert_same_scales(got[k], reference(kind, fed[k], PARAMS[k]))
 
 
@@ -377,7 +397,7 @@ def test_per_loss_by_hand(kind):
     fn = jdls.multi_loss_value_and_grad(_losses, scales)
     _, _, finite = fn(PARAMS, STEPS[1])
     if kind in OBSERVING:
-        with pytest.raises(ValueError, match=r"grad_amax=.*jdls.adjust_layer_scales"):
+        with pytest.raises(ValueError, match=r"grad_amax=.*jdls.update_sites"):
             scales["a"].adjust(finite["a"])
         return
     got: dict[str, list[Any]] = {"a": [], "b": []}
@@ -437,7 +457,7 @@ def test_observing_rule_without_measurement_is_an_error_that_says_how(kind):
     for hint in (
         "scale.adjust(finite, grad_amax=optax.tree_utils.tree_norm(grads, ord=jnp.inf))",
         "jdls.wrap",
-        "jdls.adjust_layer_scales(scales, grads)",
+        "jdls.update_sites(sites, measurements, finite)",
         "jdls.adjust_loss_scales",
     ):
         assert hint in message, hint
@@ -479,5 +499,10 @@ def test_public_text_names_no_issue_numbers():
     assert not found, found
 
 
-def test_signature_of_adjust_layer_scales_is_kept():
-    assert list(inspect.signature(jdls.adjust_layer_scales).parameters) == ["scales", "grads"]
+def test_signature_of_update_sites_is_kept():
+    assert list(inspect.signature(jdls.update_sites).parameters) == [
+        "sites",
+        "measurements",
+        "finite",
+        "axis_name",
+    ]

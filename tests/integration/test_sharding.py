@@ -271,13 +271,16 @@ def layered_params(mesh):
     }
 
 
-def layered_logits(p, x, dtype):
+def layered_logits(p, x, dtype, sites=None):
+    def mark(h, name):
+        return h if sites is None else jdls.apply_site(h, sites[name])
+
     h = jnp.tanh(x.astype(dtype) @ p["dense_0"].astype(dtype))  # (data, model)
-    h = jdls.layer_boundary(h, "dense_0")
+    h = mark(h, "dense_0")
     # Megatron's row-parallel layer: the contraction over "model" ends in a sum across it
     h = jnp.matmul(h, p["dense_1"].astype(dtype), out_sharding=P("data", None))
-    h = jdls.layer_boundary(jnp.tanh(h), "dense_1")
-    return jdls.layer_boundary(h @ p["out"].astype(dtype), "out").astype(jnp.float32)
+    h = mark(jnp.tanh(h), "dense_1")
+    return mark(h @ p["out"].astype(dtype), "out").astype(jnp.float32)
 
 
 @pytest.mark.parametrize("jit", [False, True])
@@ -290,24 +293,27 @@ def test_explicit_mesh_per_layer_and_per_loss_gradients_keep_their_shardings(jit
             NamedSharding(mesh, P("data", None)),
         )
 
-        def loss(p, x, dtype=jnp.float32):
-            return jnp.mean(layered_logits(p, x, dtype) ** 2)
+        def loss(p, sites, x, dtype=jnp.float32):
+            return jnp.mean(layered_logits(p, x, dtype, sites) ** 2)
 
         def losses(p, x):
             y = layered_logits(p, x, jnp.float32)
             return {"main": jnp.mean(y**2), "small": 1e-4 * jnp.mean(jnp.abs(y))}
 
         maybe = jax.jit if jit else (lambda f: f)
-        expected = jax.grad(loss)(params, x)
-        layer_scales = {"dense_0": jdls.StaticScale(2.0**30), "dense_1": jdls.StaticScale(2.0**9)}
-        layer_scales["out"] = jdls.StaticScale(2.0**-3)
-        _, grads, finite = maybe(jdls.layer_scaled_value_and_grad(loss, layer_scales))(params, x)
+        expected = jax.grad(loss)(params, None, x)
+        levels = {"dense_0": 2.0**30, "dense_1": 2.0**9, "out": 2.0**-3}
+        sites = {
+            k: jdls.layer_site(jdls.StaticScale(v), i) for i, (k, v) in enumerate(levels.items())
+        }
+        _, (grads, measured) = maybe(jdls.layer_scaled_value_and_grad(loss))(params, sites, x)
         loss_scales = {"main": jdls.StaticScale(2.0), "small": jdls.StaticScale(2.0**20)}
         _, loss_grads, loss_finite = maybe(jdls.multi_loss_value_and_grad(losses, loss_scales))(
             params, x
         )
         expected_sum = jax.grad(lambda p, x: sum(losses(p, x).values()))(params, x)
-        adjusted = jdls.adjust_layer_scales({k: jdls.AdaptiveScale() for k in params}, grads)
+        adaptive = {k: jdls.layer_site(jdls.AdaptiveScale(), i) for i, k in enumerate(levels)}
+        adjusted = jdls.update_sites(adaptive, measured, True)
 
     for k, spec in LAYER_SPECS.items():
         # float32, power-of-two scales: float32's gradients up to the programs' summation order
@@ -316,8 +322,8 @@ def test_explicit_mesh_per_layer_and_per_loss_gradients_keep_their_shardings(jit
         np.testing.assert_allclose(loss_grads[k], expected_sum[k], rtol=1e-6, atol=atol)
         assert grads[k].sharding == NamedSharding(mesh, spec), k
         assert loss_grads[k].sharding == NamedSharding(mesh, spec), k
-        assert bool(finite[k])
-        assert adjusted[k].loss_scale.sharding.is_fully_replicated, k
+        assert float(measured[k].value["finite"]) == 1.0
+        assert adjusted[k].value["scale"].loss_scale.sharding.is_fully_replicated, k
     assert all(bool(f) for f in loss_finite.values())
 
 
