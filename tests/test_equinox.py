@@ -426,6 +426,7 @@ def test_layer_scales_take_equinox_layers_holding_their_sites():
     assert rest[0].inner.layers[1].fn is None and float(measured[0].site.value["finite"]) == 1.0
 
 
+@pytest.mark.full
 def test_retrying_with_an_equinox_model():
     """In float16 at 2**24 the gradients overflow and the loss does not: ``jdls.retrying``
     recomputes them at backed-off scales inside the step; the model's arrays are the
@@ -465,7 +466,7 @@ def make_step(tx, jit=True, loss=loss_fn):
 
 @jit_ids
 @dtype_ids
-@pytest.mark.full(keep=1)
+@pytest.mark.full
 def test_train_step_equals_the_hand_written_one(jit, dtype):
     """The front door (``scale.value_and_grad``) equals Equinox's differentiation of the
     scaled loss, unscaled by hand, bit for bit, step after step."""
@@ -493,6 +494,7 @@ def test_train_step_equals_the_hand_written_one(jit, dtype):
 
 
 @dtype_ids
+@pytest.mark.full(keep=1)
 def test_overflow_is_skipped_and_located(dtype):
     """At a loss scale of 2**24, float16 gradients overflow: the step is skipped (the model
     unchanged, bit for bit), the scale halves, and nonfinite_paths names the leaves."""
@@ -689,6 +691,7 @@ def run_readme(source, capsys):
     return capsys.readouterr().out, namespace
 
 
+@pytest.mark.full
 def test_readme_step_with_an_equinox_linear_runs_unchanged(capsys):
     """A model whose leaves are all arrays (``eqx.nn.Linear``): only the loss and the model
     change; ``jax.jit``, ``tx.init(params)`` and ``optax.apply_updates`` as in the README."""

@@ -36,6 +36,7 @@ def mse(a, b):
     return jnp.mean((a - b) ** 2)
 
 
+@pytest.mark.full
 def test_matches_torch_grad_scaling_multiple():
     """torch's ``test_grad_scaling_multiple`` (test/test_cuda.py), on the CPU: the same models,
     data, losses, scaler (init 128, growth 2, interval 1) and injected inf, step by step."""

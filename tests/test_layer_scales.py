@@ -84,6 +84,7 @@ def adjust(sites: dict, grads: dict) -> dict:
 
 
 @pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.full(keep=1)
 def test_per_layer_scaled_gradients_equal_float32_gradients(jit: bool) -> None:
     params, x = deep_params(), _x()
     sites = sites_of(
@@ -320,6 +321,7 @@ def _stacked(tree: object) -> object:
     return jax.tree_util.tree_map(lambda a: jnp.asarray(a)[None], tree)
 
 
+@pytest.mark.full
 def test_under_shard_map_on_8_devices_the_scales_agree() -> None:
     """8 devices, a different batch shard on each, the residual model (float32; the deep
     saturated-tanh model is too ill-conditioned for rtol 1e-6 across batch splits). Each device differentiates a varying copy

@@ -168,6 +168,7 @@ def test_largest_is_the_abs_max_bit_for_bit(jit):
     ],
     ids=["zeros", "zero-large", "tiny-large", "tiny-and-normal", "huge", "huge-large", "complex"],
 )
+@pytest.mark.full(keep=2)
 def test_largest_is_exact_at_the_edges(jit, leaves):
     n = maybe_jit(lambda ls: global_norm(ls, largest=True), jit)(leaves)
     assert bool(n.finite)
@@ -235,6 +236,7 @@ def test_largest_with_leaves_sharded_differently(axis_type):
         assert "all-gather" not in measure.lower(tree).compile().as_text()
 
 
+@pytest.mark.full
 def test_wrap_measures_from_the_squares_only():
     """The observing wrap reads the gradients once for the norm and the largest magnitude: no
     ``abs`` of the gradients outside the branches that run only on rare steps."""

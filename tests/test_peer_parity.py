@@ -147,6 +147,7 @@ def _jmp_trajectory(jmp_scale, flags):
     ],
     ids=["default-floor", "no-floor-float-period", "floor-2", "growth-to-inf"],
 )
+@pytest.mark.full(keep=1)
 def test_from_jmp_follows_jmp_bit_for_bit(fields):
     jmp = pytest.importorskip("jmp")
     theirs = jmp.DynamicLossScale(

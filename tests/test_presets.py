@@ -171,7 +171,7 @@ def flax_trajectory(flags, **kwargs):
     s0=init_scales,
     minimum=st.sampled_from([TINY, 1.0, None, 2.0**-10]),
 )
-@pytest.mark.full(keep=1)
+@pytest.mark.full
 def test_flax_matches_flax(jit, flags, g, b, n, s0, minimum):
     theirs = flax_trajectory(
         flags,
@@ -240,7 +240,7 @@ def _jmp_step(period, factor, min_loss_scale):
     s0=init_scales,
     minimum=st.sampled_from([1.0, 2.0**-5, 64.0]),
 )
-@pytest.mark.full(keep=1)
+@pytest.mark.full
 def test_jmp_matches_jmp(jit, flags, factor, period, s0, minimum):
     step = _jmp_step(period, factor, minimum)
     ls, counter = jnp.float32(s0), jnp.int32(0)

@@ -67,6 +67,7 @@ def test_the_measurement_counts_and_the_site_records_it():
 
 
 @with_and_without_jit
+@pytest.mark.full(keep=1)
 def test_a_nan_in_a_large_cotangent_is_flagged(jit):
     """XLA's max reduction drops a NaN in a large array on CPU: the nonfinite statistic must
     not be read off the largest magnitude."""

@@ -413,7 +413,7 @@ def _wrap_runner(name: str, skip_with: str):
 )
 @given(flags=runs(40, WRAP_STEPS), name=st.sampled_from(sorted(_wrap_cases())))
 @pytest.mark.parametrize("skip_with", ["cond", "select"])
-@pytest.mark.full(keep=1)
+@pytest.mark.full
 def test_wrap_statistics_and_scale_match_reference(skip_with, flags, name):
     finite, skipped, consecutive, scales, count, kept, params_finite = (
         np.asarray(x) for x in _wrap_runner(name, skip_with)(jnp.asarray(flags))
@@ -456,6 +456,7 @@ def test_wrap_statistics_and_scale_match_reference(skip_with, flags, name):
     ],
     ids=["keras-inf", "keras-zero", "pytorch-zero", "megatron-inf"],
 )
+@pytest.mark.full(keep=1)
 def test_dead_scale_skips_every_step_and_never_corrupts(scale):
     assert float(scale.loss_scale) in (0.0, np.inf)
     tx = jdls.wrap(optax.adam(1e-2), scale)

@@ -346,6 +346,7 @@ def _shard_map_inputs():
     return mesh, tx, params, state, c
 
 
+@pytest.mark.full
 def test_jit_with_shardings_equals_the_direct_step():
     mesh = _mesh()
     tx = _layout_tx()
@@ -378,6 +379,7 @@ def _per_device_reference(tx, params, state, scale, c, vary=False):
 
 
 @pytest.mark.parametrize("check_vma", [True, False], ids=["check_vma", "no_check_vma"])
+@pytest.mark.full(keep=1)
 def test_shard_map_equals_the_direct_step(check_vma):
     """Each device differentiates its own loss: the update is the mean gradient's (not the
     sum's), one retry, one halving, on every device."""
@@ -477,7 +479,7 @@ def _run(tx, cs, params, retries, *, scan):
 
 
 @pytest.mark.parametrize("scan", [False, True], ids=["loop", "scan"])
-@pytest.mark.full(keep=1)
+@pytest.mark.full
 def test_zero_dropped_batches_with_injected_scale_caused_overflows(scan):
     """Overflows that the current scale causes (not half of it) at random steps: with
     retries=2 no batch is dropped and the schedule follows the data; without, batches drop."""

@@ -51,7 +51,7 @@ def _trained_flax_state():
 
 
 @pytest.mark.parametrize("source", ["object", "state_dict", "bytes"])
-@pytest.mark.full(keep=1)
+@pytest.mark.full
 def test_from_flax_train_state_keeps_momentum_and_scale(source):
     tx, old = _trained_flax_state()
     assert int(old.dynamic_scale.fin_steps) == 1 and float(old.dynamic_scale.scale) == 512.0
@@ -314,6 +314,7 @@ def test_batched_scales_repr_values():
     assert "loss_scale=[1.0, 2.0]" in repr(mapped) and "Array" not in repr(mapped)
 
 
+@pytest.mark.full
 def test_float64_gradients_near_1e183_are_finite_and_clipped():
     """Finite float64 gradients whose squares overflow float64 (x64) are not an inf."""
     with enable_x64(True):

@@ -69,6 +69,7 @@ def test_the_default_scale_trains_through_a_flax_train_state():
 
 
 @with_and_without_jit
+@pytest.mark.full(keep=1)
 def test_finite_step_is_the_inner_step(jit):
     params = small_params()
     grads = random_like(0, params)
@@ -166,6 +167,7 @@ def test_a_skipped_step_leaves_the_params_with_weight_decay_inside_the_wrap(jit)
     assert float(optax.apply_updates(params, updates)["scale"]) == np.float32(1 - lr * wd)
 
 
+@pytest.mark.full
 def test_skips_match_the_plain_inner_optimizer():
     """The reference may also be the inner optimizer alone, jitted, on the clean steps.
 
@@ -338,6 +340,7 @@ def test_stats_inside_jit():
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.full(keep=1)
 def test_names_the_leaves(jit):
     params = {
         "params": {
@@ -552,7 +555,7 @@ def value_recorder():
 
 @with_and_without_jit
 @pytest.mark.parametrize("bad", [INF, -INF, NAN])
-@pytest.mark.full(keep=1)
+@pytest.mark.full
 def test_nonfinite_value_skips_the_step_exactly(bad, jit):
     """A non-finite loss given as ``value`` makes the step non-finite, even when every
     gradient is finite: params and inner state are left bit for bit as they were."""
