@@ -181,6 +181,13 @@ def as_pure(tree: Any) -> Any:
     )
 
 
+def pcast_varying(tree: Any, axes: Any) -> Any:
+    """``jax.lax.pcast(tree, axes, to="varying")`` (``jax.lax.pvary`` before jax 0.8.2)."""
+    if hasattr(lax, "pcast"):
+        return lax.pcast(tree, axes, to="varying")
+    return lax.pvary(tree, axes)
+
+
 #: ``jax.enable_x64`` as a context manager (``jax.experimental.enable_x64`` before jax 0.8).
 if hasattr(jax, "enable_x64"):
     enable_x64 = jax.enable_x64

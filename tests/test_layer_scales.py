@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _helpers import assert_bitwise_equal, maybe_jit, with_and_without_jit
+from _helpers import assert_bitwise_equal, maybe_jit, pcast_varying, with_and_without_jit
 
 import jdls
 
@@ -340,7 +340,7 @@ def test_under_shard_map_on_8_devices_the_scales_agree() -> None:
     fn = jdls.layer_scaled_value_and_grad(residual_loss)
 
     def step(params: dict, x: jax.Array) -> tuple:
-        varying = jax.lax.pcast((params, sites), "data", to="varying")
+        varying = pcast_varying((params, sites), "data")
         _, (local, measurements) = fn(*varying, x)
         grads = jax.lax.pmean(local, "data")
         taken = jdls.all_finite(grads)

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _helpers import assert_bitwise_equal, maybe_jit, with_and_without_jit
+from _helpers import assert_bitwise_equal, maybe_jit, pcast_varying, with_and_without_jit
 
 import jdls
 
@@ -594,7 +594,7 @@ def test_under_shard_map_on_8_devices_the_per_loss_scales_agree(backward: str) -
 
     def step(params: dict, x: jax.Array, y_big: jax.Array, y_small: jax.Array, dtype) -> tuple:
         losses = lambda p: multitask_losses(p, x, y_big, y_small, dtype)  # noqa: E731
-        local_params = jax.lax.pcast(params, "data", to="varying")
+        local_params = pcast_varying(params, "data")
         fn = jdls.multi_loss_value_and_grad(losses, scales, backward=backward)
         _, grads, finite = fn(local_params)
         grads = jax.lax.pmean(grads, "data")

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _helpers import assert_bitwise_equal, maybe_jit, with_and_without_jit
+from _helpers import assert_bitwise_equal, maybe_jit, pcast_varying, with_and_without_jit
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -369,9 +369,7 @@ def _per_device_reference(tx, params, state, scale, c, vary=False):
     (of the parameters marked as varying, under ``shard_map`` with ``check_vma``), averaged
     (``jax.lax.pmean``), then ``tx.update``."""
     state = jdls.set_scale(state, scale)
-    mine = (
-        jax.tree.map(lambda x: jax.lax.pcast(x, ("d",), to="varying"), params) if vary else params
-    )
+    mine = jax.tree.map(lambda x: pcast_varying(x, ("d",)), params) if vary else params
     loss, grads = scale.value_and_grad(loss_fn)(mine, c)
     grads = jax.lax.pmean(grads, "d")
     updates, state = tx.update(grads, state, params, value=loss)

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _helpers import assert_bitwise_equal, maybe_jit, with_and_without_jit
+from _helpers import assert_bitwise_equal, maybe_jit, pcast_varying, with_and_without_jit
 
 import jdls
 
@@ -285,7 +285,7 @@ def test_probes_under_shard_map_measure_each_device(check_vma: bool) -> None:
     def step(x):
         # per device: sites that vary over the devices (a replicated site would get the sum
         # of the devices' measurements, as JAX gives any replicated input)
-        sites = jax.lax.pcast(probes(), "data", to="varying") if check_vma else probes()
+        sites = pcast_varying(probes(), "data") if check_vma else probes()
         t = telemetry_of(scanned_remat, scale, False, params, sites, x[0])[2]
         shared = telemetry_of(scanned_remat, scale, False, params, probes(), x[0])[2]
         return t.amax[None], shared.uses[None]
@@ -543,7 +543,7 @@ def test_update_sites_combines_the_devices_measurements_as_each_kind_says() -> N
     x = jax.random.normal(jax.random.key(3), (2, BATCH, WIDTH))
 
     def step(x):
-        sites = jax.lax.pcast(probes(), "data", to="varying")
+        sites = pcast_varying(probes(), "data")
         _, (_, measured) = scale.value_and_grad(scanned, (0, 1))(params, sites, x[0])
         new = jdls.update_sites(sites, measured, True, axis_name="data")
         return jax.tree_util.tree_map(lambda v: v[None], new)

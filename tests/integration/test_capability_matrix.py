@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _helpers import FULL_MATRIX
+from _helpers import FULL_MATRIX, pcast_varying
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -144,7 +144,7 @@ def _finish(h, comp, statics):
 def _varying(tree):
     """Inside shard_map: the sites (or perturbations) of each device its own."""
     manual = tuple(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
-    return jax.lax.pcast(tree, manual, to="varying") if manual else tree
+    return pcast_varying(tree, manual) if manual else tree
 
 
 _ALLOW_INT = [False]  # the references differentiate integer leaves only when asked

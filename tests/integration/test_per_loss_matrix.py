@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _helpers import FULL_MATRIX, covering_sample
+from _helpers import FULL_MATRIX, covering_sample, pcast_varying
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -275,7 +275,7 @@ def _run(backward: str, composition: str, losses: Callable, params: dict, args: 
 
         def step(scales: dict, p: dict, x: jax.Array) -> tuple:
             if vma:  # this device's gradients, not their sum over the devices
-                p = jax.lax.pcast(p, AXIS, to="varying")
+                p = pcast_varying(p, AXIS)
             values, grads, finite = call(scales, p, x)
             finite = {k: jax.lax.pmin(f.astype(jnp.int32), AXIS) == 1 for k, f in finite.items()}
             return _pmean_floats(values, AXIS), _pmean_floats(grads, AXIS), finite
