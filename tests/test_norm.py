@@ -193,7 +193,9 @@ def test_largest_in_float64():
 def test_observing_wrap_skips_a_nan_in_a_large_leaf(jit, bad):
     """XLA's max reduction drops a NaN in a large array on CPU: finiteness must come from the
     sum of squares, never from the largest magnitude."""
-    assert float(jax.jit(jnp.max)(jnp.ones(20_000).at[3].set(np.nan))) == 1.0  # the trap
+    # the trap: XLA:CPU's max drops it (jax 0.10; older releases give the NaN)
+    dropped = float(jax.jit(jnp.max)(jnp.ones(20_000).at[3].set(np.nan)))
+    assert dropped == 1.0 or np.isnan(dropped)
     params = {"w": jnp.zeros(20_000), "b": jnp.zeros(3)}
     tx = jdls.wrap(optax.sgd(0.1), jdls.AdaptiveScale(2.0**10))
     state = tx.init(params)

@@ -82,11 +82,22 @@ KIND_COMBINATIONS = [
 QUICK = {*_sample(0), *((kind, *c) for kind in MODEL_KINDS[1:] for c in _kind_sample(kind)[:2])}
 
 
+# Seen at jax 0.8.1 (the oldest release jdls supports), passing from jax 0.10: adafactor's
+# state of complex parameters leaves the step varying over the shard_map axis, and the scan over
+# the steps refuses the carry.
+_OLD_JAX = tuple(int(p) for p in jax.__version__.split(".")[:2]) < (0, 10)
+_OLD_JAX_COMPLEX = pytest.mark.xfail(
+    _OLD_JAX, reason="complex adafactor state under shard_map on jax < 0.10", strict=False
+)
+
+
 def _cells(cells):
-    return [
-        pytest.param(*c, id="-".join(c), marks=() if c in QUICK else pytest.mark.full)
-        for c in cells
-    ]
+    def marks(c):
+        full = () if c in QUICK else (pytest.mark.full,)
+        old = "complex64" in c and "shard_map_sharded" in c and "adafactor" in c
+        return (*full, _OLD_JAX_COMPLEX) if old else full
+
+    return [pytest.param(*c, id="-".join(c), marks=marks(c)) for c in cells]
 
 
 def test_sample_covers_every_value():
