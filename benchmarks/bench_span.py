@@ -9,7 +9,7 @@ to a few subnormal ulps. Three tasks on the digits of ``bench_quality``:
   no normalisation, biases starting at 1.5 or 3 (saturated units: each layer shrinks the
   backward signal, by about ``2**-4`` at 3), so the first layers' gradients sit about
   ``2**20`` or ``2**46`` below the last's. Per-layer scales: ``jdls.AdaptiveScale()`` per
-  layer, a ``jdls.layer_boundary`` at each layer's output, ``jdls.adjust_layer_scales``
+  layer, a ``jdls.layer_site`` at each layer's output, ``jdls.update_sites``
   after each step.
 * ``multitask``: an autoencoder whose squared error of the raw pixels (0 to 16) is summed
   over pixels and a batch of 1024 (as VAE code often reduces it: its gradients hold the
@@ -109,6 +109,15 @@ class Task:
     learning_rate: float = 1e-3
 
 
+#: The key under which a step passes the per-layer sites to a task's loss with its parameters.
+SITES = "sites"
+
+
+def _sites_of(scales: dict[str, Any]) -> dict[str, Any]:
+    """One per-layer site per scale, in the dict's order (the layers' forward order)."""
+    return {k: jdls.layer_site(s, i) for i, (k, s) in enumerate(scales.items())}
+
+
 def _data() -> tuple[jax.Array, ...]:
     return tuple(jnp.asarray(a) for a in digits())
 
@@ -125,10 +134,15 @@ def task_deep(steps: int, bias: float, name: str) -> Task:
         return params
 
     def logits(params: dict[str, Any], x: jax.Array, dtype: Any) -> jax.Array:
+        sites = params.get(SITES)  # the per-layer sites, when the step passes them in
+
+        def mark(h: jax.Array, name: str) -> jax.Array:
+            return h if sites is None else jdls.apply_site(h, sites[name])
+
         h_ = x.astype(dtype)
         for name in names[:-1]:
-            h_ = jdls.layer_boundary(jnp.tanh(_apply(params[name], h_, dtype)), name)
-        return jdls.layer_boundary(_apply(params["out"], h_, dtype), "out").astype(F32)
+            h_ = mark(jnp.tanh(_apply(params[name], h_, dtype)), name)
+        return mark(_apply(params["out"], h_, dtype), "out").astype(F32)
 
     def losses(params: dict[str, Any], batch: dict[str, jax.Array], dtype: Any) -> dict:
         ce = optax.softmax_cross_entropy_with_integer_labels(
@@ -254,6 +268,8 @@ def train(task: Task, rule: str, seed: int) -> dict[str, Any]:
     if split:
         factory = _split_factory(task)
         scales = {k: factory() for k in (task.watched if task.per == "layer" else keys)}
+        if task.per == "layer":
+            scales = _sites_of(scales)
     else:
         scales = {}
 
@@ -268,9 +284,9 @@ def train(task: Task, rule: str, seed: int) -> dict[str, Any]:
             _, grads = scale.value_and_grad(total)(params, batch)
             level = scale.loss_scale
         elif task.per == "layer":
-            fn = jdls.layer_scaled_value_and_grad(lambda p, b: total(p, b), scales)
-            _, grads, _ = fn(params, batch)
-            level = jnp.stack([s.loss_scale for s in scales.values()])
+            fn = jdls.layer_scaled_value_and_grad(lambda p, s, b: total({**p, SITES: s}, b))
+            _, (grads, measured) = fn(params, scales, batch)
+            level = jnp.stack([s.value["scale"].loss_scale for s in scales.values()])
         else:
             fn = jdls.multi_loss_value_and_grad(lambda p, b: task.losses(p, b, dtype), scales)
             _, grads, finite_per_loss = fn(params, batch)
@@ -285,7 +301,7 @@ def train(task: Task, rule: str, seed: int) -> dict[str, Any]:
         updates, opt = tx.update(grads, opt, params)
         finite = jdls.stats(opt).finite
         if split and task.per == "layer":
-            scales = jdls.adjust_layer_scales(scales, grads)
+            scales = jdls.update_sites(scales, measured, finite)
         elif split:
             scales = {k: s.adjust(finite_per_loss[k]) for k, s in scales.items()}
         params = optax.apply_updates(params, updates)
@@ -371,10 +387,10 @@ def same_point(task: Task, seed: int = 0, at: tuple[int, ...] | None = None) -> 
         return _lost(g, ref, task.watched)
 
     @jax.jit
-    def layered(p: Any, i: jax.Array, scales: Any) -> tuple[Any, Any]:
-        fn = jdls.layer_scaled_value_and_grad(lambda q: total(q, {"idx": i}, F16), scales)
-        _, g, _ = fn(p)
-        return g, jdls.adjust_layer_scales(scales, g)
+    def layered(p: Any, i: jax.Array, sites: Any) -> tuple[Any, Any]:
+        fn = jdls.layer_scaled_value_and_grad(lambda q, s: total({**q, SITES: s}, {"idx": i}, F16))
+        _, (g, measured) = fn(p, sites)
+        return g, jdls.update_sites(sites, measured, jdls.all_finite(g))
 
     rows = []
     for t in range(max(at) + 1):
@@ -384,11 +400,11 @@ def same_point(task: Task, seed: int = 0, at: tuple[int, ...] | None = None) -> 
                 e: np.asarray(global_lost(params, idx[t], ref, jnp.int32(e))) for e in GLOBAL_LOG2
             }
             best = min(errors, key=lambda e: (errors[e][1], e))
-            scales = {k: jdls.AdaptiveScale() for k in task.watched}
+            scales = _sites_of({k: jdls.AdaptiveScale() for k in task.watched})
             for _ in range(SAME_POINT_ADJUSTMENTS):  # the last gradients are measured
                 grads, scales = layered(params, idx[t], scales)
             lost = np.asarray(_lost(grads, ref, task.watched))
-            levels = np.log2([float(s.loss_scale) for s in scales.values()])
+            levels = np.log2([float(s.value["scale"].loss_scale) for s in scales.values()])
             rows.append(
                 {
                     "label": f"step {t}",
