@@ -47,10 +47,6 @@ class Meter:
         m = Measurement(amax=jnp.full((), -jnp.inf, jnp.float32), saturated=zero, flushed=zero)
         return cls(m, m, m)
 
-    def combine(self, other: Meter) -> Meter:
-        """Two uses' measurements combined: the maximum of each."""
-        return jax.tree.map(jnp.maximum, self, other)
-
 
 @struct.dataclass
 class DotState:
