@@ -5,8 +5,8 @@ inputs to float16, runs the model, and computes the loss in float32. Every varia
 step benchmark differentiates the same loss of the same model.
 
 The losses take an optional ``mark(x, name)``, applied to every layer's output (default: the
-identity, the plain model): ``jdls.probe`` measures there, ``jdls.layer_boundary`` changes
-scale there (``benchmarks/bench_capabilities.py``).
+identity, the plain model): a ``jdls.Probe`` site measures there, a ``jdls.layer_site``
+changes scale there (``benchmarks/bench_capabilities.py``).
 """
 
 from __future__ import annotations

@@ -10,13 +10,13 @@ capability's own cost shows; every case but the adaptive one uses that rule):
 
 * ``jdls.wrap(adam, AdaptiveScale())``: the rule that measures the gradients (target
   <= 1.02x);
-* telemetry: the gradients of ``jdls.probed_value_and_grad`` with a ``jdls.probe`` at every
+* telemetry: the gradients and measurements of a ``jdls.Probe`` site at every
   layer's output (MLP: each dense layer; transformer: the embedding and each block), the
   telemetry returned by the step (target <= 1.03x);
 * per-layer scales, as ``docs/per-layer.md`` writes them: ``jdls.layer_scaled_value_and_grad``
-  with a ``jdls.layer_boundary`` at every layer's output (MLP: each dense layer; transformer:
+  with a ``jdls.layer_site`` at every layer's output (MLP: each dense layer; transformer:
   ``embed``, ``block_0``... after the block's second residual add, ``head``), one
-  ``jdls.AdaptiveScale()`` per layer adjusted by ``jdls.adjust_layer_scales`` in the step,
+  ``jdls.AdaptiveScale()`` per layer adjusted by ``jdls.update_sites`` in the step,
   and ``jdls.wrap(adam, jdls.NoOpScale())`` to skip. The transformer ties its embedding: the
   array is passed as a parameter of both ``embed`` and ``head``, and the two gradients are
   added in the step (target <= 1.05x);
@@ -76,8 +76,8 @@ class Model:
     work: bench_step.Workload
     #: the loss with ``mark(x, name)`` at every layer's output
     marked: Callable[[m.Mark], Callable[..., jax.Array]]
-    #: the loss over parameters keyed by layer, a ``jdls.layer_boundary`` at every layer
-    layered: Callable[..., jax.Array]
+    #: the loss over parameters keyed by layer, with ``mark(x, name)`` at every layer's output
+    layered: Callable[[m.Mark], Callable[..., jax.Array]]
     #: parameters to layers (``to_layers``) and the layers' gradients back (``from_layers``)
     to_layers: Callable[[Any], Any]
     from_layers: Callable[[Any], Any]
@@ -93,11 +93,10 @@ def _identity(x: Any) -> Any:
 
 def mlp_model(quick: bool) -> Model:
     work = bench_step.mlp_workload(quick)
-    layered = functools.partial(m.mlp_loss, mark=jdls.layer_boundary)
     return Model(
         work,
         lambda mark: functools.partial(m.mlp_loss, mark=mark),
-        layered,
+        lambda mark: functools.partial(m.mlp_loss, mark=mark),
         _identity,
         _identity,
         lambda name: True,
@@ -110,7 +109,7 @@ def transformer_model(quick: bool) -> Model:
     return Model(
         work,
         lambda mark: m.transformer_loss_fn(config, mark),
-        m.transformer_loss_fn(config, jdls.layer_boundary, layered=True),
+        lambda mark: m.transformer_loss_fn(config, mark, layered=True),
         m.transformer_layers,
         m.transformer_unlayer,
         lambda name: name != "head",  # the embedding and the blocks: the residual stream
@@ -131,34 +130,57 @@ def _apply(params: Any, updates: Any) -> Any:
     return optax.apply_updates(params, updates)
 
 
-def telemetry_method(loss: Callable[..., jax.Array], tx: Any) -> Method:
-    """``bench_step.jdls_method`` with ``jdls.probed_value_and_grad``; the step returns the
-    telemetry with the loss."""
+def _at_sites(sites: dict[str, jdls.Site]) -> m.Mark:
+    """``mark(x, name)``: ``x`` through the site of ``name`` (the identity where none is)."""
+
+    def mark(x: Any, name: str) -> Any:
+        return jdls.apply_site(x, sites[name]) if name in sites else x
+
+    return mark
+
+
+def telemetry_method(model: Model, tx: Any) -> Method:
+    """``bench_step.jdls_method`` with a ``jdls.Probe`` site at every probed layer (the
+    model's state, beside the optimizer's); the step returns the telemetry with the loss and
+    records it in the sites."""
+
+    def init(params: Any) -> Any:
+        names = [k for k in model.to_layers(params) if model.probed(k)]
+        return tx.init(params), {k: jdls.Site(jdls.Probe()) for k in names}
 
     def step(params: Any, state: Any, batch: Any) -> tuple[Any, Any, Any]:
-        fn = jdls.probed_value_and_grad(loss, jdls.get_scale(state))
-        value, grads, telemetry = fn(params, batch)
-        updates, state = tx.update(grads, state, params)
-        return _apply(params, updates), state, (value, telemetry)
+        opt_state, sites = state
+        fn = jdls.get_scale(opt_state).value_and_grad(
+            lambda p, s: model.marked(_at_sites(s))(p, batch), argnums=(0, 1)
+        )
+        value, (grads, measured) = fn(params, sites)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        sites = jdls.update_sites(sites, measured, jdls.stats(opt_state).finite)
+        return _apply(params, updates), (opt_state, sites), (value, jdls.Telemetry.of(measured))
 
-    return Method(tx.init, step, _skipped)
+    return Method(init, step, _skipped)
 
 
 def per_layer_method(model: Model) -> Method:
-    """Per-layer scales as ``docs/per-layer.md`` writes them: ``AdaptiveScale()`` per layer,
-    ``adjust_layer_scales`` in the step, ``wrap(adam, NoOpScale())`` to skip."""
+    """Per-layer scales as ``docs/per-layer.md`` writes them: a ``jdls.layer_site`` with
+    ``AdaptiveScale()`` per layer, ``jdls.update_sites`` in the step, ``wrap(adam,
+    NoOpScale())`` to skip."""
     tx = jdls.wrap(adam(), jdls.NoOpScale())
 
     def init(params: Any) -> Any:
-        return tx.init(params), {k: jdls.AdaptiveScale() for k in model.to_layers(params)}
+        layers = model.to_layers(params)  # keyed in forward order, before any jit
+        sites = {k: jdls.layer_site(jdls.AdaptiveScale(), i) for i, k in enumerate(layers)}
+        return tx.init(params), sites
 
     def step(params: Any, state: Any, batch: Any) -> tuple[Any, Any, jax.Array]:
-        opt_state, scales = state
-        fn = jdls.layer_scaled_value_and_grad(model.layered, scales)
-        value, grads, _ = fn(model.to_layers(params), batch)
+        opt_state, sites = state
+        fn = jdls.layer_scaled_value_and_grad(
+            lambda layers, s: model.layered(_at_sites(s))(layers, batch)
+        )
+        value, (grads, measured) = fn(model.to_layers(params), sites)
         updates, opt_state = tx.update(model.from_layers(grads), opt_state, params)
-        scales = jdls.adjust_layer_scales(scales, grads)
-        return _apply(params, updates), (opt_state, scales), value
+        sites = jdls.update_sites(sites, measured, jdls.stats(opt_state).finite)
+        return _apply(params, updates), (opt_state, sites), value
 
     return Method(init, step, _skipped)
 
@@ -211,9 +233,6 @@ def specs(model: Model) -> list[Spec]:
     ones, whose baseline is the first of them."""
     loss = model.work.loss
 
-    def probe(x: Any, name: str) -> Any:
-        return jdls.probe(x, name) if model.probed(name) else x
-
     out = [
         Spec(
             "jdls.wrap(adam, DynamicScale())",
@@ -226,8 +245,8 @@ def specs(model: Model) -> list[Spec]:
             "adaptive scaling",
         ),
         Spec(
-            "telemetry: probed_value_and_grad, a probe per layer",
-            lambda: telemetry_method(model.marked(probe), jdls.wrap(adam(), jdls.DynamicScale())),
+            "telemetry: a jdls.Probe site per layer",
+            lambda: telemetry_method(model, jdls.wrap(adam(), jdls.DynamicScale())),
             1.03,
             "telemetry",
         ),
@@ -294,9 +313,15 @@ def check_gradients(model: Model) -> dict[str, float]:
     base = jdls.DynamicScale()
     value, want = jax.jit(base.value_and_grad(model.work.loss))(params, batch)
     names = list(model.to_layers(params))
-    scales = {k: jdls.StaticScale(2.0 ** (10 + 2 * i)) for i, k in enumerate(names)}
-    fn = jax.jit(jdls.layer_scaled_value_and_grad(model.layered, scales))
-    got_value, got, _ = fn(model.to_layers(params), batch)
+    sites = {
+        k: jdls.layer_site(jdls.StaticScale(2.0 ** (10 + 2 * i)), i) for i, k in enumerate(names)
+    }
+    fn = jax.jit(
+        jdls.layer_scaled_value_and_grad(
+            lambda layers, s, b: model.layered(_at_sites(s))(layers, b)
+        )
+    )
+    got_value, (got, _) = fn(model.to_layers(params), sites, batch)
     errors = {"per-layer": _max_relative_error(model.from_layers(got), want)}
     np.testing.assert_allclose(got_value, value, rtol=1e-6)
     if model.losses is not None:

@@ -25,11 +25,12 @@ import jdls
 DEPTH, WIDTH, BATCH = 12, 256, 256
 
 
-def mlp_loss(params: dict, x: jax.Array) -> jax.Array:
+def mlp_loss(params: dict, sites: dict | None, x: jax.Array) -> jax.Array:
     h = x.astype(jnp.float16)
     for i in range(DEPTH):
         name = f"dense_{i}"
-        h = jdls.layer_boundary(jnp.tanh(h @ params[name].astype(jnp.float16)), name)
+        h = jnp.tanh(h @ params[name].astype(jnp.float16))
+        h = h if sites is None else jdls.apply_site(h, sites[name])
     return jnp.mean(h.astype(jnp.float32) ** 2)
 
 
@@ -85,10 +86,9 @@ def main() -> None:
         for i, k in enumerate(keys[:DEPTH])
     }
     one = jdls.StaticScale(2.0**10)
-    base = jax.jit(one.value_and_grad(mlp_loss))
-    layered = jax.jit(
-        jdls.layer_scaled_value_and_grad(mlp_loss, {k: jdls.StaticScale(2.0**10) for k in params})
-    )
+    sites = {k: jdls.layer_site(jdls.StaticScale(2.0**10), i) for i, k in enumerate(params)}
+    base = jax.jit(lambda p, x: one.value_and_grad(mlp_loss)(p, None, x))
+    layered = jax.jit(lambda p, x: jdls.layer_scaled_value_and_grad(mlp_loss)(p, sites, x))
     compare("per-layer, 12-layer MLP", base, {"per-layer": layered}, params, x)
 
     hp = {
