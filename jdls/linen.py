@@ -3,13 +3,13 @@
 ``jdls.wrap`` is an optax transformation, so a plain ``flax.training.train_state.TrainState``
 already works with it. This module adds what is specific to linen:
 
-* :class:`TrainState`: the Flax ``TrainState`` with the loss scale at hand;
+* :class:`TrainState`: the Flax ``TrainState`` with the loss scale at hand, carrying the
+  model's sites (its ``"jdls"`` collection) and updating them;
 * :func:`from_train_state`: migrate a Flax-example ``TrainState`` that holds a
   ``dynamic_scale`` field;
-* :func:`layer_boundaries`: a per-layer scale boundary after every submodule, for
-  :func:`jdls.layer_scaled_value_and_grad`;
-* :func:`probes`: a backward-pass probe after every submodule, for
-  :func:`jdls.probed_value_and_grad`.
+* :func:`layer_scales`: a per-layer scale site after every top-level submodule;
+* :func:`probes`: a probe site after every submodule;
+* :data:`SITES`: the name of the sites' variable collection, ``"jdls"``.
 
 Example:
   >>> import jax, jax.numpy as jnp, optax, jdls

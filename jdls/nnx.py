@@ -7,9 +7,11 @@ This module adds what is specific to NNX:
 * :func:`value_and_grad`: ``nnx.value_and_grad`` with the loss scaled and the gradients
   unscaled;
 * :func:`set_scale`: replace the loss scale of an ``nnx.Optimizer`` (its rule included);
-* :func:`layer_boundaries` and :func:`layer_scaled_value_and_grad`: per-layer scales;
-* :func:`probes`: a backward-pass probe after every submodule, for
-  :func:`jdls.probed_value_and_grad`.
+* :class:`SiteVariable` and :class:`Optimizer`: the model's sites, updated with its
+  parameters;
+* :func:`layer_scales`, :func:`layer_scale` and :func:`layer_scaled_value_and_grad`:
+  per-layer scales;
+* :func:`probes`: a probe site after every submodule.
 
 Example:
   >>> import jax.numpy as jnp, optax, jdls
