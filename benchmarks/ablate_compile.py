@@ -10,6 +10,10 @@ interleaved, medians). Every row is built from jdls's public API or written here
   without the pass that tells an inf from an overflowing sum of squares (and without the
   statistics): a finite sum decides, as in the reference;
 * ``jdls.wrap(adam)``;
+* ``jdls.wrap(adam, DynamicScale())`` (the classic rule) and ``optax.apply_if_finite(adam)``;
+* ``jdls.wrap(adam)`` with the default's measurement ablated (:func:`amax_ablated`): without
+  its ``abs`` fallback (the ``lax.cond`` that measures again when no square is normal), and
+  with no measurement at all (a constant): what the default adds to the classic rule;
 * ``jdls.wrap(adam)`` and ``jdls.wrap(adam, StaticScale)`` with the exact-overflow pass taken
   out: jdls's own code, with the ``lax.cond`` branch that handles a non-finite sum exactly
   (``jdls._norm._branches``' ``careful``) replaced by the ordinary branch while they compile
@@ -20,7 +24,9 @@ Times are process CPU time (steadier than wall time on a shared machine).
 
 Run::
 
-    python -m benchmarks.ablate_compile [--rounds 7]
+    python -m benchmarks.ablate_compile [--rounds 7] [--leaves 200]
+
+(``--leaves N``: the same 8M parameters in N leaves.)
 """
 
 from __future__ import annotations
@@ -42,6 +48,34 @@ import jdls
 from benchmarks import bench_update
 
 WITHOUT_EXACT_PASS = "DynamicScale + sum of squares + lax.cond"
+CLASSIC = "jdls.wrap(adam, DynamicScale())"
+APPLY_IF_FINITE = "optax.apply_if_finite(adam)"
+NO_FALLBACK = "jdls.wrap(adam) without the amax fallback"
+NO_AMAX = "jdls.wrap(adam), amax not read from the squares"
+
+
+@contextlib.contextmanager
+def amax_ablated(keep_largest_square: bool) -> Any:
+    """While active, the default's measurement (``jdls._norm._amax_of_squares``) compiles
+    without its ``abs`` fallback (``keep_largest_square``: the root of the largest square
+    only), or not at all (a constant): a measurement aid, never for training."""
+    from jdls import _norm
+
+    original = _norm._amax_of_squares
+
+    def largest_square(xs: Any, squares: Any) -> Any:
+        return jnp.sqrt(jnp.max(jnp.stack([jnp.max(q) for q in squares]))).astype(jnp.float32)
+
+    def constant(xs: Any, squares: Any) -> Any:
+        return jnp.float32(1.0)
+
+    _norm._amax_of_squares = largest_square if keep_largest_square else constant  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        _norm._amax_of_squares = original
+
+
 NO_EXACT = "jdls.wrap(adam) without the exact pass"
 NO_EXACT_STATIC = "jdls.wrap(adam, StaticScale) without the exact pass"
 
@@ -54,8 +88,8 @@ def no_exact_pass() -> Any:
 
     original = _norm._branches
 
-    def branches(axis_name: Any, is_sharded: Any) -> Any:
-        reduce, usual, _ = original.__wrapped__(axis_name, is_sharded)
+    def branches(axis_name: Any, is_sharded: Any, largest: bool) -> Any:
+        reduce, usual, _ = original.__wrapped__(axis_name, is_sharded, largest)
         return reduce, usual, usual
 
     _norm._branches = branches  # type: ignore[assignment]
@@ -113,9 +147,12 @@ def _measure(make: Callable[[], Any], grads: Any) -> tuple[float, float]:
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--leaves", type=int, default=None, help="number of leaves")
     args = parser.parse_args(argv)
 
     config = bench_update.Config()
+    if args.leaves:
+        config = bench_update.Config(n_params=config.n_params, n_leaves=args.leaves)
     grads = jax.tree_util.tree_map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), bench_update.make_tree(config)
     )
@@ -128,6 +165,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         ),
         WITHOUT_EXACT_PASS: lambda: without_exact_pass(adam()),
         "jdls.wrap(adam)": lambda: bench_update.from_optax(jdls.wrap(adam())),
+        CLASSIC: lambda: bench_update.from_optax(jdls.wrap(adam(), jdls.DynamicScale())),
+        APPLY_IF_FINITE: lambda: bench_update.from_optax(optax.apply_if_finite(adam(), 10**6)),
+        NO_FALLBACK: lambda: bench_update.from_optax(jdls.wrap(adam())),
+        NO_AMAX: lambda: bench_update.from_optax(jdls.wrap(adam())),
         NO_EXACT: lambda: bench_update.from_optax(jdls.wrap(adam())),
         NO_EXACT_STATIC: lambda: bench_update.from_optax(
             jdls.wrap(adam(), jdls.StaticScale(2.0**15))
@@ -139,7 +180,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     for _ in range(args.rounds):
         rng.shuffle(order)
         for name in order:
-            patch = no_exact_pass() if name in (NO_EXACT, NO_EXACT_STATIC) else None
+            patch: Any = None
+            if name in (NO_EXACT, NO_EXACT_STATIC):
+                patch = no_exact_pass()
+            elif name in (NO_FALLBACK, NO_AMAX):
+                patch = amax_ablated(keep_largest_square=name == NO_FALLBACK)
             with patch or contextlib.nullcontext():
                 times[name].append(_measure(rows[name], grads))
     base = [a + b for a, b in times["adam"]]
