@@ -196,6 +196,7 @@ def _continue_one_step_at_a_time(state, specs):
         yield state
 
 
+@pytest.mark.full
 def test_pytorch_gradscaler_state_dict_resumes():
     kwargs = dict(init_scale=2.0**10, growth_factor=2.0, backoff_factor=0.5, growth_interval=4)
     scaler, torch_step = torch_gradscaler(**kwargs)

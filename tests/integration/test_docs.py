@@ -410,7 +410,24 @@ def _package_modules() -> list[str]:
     return sorted(names)
 
 
-@pytest.mark.parametrize("module_name", _package_modules())
+#: The modules whose doctests the quick run executes: the train step's own (the scales, their
+#: rules and presets, the wrap, clipping, the statistics); the full suite runs every module's.
+QUICK_DOCTESTS = (
+    "jdls._scale",
+    "jdls._wrap",
+    "jdls._clip",
+    "jdls._stats",
+    "jdls.rules",
+    "jdls.presets",
+)
+
+
+def _doctest_param(name: str) -> object:
+    quick = name == "jdls" or name.startswith(QUICK_DOCTESTS)
+    return pytest.param(name, id=name, marks=() if quick else pytest.mark.full)
+
+
+@pytest.mark.parametrize("module_name", [_doctest_param(n) for n in _package_modules()])
 def test_doctests(module_name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The ``>>>`` examples in the docstrings of one module of jdls pass."""
     monkeypatch.chdir(tmp_path)

@@ -52,12 +52,14 @@ def test_a_run_reports_every_metric(name):
     assert f32["flushed_pct"] == 0 and f32["scale_trace"] == [0.0] * task.steps
 
 
+@pytest.mark.full
 def test_a_restart_starts_every_rule_at_the_checkpointed_scale():
     task = short("restart low", 2)
     r = q.train(task, q.rules()["PyTorch"], seeds=1)
     assert r["scale_trace"][0] == -12.0
 
 
+@pytest.mark.full
 def test_a_spike_is_skipped_and_a_burst_skips_every_bad_step():
     spikes = dataclasses.replace(short("spikes", 30))
     r = q.train(spikes, q.rules()["AdaptiveScale"], seeds=1)
