@@ -37,7 +37,7 @@ class _Sites(nn.Module):
     """``model`` with its module outputs passed through sites (see the module docstring)."""
 
     jdls_wrapped: nn.Module
-    make: Callable[..., Any]  # (module path, first-seen index) -> (variable name, Site) or None
+    make: Callable[..., Any]  # (module path, first-seen index) -> [(variable name, Site)]
 
     def setup(self) -> None:
         nn.share_scope(self, self.jdls_wrapped)
@@ -54,15 +54,26 @@ class _Sites(nn.Module):
             # submodules made in the model's setup see the wrapper's field name first
             path = tuple(str(p) for p in module.scope.path)
             path = path[1:] if path[:1] == ("jdls_wrapped",) else path
-            made = self.make(path, seen.setdefault(path, len(seen)))
-            if made is None:
-                return out
-            name, site = made
-            variable = module.variable(SITES, name, lambda: site)
-            return apply_site(out, variable.value)
+            for name, site in self.make(path, seen.setdefault(path, len(seen))):
+                variable = module.variable(SITES, name, lambda site=site: site)
+                out = apply_site(out, variable.value)
+            return out
 
         with nn.intercept_methods(interceptor):
             return self.jdls_wrapped(*args, **kwargs)
+
+
+def _with_sites(model: nn.Module, make: Callable[..., Any]) -> nn.Module:
+    """``model`` with the sites ``make`` gives; on a model that already has sites (probes of a
+    model with per-layer scales), one wrapper with both (each site after the earlier ones)."""
+    if isinstance(model, _Sites):
+        earlier = model.make
+
+        def both(path: tuple[str, ...], order: int) -> list[tuple[str, Site]]:
+            return [*earlier(path, order), *make(path, order)]
+
+        return _Sites(model.jdls_wrapped, both)
+    return _Sites(model, make)
 
 
 def probes_linen(model: nn.Module, compute_dtype: Any = "float16") -> nn.Module:
@@ -93,11 +104,11 @@ def probes_linen(model: nn.Module, compute_dtype: Any = "float16") -> nn.Module:
     """
     kind = Probe(compute_dtype)
 
-    def make(path: tuple[str, ...], order: int) -> tuple[str, Site]:
+    def make(path: tuple[str, ...], order: int) -> list[tuple[str, Site]]:
         del path, order
-        return PROBE, Site(kind)
+        return [(PROBE, Site(kind))]
 
-    return _Sites(model, make)
+    return _with_sites(model, make)
 
 
 def layer_scales_linen(model: nn.Module, scale: LossScale) -> nn.Module:
@@ -133,9 +144,9 @@ def layer_scales_linen(model: nn.Module, scale: LossScale) -> nn.Module:
     """
     check_scale(scale, "scale")
 
-    def make(path: tuple[str, ...], seen: int) -> tuple[str, Site] | None:
+    def make(path: tuple[str, ...], seen: int) -> list[tuple[str, Site]]:
         if len(path) != 1:
-            return None
-        return LAYER_SCALE, layer_site(scale, seen)
+            return []
+        return [(LAYER_SCALE, layer_site(scale, seen))]
 
-    return _Sites(model, make)
+    return _with_sites(model, make)

@@ -219,3 +219,28 @@ def test_train_state_with_sites_says_what_to_pass() -> None:
     state = state_of(jdls.linen.probes(Scanned()), x)
     with pytest.raises(ValueError, match="state.variables"):
         state.apply_gradients(grads=state.params)
+
+
+@with_and_without_jit
+def test_probes_of_a_model_with_layer_scales_have_both_sites(jit: bool) -> None:
+    """jdls.linen.probes(jdls.linen.layer_scales(model, scale)): one wrapper, a per-layer
+    scale and a probe at each layer; the gradients are those of the per-layer scales alone."""
+    x = _x()
+    scaled = jdls.linen.layer_scales(Scanned(), jdls.AdaptiveScale(2.0**8))
+    both = jdls.linen.probes(scaled)
+    state = state_of(both, x)
+    assert sorted(state.sites["blocks"]) == ["dense", "layer_scale", "probe"]
+    assert sorted(state.sites["blocks"]["dense"]) == ["probe"]
+    new, loss, grads = maybe_jit(train_step, jit)(state, x)
+    alone = state_of(scaled, x)
+    _, ref_loss, ref = maybe_jit(train_step, jit)(alone, x)
+    assert loss == ref_loss
+    for a, b in zip(
+        jax.tree_util.tree_leaves(grads["params"]),
+        jax.tree_util.tree_leaves(ref["params"]),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(a, b)
+    t = jdls.Telemetry.of(grads["jdls"])
+    assert len(t.names) == 10 and np.asarray(t.uses).tolist() == [1.0] * 10
+    assert new.sites["blocks"]["layer_scale"].value["scale"].loss_scale.shape == (DEPTH,)
