@@ -121,25 +121,36 @@ class BlockScaling:
         check_role(role)
         return BlockState()
 
-    def block_shape(self, shape: tuple[int, ...], role: Role, axes: tuple[int, ...]):
+    def block_shape(
+        self, shape: tuple[int, ...], role: Role, axes: tuple[int, ...]
+    ) -> tuple[int, ...]:
         """The block of a tensor of ``shape`` in ``role`` whose ``axes`` a dot contracts.
 
         ``block`` values along the last contracted axis (a 1-D block; several contracted axes:
         along the last one), or for a weight (``"rhs"``) with a 2-D ``weight_block``, a tile of
         ``weight_block`` along the last contracted axis and the last other axis.
+
+        Example:
+          >>> import jdls
+          >>> jdls.fp8.deepseek().block_shape((256, 512), "rhs", (0,))
+          (128, 128)
+          >>> jdls.fp8.mx().block_shape((8, 64), "grad", (0,))  # dw contracts the tokens
+          (32, 1)
         """
         block = [1] * len(shape)
         if not shape:
             return tuple(block)
         along = axes[-1] if axes else len(shape) - 1
         wb = self.weight_block
-        if role == "rhs" and isinstance(wb, tuple):
+        if role != "rhs":
+            block[along] = self.block
+        elif isinstance(wb, tuple):
             block[along] = wb[0]
             others = [d for d in range(len(shape)) if d not in axes]
             if others:
                 block[others[-1]] = wb[1]
         else:
-            block[along] = wb if role == "rhs" else self.block  # type: ignore[assignment]
+            block[along] = wb
         return tuple(block)
 
     def quantize(
