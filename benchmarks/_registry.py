@@ -115,6 +115,13 @@ SUITES: dict[str, Suite] = {
             in_all=False,
         ),
         Suite(
+            "sites",
+            "benchmarks.bench_sites",
+            "suite",
+            "probes and per-layer scales on a scanned, rematerialised float16 transformer:"
+            " step and compile time against the plain step",
+        ),
+        Suite(
             "roofline",
             "benchmarks.bench_roofline",
             "suite",

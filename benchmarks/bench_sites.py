@@ -1,0 +1,207 @@
+"""Cost of probes and per-layer scales (sites) on a scanned, rematerialised linen transformer.
+
+The model is ``examples/scanned_transformer.py``'s ``CharLM``: byte embeddings, the blocks
+(pre-norm causal self-attention and an MLP) under ``nn.scan(nn.remat(Block))``, float16
+compute, float32 parameters, a float32-logit head; 12 layers of width 128, 16 sequences of 64
+bytes (``--quick``: 2 layers of width 32, 4 sequences of 16). Every case is the whole train
+step (``jdls.linen.TrainState``, ``adamw``), jitted with the state donated:
+
+* ``plain``: ``jdls.wrap(adamw)`` (the default scale), no sites: the baseline;
+* ``+ probes``: ``jdls.linen.probes(model)``, a probe after every submodule (in each block:
+  its layer norms, attention projections and dense layers, and the block), the step
+  returning their telemetry (target <= 1.05x);
+* ``+ per-layer scales``: ``jdls.linen.layer_scales(model, jdls.AdaptiveScale())`` (``embed``,
+  one per block, ``head``) and ``jdls.wrap(adamw, jdls.NoOpScale())`` (target <= 1.05x);
+* ``+ both``: ``jdls.linen.probes(jdls.linen.layer_scales(...))`` (target <= 1.05x).
+
+Step time: medians of interleaved rounds and the median of per-round ratios to ``plain``
+(``benchmarks/_harness.py``). Compile time: ``jax.jit(step).lower(...).compile()`` of a new
+function each round (tracing, lowering and XLA's compilation), the cases interleaved in
+shuffled order, medians and per-round ratios (target <= 1.2x); the time of XLA's compilation
+alone (``Lowered.compile``) is reported beside it. Run::
+
+    python -m benchmarks sites [--quick] [--rounds N]
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+
+import jdls
+from benchmarks import _harness as h
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "scanned_transformer.py"
+CASES = ("plain", "+ probes", "+ per-layer scales", "+ both")
+
+
+def example() -> Any:
+    """``examples/scanned_transformer.py`` as a module (the examples are not a package)."""
+    name = "jdls_example_scanned_transformer"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, EXAMPLE)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def build(case: str, config: dict[str, int]) -> tuple[Any, jax.Array]:
+    """The train state of ``case`` and a batch of bytes."""
+    ex = example()
+    net = ex.CharLM(config["dim"], config["heads"], config["layers"])
+    tx = jdls.wrap(optax.adamw(1e-3))
+    model: Any = net
+    if case in ("+ per-layer scales", "+ both"):
+        model = jdls.linen.layer_scales(net, jdls.AdaptiveScale())
+        tx = jdls.wrap(optax.adamw(1e-3), jdls.NoOpScale())
+    if case in ("+ probes", "+ both"):
+        model = jdls.linen.probes(model)
+    data = ex.load_text()
+    starts = np.random.default_rng(0).integers(
+        0, len(data) - config["context"] - 1, config["batch"]
+    )
+    batch = jax.numpy.asarray(np.stack([data[s : s + config["context"] + 1] for s in starts]))
+    variables = model.init(jax.random.key(0), batch[:, :-1])
+    state = jdls.linen.TrainState.create(
+        apply_fn=model.apply, params=variables["params"], sites=variables.get("jdls"), tx=tx
+    )
+    # the sites of one init share arrays (every layer's initial scale): a buffer each, so
+    # that the state can be donated
+    return jax.tree_util.tree_map(jax.numpy.copy, state), batch
+
+
+def step_fn(case: str) -> Callable[..., Any]:
+    """A new (not yet jitted) train step: loss, gradients, update; with probes, the telemetry."""
+
+    def step(state: Any, batch: jax.Array) -> tuple[Any, ...]:
+        def loss_fn(variables: Any) -> jax.Array:
+            logits = state.apply_fn(variables, batch[:, :-1])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+
+        if state.sites is None:  # no sites: the gradients of the parameters, as Flax's
+            loss, grads = state.value_and_grad(lambda p: loss_fn({"params": p}))(state.params)
+            return state.apply_gradients(grads=grads), loss
+        loss, grads = state.value_and_grad(loss_fn)(state.variables)
+        new = state.apply_gradients(grads=grads)
+        if case in ("+ probes", "+ both"):
+            return new, loss, jdls.Telemetry.of(grads["jdls"])
+        return new, loss
+
+    return step
+
+
+def compile_times(
+    cases: dict[str, tuple[Any, jax.Array]], rounds: int
+) -> dict[str, list[tuple[float, float]]]:
+    """Per case, ``rounds`` (trace + lower + compile, compile alone) seconds, interleaved."""
+    times: dict[str, list[tuple[float, float]]] = {c: [] for c in cases}
+    order = list(cases)
+    rng = random.Random(0)
+    for k in range(rounds):
+        rng.shuffle(order)
+        for case in order:
+            state, batch = cases[case]
+            start = time.perf_counter()
+            lowered = jax.jit(step_fn(case), donate_argnums=0).lower(state, batch)
+            lowered_at = time.perf_counter()
+            lowered.compile()
+            end = time.perf_counter()
+            times[case].append((end - start, end - lowered_at))
+        h.log(f"  compile round {k + 1}/{rounds}")
+    return times
+
+
+def _runner(case: str, state: Any, batch: jax.Array) -> h.Case:
+    jitted = jax.jit(step_fn(case), donate_argnums=0)
+    box = [state]
+
+    def run() -> None:
+        out = jitted(box[0], batch)
+        box[0] = out[0]
+        jax.block_until_ready(out)
+
+    h.settle(run, jitted)
+    return h.Case(case, run)
+
+
+def suite(quick: bool = False, rounds: int | None = None) -> list[h.Section]:
+    """Step and compile time of the four cases (see the module docstring)."""
+    config = (
+        {"layers": 2, "dim": 32, "heads": 2, "context": 16, "batch": 4}
+        if quick
+        else {"layers": 12, "dim": 128, "heads": 4, "context": 64, "batch": 16}
+    )
+    step_rounds = rounds or (3 if quick else 30)
+    compile_rounds = 1 if quick else max(3, step_rounds // 6)
+    built = {c: build(c, config) for c in CASES}
+
+    h.log(f"sites: compile time, {compile_rounds} rounds")
+    ctimes = compile_times(built, compile_rounds)
+    base = ctimes["plain"]
+    compile_rows = []
+    for case in CASES:
+        total = [t for t, _ in ctimes[case]]
+        xla = [c for _, c in ctimes[case]]
+        ratios = [a / b for a, (b, _) in zip(total, base, strict=True)]
+        compile_rows.append(
+            {
+                "label": case,
+                "rounds": len(total),
+                "compile_s": statistics.median(total),
+                "xla_compile_s": statistics.median(xla),
+                "ratio": statistics.median(ratios),
+                "ratio_min": min(ratios),
+                "ratio_max": max(ratios),
+                "times_s": total,
+                "target": None if case == "plain" else 1.2,
+            }
+        )
+
+    h.log(f"sites: step time, {step_rounds} rounds")
+    cases = [_runner(c, *built[c]) for c in CASES]
+    rows = h.time_cases(cases, rounds=step_rounds)
+    for row in rows:
+        row["target"] = None if row["label"] == "plain" else 1.05
+        if row["label"] != "plain":
+            row["meets_target"] = bool(row["ratio"] <= 1.05)
+    for row in compile_rows:
+        if row["label"] != "plain":
+            row["meets_target"] = bool(row["ratio"] <= 1.2)
+
+    sizes = ", ".join(f"{k} {v}" for k, v in config.items())
+    return [
+        h.Section(
+            "Step time: sites on nn.scan(nn.remat(Block)), float16",
+            f"{sizes}; whole train step (adamw), state donated; ratio = median of per-round "
+            "ratios to plain jdls.wrap; target <= 1.05x",
+            rows,
+            config=config,
+        ),
+        h.Section(
+            "Compile time: sites on nn.scan(nn.remat(Block)), float16",
+            f"{sizes}; trace + lower + compile of a new jitted step each round, cases "
+            "interleaved; XLA = Lowered.compile alone; target <= 1.2x",
+            compile_rows,
+            columns=(
+                ("label", "variant", ""),
+                ("compile_s", "median s", ".2f"),
+                ("xla_compile_s", "XLA s", ".2f"),
+                ("ratio", "ratio", ".3f"),
+                ("ratio_min", "min ratio", ".3f"),
+                ("ratio_max", "max ratio", ".3f"),
+            ),
+            config=config,
+        ),
+    ]
