@@ -52,3 +52,16 @@ def test_no_two_public_names_are_the_same_object() -> None:
             key = id(obj)
             assert key not in seen, f"{module.__name__}.{name} is also {seen[key]}"
             seen[key] = f"{module.__name__}.{name}"
+
+
+def test_no_module_imports_private_jax() -> None:
+    """jdls reads no private JAX API (``jax._src``): the sites carry their state as data."""
+    from pathlib import Path
+
+    root = Path(jdls.__file__).parent
+    found = [
+        str(f.relative_to(root))
+        for f in root.rglob("*.py")
+        if re.search(r"^\s*(from|import)\s+jax\._src", f.read_text(encoding="utf-8"), re.M)
+    ]
+    assert found == []
