@@ -296,9 +296,23 @@ def _count(jaxpr: object, name: str) -> int:
     n = 0
     for eqn in jaxpr.eqns:  # type: ignore[attr-defined]
         n += eqn.primitive.name == name
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        for sub in _sub_jaxprs(eqn.params):
             n += _count(sub, name)
     return n
+
+
+def _sub_jaxprs(params: dict) -> list:
+    """The jaxprs in an equation's parameters (``jax.extend.core.jaxprs_in_params`` where the
+    JAX release has it)."""
+    core = jax.extend.core
+    if hasattr(core, "jaxprs_in_params"):
+        return list(core.jaxprs_in_params(params))
+    values = [x for v in params.values() for x in (v if isinstance(v, tuple | list) else (v,))]
+    return [
+        x.jaxpr if isinstance(x, core.ClosedJaxpr) else x
+        for x in values
+        if isinstance(x, core.ClosedJaxpr | core.Jaxpr)
+    ]
 
 
 def test_one_backward_pass_has_the_matmuls_of_one_global_scale() -> None:
