@@ -10,6 +10,9 @@ step (``jdls.linen.TrainState``, ``adamw``), jitted with the state donated:
 * ``+ probes``: ``jdls.linen.probes(model)``, a probe after every submodule (in each block:
   its layer norms, attention projections and dense layers, and the block), the step
   returning their telemetry (target <= 1.05x);
+* ``+ a probe per layer``: a probe at each layer's output only (``embed``, each block,
+  ``head``), placed by hand with ``jdls.apply_site`` (:class:`LayerProbes`), to tell the cost
+  of a probe from the number of probes;
 * ``+ per-layer scales``: ``jdls.linen.layer_scales(model, jdls.AdaptiveScale())`` (``embed``,
   one per block, ``head``) and ``jdls.wrap(adamw, jdls.NoOpScale())`` (target <= 1.05x);
 * ``+ both``: ``jdls.linen.probes(jdls.linen.layer_scales(...))`` (target <= 1.05x).
@@ -34,6 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import flax.linen as nn
 import jax
 import numpy as np
 import optax
@@ -42,7 +46,34 @@ import jdls
 from benchmarks import _harness as h
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "scanned_transformer.py"
-CASES = ("plain", "+ probes", "+ per-layer scales", "+ both")
+CASES = ("plain", "+ probes", "+ a probe per layer", "+ per-layer scales", "+ both")
+PROBED = ("+ probes", "+ a probe per layer", "+ both")
+
+
+class LayerProbes(nn.Module):
+    """``net`` with a probe at each layer's output only (``embed``, each block, ``head``):
+    sites placed by hand with ``jdls.apply_site``, for comparison with ``jdls.linen.probes``,
+    which probes every submodule."""
+
+    net: nn.Module
+
+    def setup(self) -> None:
+        nn.share_scope(self, self.net)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        ex = example()
+        layers = (ex.Embed, ex.Block, ex.Head)
+
+        def interceptor(next_fun: Any, args: Any, kwargs: Any, context: Any) -> Any:
+            out = next_fun(*args, **kwargs)
+            module = context.module
+            if context.method_name != "__call__" or not isinstance(module, layers):
+                return out
+            site = module.variable("jdls", "probe", lambda: jdls.Site(jdls.Probe()))
+            return jdls.apply_site(out, site.value)
+
+        with nn.intercept_methods(interceptor):
+            return self.net(tokens)
 
 
 def example() -> Any:
@@ -68,6 +99,8 @@ def build(case: str, config: dict[str, int]) -> tuple[Any, jax.Array]:
         tx = jdls.wrap(optax.adamw(1e-3), jdls.NoOpScale())
     if case in ("+ probes", "+ both"):
         model = jdls.linen.probes(model)
+    if case == "+ a probe per layer":
+        model = LayerProbes(net)
     data = ex.load_text()
     starts = np.random.default_rng(0).integers(
         0, len(data) - config["context"] - 1, config["batch"]
@@ -95,7 +128,7 @@ def step_fn(case: str) -> Callable[..., Any]:
             return state.apply_gradients(grads=grads), loss
         loss, grads = state.value_and_grad(loss_fn)(state.variables)
         new = state.apply_gradients(grads=grads)
-        if case in ("+ probes", "+ both"):
+        if case in PROBED:
             return new, loss, jdls.Telemetry.of(grads["jdls"])
         return new, loss
 

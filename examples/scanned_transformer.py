@@ -23,7 +23,8 @@ The jdls pieces, and nothing else changes in the model:
 * ``jdls.Telemetry.of(grads["jdls"])`` reads the probes, ``jdls.plot_headroom`` draws each
   layer's headroom below float16's maximum over training.
 
-Run (about a minute on 2 CPU cores)::
+Run (300 steps: about two minutes on 2 busy CPU cores; 200 steps took 79 s at a load
+average of 9)::
 
     python examples/scanned_transformer.py
     python examples/scanned_transformer.py --steps 5 --layers 2 --out /tmp/jdls
@@ -230,7 +231,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print(f"{'layer':<11} {'loss scale':>10} {'headroom bits':>14} {'flushed':>8}")
     for name, s in rows:
         print(
-            f"{name:<11} {'2**' + str(int(np.log2(s))):>10} {headroom[name]:>14.1f} {flushed[name]:>8.2%}"
+            f"{name:<11} {f'2**{np.log2(s):g}':>10} {headroom[name]:>14.1f} {flushed[name]:>8.2%}"
         )
     if result["plot"] is not None:
         print(f"headroom per layer: {result['plot']}")

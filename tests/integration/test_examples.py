@@ -26,6 +26,7 @@ NAMES = [
     "zero_skip",
     "multitask",
     "equinox_cnn",
+    "scanned_transformer",
 ]
 #: Examples that need an optional library (in the ``test`` and ``examples`` extras).
 NEEDS = {"equinox_cnn": "equinox"}
@@ -66,6 +67,28 @@ def test_quickstart():
     assert result["skipped_steps"] == 0
     assert result["loss_scale"] == 2.0**11
     assert result["loss"] < 1.0
+
+
+@pytest.mark.full
+def test_scanned_transformer(tmp_path, capsys):
+    """A few steps of the scanned, rematerialised transformer (2 small layers): a loss scale
+    per layer, a row of telemetry per layer in forward order, the plot, the table."""
+    argv = ["--steps", "3", "--layers", "2", "--dim", "32", "--heads", "2", "--context", "16"]
+    argv += ["--batch-size", "4", "--quiet", "--out", str(tmp_path)]
+    result = load("scanned_transformer").main(argv)
+    assert result["skipped_steps"] == 0
+    assert len(result["losses"]) == 3 and np.all(np.isfinite(result["losses"]))
+    scales = result["scales"]
+    assert [s.shape for s in scales.values()] == [(1,), (2,), (1,)]
+    assert all(np.all(s > 1.0) for s in scales.values())  # grown from 1 to the headroom
+    for telemetry in result["history"]:
+        assert telemetry.names == ("embed", "blocks[0]", "blocks[1]", "head")
+        assert np.all(np.isfinite(telemetry.amax)) and np.all(telemetry.amax > 0)
+    assert result["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    text = capsys.readouterr().out
+    assert "skipped steps 0" in text
+    for name in ("loss scale", "headroom bits", "embed", "blocks[1]", "head"):
+        assert name in text
 
 
 @pytest.mark.full
