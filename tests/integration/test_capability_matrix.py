@@ -477,7 +477,7 @@ def _linen(cap, comp, dtype, leaves):
         return actual, reference, (params, _x())
 
     def probed(p, s, x, *statics):
-        return plain({"params": p, "jdls": _varying(s)}, x, *statics)
+        return plain({"params": p, "jdls": s}, x, *statics)
 
     return _framework_probes(probed, sites, has_aux, comp), None, (params, _x())
 
@@ -610,7 +610,7 @@ def _framework_probes(probed, sites, has_aux, comp):
         fn = jdls.StaticScale(PROBE_SCALE).value_and_grad(
             lambda q, s: probed(q, s, x, *statics), (0, 1), has_aux
         )
-        value, (grads, measured) = fn(p, sites)
+        value, (grads, measured) = fn(p, _varying(sites))  # per device under shard_map
         return value, grads, _probe_table(measured)
 
     return actual
