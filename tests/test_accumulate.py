@@ -88,6 +88,7 @@ def test_bad_micro_batch_drops_only_itself(jit):
 
 
 @with_and_without_jit
+@pytest.mark.full(keep=1)
 def test_dropping_equals_never_having_had_the_micro_batch(jit):
     """A model's loss: with a bad micro-batch dropped, ``accumulate`` gives bit for bit what it
     gives on the kept micro-batches alone, and the plain mean to float tolerance."""
@@ -226,6 +227,7 @@ def test_inside_a_scan_over_steps_with_wrap():
     assert float(jdls.get_scale(carry[1]).loss_scale) == float(jdls.get_scale(s_scan).loss_scale)
 
 
+@pytest.mark.full
 def test_multisteps_across_steps_skips_only_the_bad_micro_step():
     """``jdls.wrap(optax.MultiSteps(...))``: a bad micro-step is skipped and never enters the
     accumulator; the update is the mean of the finite micro-steps of the window."""

@@ -75,6 +75,7 @@ def test_settles_within_ten_steps_from_2_to_the_20_away(jit, direction):
     offset=st.integers(-20, 20),
     margin=st.integers(2, 12),
 )
+@pytest.mark.full
 def test_settles_from_any_start_on_a_stationary_distribution(log2_amax, offset, margin):
     amax = 2.0**log2_amax
     target = right_scale(amax, margin)
@@ -135,6 +136,7 @@ def _check_run(rule, start, seq, jit):
 @with_and_without_jit
 @SETTINGS
 @given(seq=steps, log2_start=st.integers(-126, 127))
+@pytest.mark.full(keep=1)
 def test_bounded_never_nan_zero_or_inf_and_backs_off(jit, seq, log2_start):
     _check_run(jdls.rules.Adaptive(), 2.0**log2_start, seq, jit)
 
@@ -146,6 +148,7 @@ def test_bounded_never_nan_zero_or_inf_and_backs_off(jit, seq, log2_start):
     width=st.integers(0, 60),
     dtype=st.sampled_from(["float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "cbfloat16"]),
 )
+@pytest.mark.full
 def test_bounds_and_formats(seq, lo, width, dtype):
     rule = jdls.rules.Adaptive(dtype, min_loss_scale=2.0**lo, max_loss_scale=2.0 ** (lo + width))
     _check_run(rule, 2.0**lo, seq, jit=True)
@@ -153,6 +156,7 @@ def test_bounds_and_formats(seq, lo, width, dtype):
 
 @SETTINGS
 @given(seq=steps, log2_start=st.integers(-126, 127))
+@pytest.mark.full
 def test_jit_and_eager_agree_bit_for_bit(seq, log2_start):
     def run(jit):
         scale = jdls.AdaptiveScale(2.0**log2_start)
@@ -414,6 +418,7 @@ def test_train_state_on_a_float16_model_reaches_the_scale_in_two_steps():
     assert int(state.stats.skipped_steps) == 0
 
 
+@pytest.mark.full
 def test_vmap_over_scales():
     scales = jax.vmap(lambda s: jdls.AdaptiveScale().replace(loss_scale=s))(jnp.array([1.0, 4.0]))
     out = jax.vmap(lambda s, a: s.adjust(True, a))(scales, jnp.array([1e-3, 1e-6]))

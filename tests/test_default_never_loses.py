@@ -78,6 +78,7 @@ CLIPS = {
 
 
 @pytest.mark.parametrize("clip", list(CLIPS))
+@pytest.mark.full(keep=1)
 def test_jdls_clip_in_front_skips_no_step_as_max_norm_does(clip):
     # Gradient norm about 1: clipped 1000x, the wrap would measure gradients 2**10 too small
     # and aim the scale 2**10 too high (8 and 15 of 20 steps skipped before the handoff).
@@ -90,6 +91,7 @@ def test_jdls_clip_in_front_skips_no_step_as_max_norm_does(clip):
     assert fused == 0 and used == fused_used  # the scales of wrap(max_norm=...)
 
 
+@pytest.mark.full
 def test_optax_clip_in_front_is_learned_after_one_run_of_overflows():
     # optax's clip hands nothing over: the first prediction overflows, the run of overflows
     # teaches the margin the factor, and no step overflows after it.

@@ -346,6 +346,7 @@ def stacked_loss(model: Stacked, x: jax.Array, y: jax.Array) -> jax.Array:
     return jnp.mean((model(x) - y) ** 2)
 
 
+@pytest.mark.full
 def test_a_scanned_checkpointed_stack_has_a_site_per_layer():
     """Per-layer scales (2**36 apart within the stack) and probes in an eqx.filter_vmap
     stack run by lax.scan of eqx.filter_checkpoint: the gradients are float32

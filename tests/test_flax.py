@@ -207,6 +207,7 @@ def bn_step_keep_if_skipped(state, x):
     [(BNTrainState, bn_step_apply_gradients), (PlainBNTrainState, bn_step_keep_if_skipped)],
     ids=["apply_gradients", "keep_if_skipped"],
 )
+@pytest.mark.full(keep=1)
 def test_batch_stats_are_kept_on_a_skipped_step(state_cls, step, jit):
     """A linen BatchNorm model: a skipped step leaves the running statistics bit for bit as
     they were (an inf batch would poison them for good); a finite step takes the new ones."""

@@ -346,6 +346,7 @@ def _dot64(a, b, dn):
 
 @pytest.mark.parametrize("rule", RULES)
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "e2m1"])
+@pytest.mark.full(keep=1)
 def test_mx_forward_equals_scaled_dot(rule, fmt):
     x, w = jnp.asarray(_lognormal((2, 16, 96), 1)), jnp.asarray(_lognormal((2, 96, 24), 2))
     dn = (((2,), (1,)), ((0,), (0,)))
@@ -363,6 +364,7 @@ def test_mx_forward_equals_scaled_dot(rule, fmt):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+@pytest.mark.full
 def test_deepseek_forward_equals_scaled_dot():
     x, w = jnp.asarray(_lognormal((32, 256), 3)), jnp.asarray(_lognormal((256, 256), 4))
     dn = (((1,), (0,)), ((), ()))
@@ -413,6 +415,7 @@ def test_gradients_equal_float32_dots_of_the_requantized_operands(recipe):
     np.testing.assert_allclose(np.asarray(dx), want64, rtol=1e-4, atol=1e-3)
 
 
+@pytest.mark.full
 def test_dot_not_jitted_equals_jitted():
     x, w = jnp.asarray(_lognormal((4, 64), 12)), jnp.asarray(_lognormal((64, 8), 13))
     g = jnp.asarray(_lognormal((4, 8), 14))
@@ -422,6 +425,7 @@ def test_dot_not_jitted_equals_jitted():
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+@pytest.mark.full
 def test_gradients_with_batch_and_several_free_axes():
     x = jnp.asarray(_lognormal((3, 4, 5, 64), 8))  # batch, two free axes, contraction
     w = jnp.asarray(_lognormal((3, 64, 6, 2), 9))  # batch, contraction, two free axes
@@ -487,6 +491,7 @@ def _dot32_f32(a, b, dn):
 
 @pytest.mark.full(keep=1)
 @pytest.mark.parametrize("recipe", [mx(), mx("e2m1", "down"), deepseek()])
+@pytest.mark.full
 def test_recipe_in_the_fp8_dot_gives_the_requantized_float32_dots(recipe):
     x, w = jnp.asarray(_lognormal((256, 256), 15)), jnp.asarray(_lognormal((256, 256), 16))
     g = jnp.asarray(_lognormal((256, 256), 17))
@@ -530,12 +535,14 @@ def test_recipe_measurement_reports_clipped_blocks_and_flushed_values():
     assert float(m_bad.amax) == np.inf
 
 
+@pytest.mark.full
 def test_recipe_scale_repeats_where_the_block_does_not_divide():
     q, _ = mx().quantize(jnp.ones((3, 40)), None, "lhs", (1,))
     assert q.scale.shape == (3, 40)  # 40 is not a multiple of 32: one scale per value
     np.testing.assert_array_equal(np.asarray(q.dequantize()), np.ones((3, 40)))
 
 
+@pytest.mark.full
 def test_a_model_switches_between_per_tensor_and_block_scaling_by_its_recipe():
     x = jnp.asarray(_lognormal((4, 64), 18))
 

@@ -40,6 +40,7 @@ def _mse(y, t):
 
 
 @pytest.mark.parametrize("op", ["direct", "nanoo"])
+@pytest.mark.full(keep=1)
 def test_dense_trains_bit_identically_to_flax_fp8_ops(op):
     """Ten SGD steps of a two-layer MLP: the parameters, FP8 scales and histories of
     jdls.fp8.linen.DotGeneral with the Flax preset equal Flax's own FP8 op's, bit for bit."""
@@ -78,6 +79,7 @@ def test_dense_trains_bit_identically_to_flax_fp8_ops(op):
             assert_bitwise_equal(getattr(site, role).history, history)
 
 
+@pytest.mark.full
 def test_einsum_equals_flax_fp8_einsum():
     x = jax.random.normal(jax.random.key(1), (2, 3, 8))
     w = jax.random.normal(jax.random.key(2), (8, 5))
@@ -138,6 +140,7 @@ class _Unrolled(nn.Module):
         return h
 
 
+@pytest.mark.full
 def test_scanned_rematerialised_stack_has_one_site_per_layer():
     """nn.scan(nn.remat(block)) gives each layer its own site, exactly as unrolled layers."""
     recipe = fp8.DelayedScaling(LENGTH)

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 
 import jdls
@@ -50,6 +51,7 @@ def test_nnx_optimizer_trains_and_updates_the_fp8_sites():
     assert len(rows) == 2
 
 
+@pytest.mark.full
 def test_nnx_skipped_step_keeps_the_history_and_waits():
     model = _Mlp(nnx.Rngs(0))
     optimizer = jdls.nnx.Optimizer(model, jdls.wrap(optax.sgd(0.1)), wrt=nnx.Param)

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
+import pytest
 from _helpers import assert_bitwise_equal
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -40,6 +41,7 @@ def _grads(model, variables, x, t):
     return jax.grad(functools.partial(_sum_loss, model))(variables, x, t)
 
 
+@pytest.mark.full
 def test_shard_map_reduces_every_amax_over_the_data_axis():
     """Per-device amaxes, reduced over the axis the site is replicated on, equal the whole
     batch's (no axis name given anywhere)."""

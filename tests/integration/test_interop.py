@@ -13,6 +13,7 @@ FLAGS_BEFORE = [True, True, False, True, True, True, False, True, True]
 FLAGS_AFTER = [True, True, True, False, True, True, True, True, False, True]
 
 
+@pytest.mark.full
 def test_pytorch_state_dict_round_trip_with_real_gradscaler():
     torch = pytest.importorskip("torch")
     kwargs = dict(init_scale=1024.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=3)

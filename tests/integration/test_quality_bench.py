@@ -39,7 +39,7 @@ def test_the_tasks_are_named_and_explained():
 
 
 @pytest.mark.parametrize("name", ["tiny weight", "cnn"])
-@pytest.mark.full(keep=1)
+@pytest.mark.full
 def test_a_run_reports_every_metric(name):
     task = short(name)
     r = q.train(task, q.rules()["AdaptiveScale"], seeds=2)

@@ -284,6 +284,7 @@ def layered_logits(p, x, dtype, sites=None):
 
 
 @pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.full
 def test_explicit_mesh_per_layer_and_per_loss_gradients_keep_their_shardings(jit):
     mesh = explicit_mesh()
     with jax.set_mesh(mesh):
@@ -371,7 +372,7 @@ def retried_run(mesh, jit):
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto], ids=["explicit", "auto"])
-@pytest.mark.full(keep=1)
+@pytest.mark.full
 def test_retrying_and_accumulate_with_a_sharded_parameter_match_the_unsharded_step(axis_type, jit):
     expected_retried, expected_acc = retried_run(None, jit)
     mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(axis_type,) * 2)

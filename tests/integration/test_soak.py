@@ -243,7 +243,7 @@ def _report(figures: dict[str, Any], record_property: Any) -> None:
 
 
 @pytest.mark.parametrize("name", CONFIGS)
-@pytest.mark.full(keep=1)
+@pytest.mark.full
 def test_soak_ci(name, record_property):
     figures = soak(name, CI_STEPS, seed=CONFIGS.index(name))
     # The schedule of faults reaches both ends of the scale's range.
