@@ -223,6 +223,7 @@ def test_train_state_with_sites_says_what_to_pass() -> None:
         state.apply_gradients(grads=state.params)
 
 
+@pytest.mark.full(keep=1)  # about 10 s each on 2 cores: the eager case in the quick run
 @with_and_without_jit
 def test_probes_of_a_model_with_layer_scales_have_both_sites(jit: bool) -> None:
     """jdls.linen.probes(jdls.linen.layer_scales(model, scale)): one wrapper, a per-layer
