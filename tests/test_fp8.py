@@ -70,6 +70,7 @@ def _inputs(step, dtype):
 @pytest.mark.parametrize("op", ["direct", "qdq", "nanoo"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @with_and_without_jit
+@pytest.mark.full(keep=1)
 def test_flax_preset_is_bit_identical_to_flax(op, dtype, jit):
     """Outputs, gradients, scales and histories equal Flax's fp8_ops bit for bit, step by step."""
     length = 4
@@ -228,7 +229,7 @@ def test_a_tiny_amax_keeps_the_previous_scale():
     "formats", ["hybrid", "e4m3", "fnuz", "e4m3fnuz", fp8.Formats(jdls.FloatFormat(4, 3), "e5m2")]
 )
 @with_and_without_jit
-@pytest.mark.full(keep=1)
+@pytest.mark.full
 def test_dot_equals_the_float32_dot_of_the_quantized_values(formats, jit):
     """With power-of-two scales the FP8 dot and its gradients are exactly the float32 dots of
     the dequantized values (general dimension numbers: batch and two contracted axes)."""

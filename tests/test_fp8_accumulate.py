@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from _helpers import assert_bitwise_equal
 
 import jdls
@@ -30,6 +31,7 @@ def _variables():
     return {"w": jnp.ones((8, 2)) * 0.1, "site": fp8.init(fp8.DelayedScaling(4))}
 
 
+@pytest.mark.full
 def test_accumulate_takes_the_maximum_of_the_micro_batches_measurements():
     variables, batches = _variables(), _micro_batches()
     _, grads, info = jdls.accumulate(_loss, jdls.StaticScale(1.0), variables, batches)

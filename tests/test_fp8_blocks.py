@@ -264,6 +264,7 @@ def test_other_mx_formats_quantize_matches_reference(rule, fmt):
     _check_quantize(random_blocks(1 << 14, 32, 11), rule, fmt)
 
 
+@pytest.mark.full
 def test_quantize_not_jitted_equals_jitted():
     x = random_blocks(256, 32, 5)
     a = quantize_blocks(jnp.asarray(x), (1, 32), "e4m3", "down")
@@ -274,6 +275,7 @@ def test_quantize_not_jitted_equals_jitted():
     )
 
 
+@pytest.mark.full
 def test_blocks_in_two_dimensions_and_padding():
     rng = np.random.default_rng(0)
     x = rng.standard_normal((200, 130)).astype(np.float32) * np.exp(
@@ -298,6 +300,7 @@ def test_a_non_finite_value_makes_its_block_nan_and_only_its_block():
     assert np.isnan(deq[1, 2:]).all() and np.isfinite(deq[1, :2]).all()
 
 
+@pytest.mark.full
 def test_block_stats_counts_clipped_flushed_and_nonfinite_blocks():
     x = jnp.array([[449.0, 1.0, 1.0, 1.0, 2.0**-20, 1.0, jnp.nan, 1.0]])
     down = {k: float(v) for k, v in block_stats(x, (1, 2), "e4m3", "down").items()}
@@ -346,7 +349,7 @@ def _dot64(a, b, dn):
 
 @pytest.mark.parametrize("rule", RULES)
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "e2m1"])
-@pytest.mark.full(keep=1)
+@pytest.mark.full
 def test_mx_forward_equals_scaled_dot(rule, fmt):
     x, w = jnp.asarray(_lognormal((2, 16, 96), 1)), jnp.asarray(_lognormal((2, 96, 24), 2))
     dn = (((2,), (1,)), ((0,), (0,)))
@@ -396,6 +399,7 @@ def _value_and_vjp(x, w, g, dn, recipe):
 
 @pytest.mark.full(keep=1)
 @pytest.mark.parametrize("recipe", [deepseek(), mx(), mx("e4m3", "down", backward="e5m2")])
+@pytest.mark.full
 def test_gradients_equal_float32_dots_of_the_requantized_operands(recipe):
     x, w = jnp.asarray(_lognormal((256, 384), 5)), jnp.asarray(_lognormal((384, 256), 6))
     g = jnp.asarray(_lognormal((256, 256), 7))

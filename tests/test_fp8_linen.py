@@ -40,7 +40,7 @@ def _mse(y, t):
 
 
 @pytest.mark.parametrize("op", ["direct", "nanoo"])
-@pytest.mark.full(keep=1)
+@pytest.mark.full
 def test_dense_trains_bit_identically_to_flax_fp8_ops(op):
     """Ten SGD steps of a two-layer MLP: the parameters, FP8 scales and histories of
     jdls.fp8.linen.DotGeneral with the Flax preset equal Flax's own FP8 op's, bit for bit."""

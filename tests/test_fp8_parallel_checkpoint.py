@@ -68,6 +68,7 @@ def test_shard_map_reduces_every_amax_over_the_data_axis():
     )
 
 
+@pytest.mark.full
 def test_jit_with_a_sharded_batch_measures_the_global_amax():
     mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
     model = _Mlp()
@@ -84,6 +85,7 @@ def test_jit_with_a_sharded_batch_measures_the_global_amax():
         assert_bitwise_equal(a.grad.amax, b.grad.amax)
 
 
+@pytest.mark.full
 def test_checkpoint_resume_continues_bit_for_bit(tmp_path):
     model = _Mlp()
     tx = jdls.wrap(optax.adam(1e-2))

@@ -88,7 +88,7 @@ def train_step(state, x):
 
 @pytest.mark.parametrize("remat", [True, False], ids=["nn.remat", "plain"])
 @with_and_without_jit
-@pytest.mark.full(keep=1)
+@pytest.mark.full
 def test_probes_in_a_scanned_stack_give_a_row_per_layer(remat: bool, jit: bool) -> None:
     x = _x()
     state = state_of(jdls.linen.probes(Scanned(remat=remat)), x, jdls.StaticScale(2.0**8))
@@ -123,7 +123,7 @@ def test_probes_in_a_scanned_stack_give_a_row_per_layer(remat: bool, jit: bool) 
 
 
 @with_and_without_jit
-@pytest.mark.full(keep=1)
+@pytest.mark.full
 def test_layer_scales_in_a_scanned_remat_stack_are_exact(jit: bool) -> None:
     """float32, a scale per layer (the scanned stack's layers each their own): the gradients
     are jax.grad's, and each site is adjusted from its own layer's gradients."""

@@ -73,6 +73,7 @@ def loss_fn(model, x, unrolled=False):
     return jnp.mean(model(x, unrolled) ** 2)
 
 
+@pytest.mark.full
 def test_probes_in_a_vmapped_stack_run_by_scan_and_remat_give_a_row_per_layer() -> None:
     model = jdls.nnx.probes(Model(nnx.Rngs(0), probes=True))
     x = _x()
@@ -114,6 +115,7 @@ def test_the_optimizer_updates_the_sites_and_not_the_parameters_with_them() -> N
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "nnx.jit"])
+@pytest.mark.full
 def test_per_layer_scales_in_a_vmapped_scanned_remat_stack_are_exact(jit: bool) -> None:
     """float32, the stack's layers each at their own scale: the gradients are nnx.grad's,
     and jdls.nnx.Optimizer adjusts each layer's scale from its own gradients."""
