@@ -38,9 +38,16 @@ from jdls._stats import (
     replace_scale,
     snapshot,
     stats,
+    step_applied,
 )
 
 __all__ = ["TrainState", "from_flax_train_state", "nnx_value_and_grad", "set_nnx_scale"]
+
+
+def _same_structure(a: Any, b: Any) -> bool:
+    """Whether two pytrees have one structure."""
+    same: bool = jax.tree.structure(a) == jax.tree.structure(b)  # type: ignore[operator]
+    return same
 
 
 class TrainState(train_state.TrainState):
@@ -105,6 +112,8 @@ class TrainState(train_state.TrainState):
         :meth:`value_and_grad` returns): ``grads["params"]`` go to the optimizer, and every
         site is updated by its kind from its measurement ``grads["jdls"]``, knowing whether
         the step was taken (never given to the optimizer, never clipped or decayed).
+        Without sites, ``grads`` is either the parameters' gradients or shaped like
+        :attr:`variables`, ``{"params": ...}``.
 
         ``step`` still counts every call, as in Flax.
         """
@@ -117,10 +126,16 @@ class TrainState(train_state.TrainState):
                     "state.value_and_grad(loss_fn)(state.variables) returns them"
                 )
             grads, measured = grads["params"], grads[SITES]
+        elif (
+            isinstance(grads, Mapping)
+            and set(grads) == {"params"}
+            and _same_structure(grads["params"], self.params)
+        ):
+            grads = grads["params"]  # the gradients of state.variables, {"params": ...}
         new = super().apply_gradients(grads=grads, **kwargs)
         kept = {k: keep_if_skipped(new.opt_state, v, getattr(self, k)) for k, v in kwargs.items()}
         if measured is not None:
-            kept["sites"] = update_sites(self.sites, measured, stats(new.opt_state).finite)
+            kept["sites"] = update_sites(self.sites, measured, step_applied(new.opt_state))
         return new.replace(**kept) if kept else new
 
     @property

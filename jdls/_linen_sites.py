@@ -18,6 +18,8 @@ from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
+import jax
+import jax.numpy as jnp
 
 from jdls._layer_scales import layer_site
 from jdls._probe import Probe
@@ -55,12 +57,20 @@ class _Sites(nn.Module):
             path = tuple(str(p) for p in module.scope.path)
             path = path[1:] if path[:1] == ("jdls_wrapped",) else path
             for name, site in self.make(path, seen.setdefault(path, len(seen))):
-                variable = module.variable(SITES, name, lambda site=site: site)
-                out = apply_site(out, variable.value)
+                # the module's scope, not module.variable: a module without @compact (nn.Embed,
+                # setup-style modules) may not make variables in its __call__
+                value = module.scope.variable(SITES, name, _fresh, site).value
+                out = apply_site(out, value)
             return out
 
         with nn.intercept_methods(interceptor):
             return self.jdls_wrapped(*args, **kwargs)
+
+
+def _fresh(site: Site) -> Site:
+    """``site`` with its arrays copied: every site's initial value its own buffer (sites made
+    from one scale would otherwise share arrays, which a donating ``jax.jit`` refuses)."""
+    return jax.tree.map(lambda x: jnp.array(x, copy=True), site)
 
 
 def _with_sites(model: nn.Module, make: Callable[..., Any]) -> nn.Module:

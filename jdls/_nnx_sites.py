@@ -23,7 +23,7 @@ from jdls._layer_scales import layer_site, scale_layers
 from jdls._probe import Probe
 from jdls._scale import LossScale, check_scale
 from jdls._site import Site, apply_site, update_sites
-from jdls._stats import stats
+from jdls._stats import step_applied
 
 __all__ = [
     "Optimizer",
@@ -194,7 +194,7 @@ class Optimizer(nnx.Optimizer):  # type: ignore[type-arg]
         measured = nnx.state(grads, SiteVariable)
         if len(measured):
             sites = nnx.state(model, SiteVariable)
-            finite = stats(self.opt_state).finite  # stats reads the Variables' values
+            finite = step_applied(self.opt_state)  # reads the Variables' values
             nnx.update(model, update_sites(sites, measured, finite))
         return updates
 

@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from jdls._scale import LossScale, check_scale
 
@@ -26,6 +27,7 @@ __all__ = [
     "set_scale",
     "snapshot",
     "stats",
+    "step_applied",
 ]
 
 
@@ -282,3 +284,40 @@ def nonfinite_paths(opt_state: Any) -> list[str]:
 def the_wrap_state(opt_state: Any, what: str) -> WrapState:
     """The one :class:`WrapState` in ``opt_state`` (``what`` names the caller in errors)."""
     return _the_wrap_state(opt_state, what)
+
+
+def step_applied(opt_state: Any) -> jax.Array:
+    """Whether the last ``tx.update`` of a ``jdls.wrap`` changed the parameters: its step was
+    finite and every ``optax.MultiStepsState`` in ``opt_state`` (``optax.MultiSteps`` inside
+    or around the wrap) completed an accumulated step. Without ``MultiSteps`` it equals
+    ``stats(opt_state).finite``.
+
+    ``jdls.wrap``, ``jdls.linen.TrainState``, ``jdls.nnx.Optimizer`` and the Equinox step pass
+    it as ``finite`` to ``jdls.update_sites``; pass it yourself when a hand-written step updates
+    sites: a site's measurements of the micro-batches of one accumulated step then count once
+    (FP8: their maximum enters the history when the step is applied).
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jdls
+      >>> tx = jdls.wrap(optax.MultiSteps(optax.sgd(0.1), every_k_schedule=2))
+      >>> params = jnp.ones(2)
+      >>> opt_state = tx.init(params)
+      >>> _, opt_state = tx.update(jnp.ones(2), opt_state, params)
+      >>> bool(jdls.fp8.step_applied(opt_state))
+      False
+      >>> _, opt_state = tx.update(jnp.ones(2), opt_state, params)
+      >>> bool(jdls.fp8.step_applied(opt_state))
+      True
+    """
+    applied = jnp.asarray(stats(opt_state).finite, bool)
+
+    def is_multi(x: Any) -> bool:
+        return isinstance(x, optax.MultiStepsState)
+
+    for leaf in jax.tree.leaves(opt_state, is_leaf=is_multi):
+        if is_multi(leaf):
+            mini_step = leaf.mini_step
+            if hasattr(mini_step, "get_value"):  # an nnx.Optimizer's state holds Variables
+                mini_step = mini_step.get_value()
+            applied = applied & (jnp.asarray(mini_step) == 0)
+    return applied

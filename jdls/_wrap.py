@@ -41,7 +41,7 @@ from jdls._retry import classify, first_attempt
 from jdls._scale import AdaptiveScale, DynamicScale, LossScale, check_scale
 from jdls._site import sites_apart
 from jdls._skip import cond_branches, keep_dtypes, select
-from jdls._stats import Stats, WrapState
+from jdls._stats import Stats, WrapState, step_applied
 
 __all__ = ["wrap"]
 
@@ -267,8 +267,9 @@ def wrap(
         return new_updates, WrapState(_adjust(step.scale, finite, n), inner_state, stats)
 
     # Sites among the parameters (per-layer scales, probes, FP8 state): never given to the
-    # inner optimizer, never clipped or in the norm; each updated by its kind, skip-aware.
-    init, update = sites_apart(init_fn, update_fn, lambda state: state.stats.finite)
+    # inner optimizer, never clipped or in the norm; each updated by its kind, skip-aware
+    # (with optax.MultiSteps inside: once per applied step, not per micro-batch).
+    init, update = sites_apart(init_fn, update_fn, step_applied)
     return optax.GradientTransformationExtraArgs(init, update)
 
 

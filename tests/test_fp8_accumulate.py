@@ -86,3 +86,68 @@ def test_a_skipped_step_carries_its_finite_measurements_to_the_next():
     site = jdls.update_sites(site, grads_of(x * 0.5, jnp.ones((2, 2))), True)
     assert site.value.lhs.history.tolist() == [5.0, 0.0, 0.0, 0.0]
     assert site.value.grad.history.tolist() == [1.0, 0.0, 0.0, 0.0]
+
+
+def _four_micro_batches():
+    k = jax.random.split(jax.random.key(1), 2)
+    scales = jnp.array([1.0, 30.0, 7.0, 2.0])  # steps: max of (1, 30), max of (7, 2)
+    x = jax.random.normal(k[0], (4, 4, 8)) * scales[:, None, None]
+    return {"x": x, "t": jax.random.normal(k[1], (4, 4, 2))}
+
+
+def _expected_history(batches):
+    amax = [float(jnp.max(jnp.abs(batches["x"][i]))) for i in range(4)]
+    return sorted([max(amax[0], amax[1]), max(amax[2], amax[3])])
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_train_state_with_multisteps_records_one_amax_per_applied_step(jit):
+    """jdls.linen.TrainState with jdls.wrap(optax.MultiSteps(..., 2)): the site is updated with
+    "the step was applied", so each applied step enters the history once, as the maximum of
+    its micro-batches."""
+    batches = _four_micro_batches()
+    tx = jdls.wrap(optax.MultiSteps(optax.sgd(0.1), every_k_schedule=2), jdls.StaticScale(1.0))
+    state = jdls.linen.TrainState.create(
+        apply_fn=None,
+        params={"w": jnp.ones((8, 2)) * 0.1},
+        tx=tx,
+        sites={"site": fp8.init(fp8.DelayedScaling(4))},
+    )
+
+    def loss_fn(variables, batch):
+        return _loss({"w": variables["params"]["w"], "site": variables["jdls"]["site"]}, batch)
+
+    def step(state, batch):
+        _, grads = state.value_and_grad(loss_fn)(state.variables, batch)
+        return state.apply_gradients(grads=grads)
+
+    step = jax.jit(step) if jit else step
+    histories = []
+    for i in range(4):
+        state = step(state, jax.tree.map(lambda b, i=i: b[i], batches))
+        histories.append(state.sites["site"].value.lhs.history)
+    recorded = [np.count_nonzero(np.asarray(h)) for h in histories]
+    assert recorded == [0, 1, 1, 2]  # one entry per applied step, none per micro-batch
+    history = np.asarray(histories[-1])
+    assert sorted(history[history != 0].tolist()) == _expected_history(batches)
+
+
+def test_wrap_with_multisteps_updates_sites_in_params_once_per_applied_step():
+    """The site among the parameters given to jdls.wrap(optax.MultiSteps(...)) (the Equinox
+    path): the wrap updates it with "the step was applied"."""
+    from jdls._site import put_site_updates
+
+    batches = _four_micro_batches()
+    tx = jdls.wrap(optax.MultiSteps(optax.sgd(0.1), every_k_schedule=2), jdls.StaticScale(1.0))
+    params = _variables()
+    opt_state = tx.init(params)
+    counts = []
+    for i in range(4):
+        grads = jax.grad(_loss)(params, jax.tree.map(lambda b, i=i: b[i], batches))
+        updates, opt_state = tx.update(grads, opt_state, params)
+        assert bool(jdls.fp8.step_applied(opt_state)) == (i % 2 == 1)
+        params = put_site_updates(params, updates)
+        counts.append(np.count_nonzero(np.asarray(params["site"].value.lhs.history)))
+    assert counts == [0, 1, 1, 2]
+    history = np.asarray(params["site"].value.lhs.history)
+    assert sorted(history[history != 0].tolist()) == _expected_history(batches)

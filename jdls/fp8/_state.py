@@ -18,11 +18,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import struct
 
 from jdls._site import Site, SiteKind, is_site
-from jdls._stats import stats
+from jdls._stats import step_applied
 from jdls.fp8._recipe import ROLES, Measurement, Recipe
 
 __all__ = ["DotState", "Fp8", "Meter", "init", "step_applied", "telemetry"]
@@ -130,37 +129,6 @@ def init(recipe: Recipe) -> Site:
       ((8,), 1.0)
     """
     return Site(Fp8(recipe))
-
-
-def step_applied(opt_state: Any) -> jax.Array:
-    """Whether the last ``tx.update`` of a ``jdls.wrap`` changed the parameters: its step was
-    finite and, with ``optax.MultiSteps`` inside the wrap, completed an accumulated step.
-
-    Pass it as ``finite`` to ``jdls.update_sites`` when the micro-batches go through
-    ``jdls.wrap(optax.MultiSteps(...))`` one call at a time: the FP8 measurements of the
-    micro-batches then wait until the step is applied and enter the history as their maximum.
-
-    Example:
-      >>> import jax.numpy as jnp, optax, jdls
-      >>> tx = jdls.wrap(optax.MultiSteps(optax.sgd(0.1), every_k_schedule=2))
-      >>> params = jnp.ones(2)
-      >>> opt_state = tx.init(params)
-      >>> _, opt_state = tx.update(jnp.ones(2), opt_state, params)
-      >>> bool(jdls.fp8.step_applied(opt_state))
-      False
-      >>> _, opt_state = tx.update(jnp.ones(2), opt_state, params)
-      >>> bool(jdls.fp8.step_applied(opt_state))
-      True
-    """
-    applied = jnp.asarray(stats(opt_state).finite, bool)
-
-    def is_multi(x: Any) -> bool:
-        return isinstance(x, optax.MultiStepsState)
-
-    for leaf in jax.tree.leaves(opt_state, is_leaf=is_multi):
-        if is_multi(leaf):
-            applied = applied & (leaf.mini_step == 0)
-    return applied
 
 
 def _is_fp8(x: Any) -> bool:
