@@ -73,3 +73,25 @@ def test_nnx_einsum_op_is_one_fp8_dot():
         + layer.bias[...]
     )
     np.testing.assert_array_equal(layer(x), expected)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_nnx_optimizer_with_multisteps_records_one_amax_per_applied_step(jit):
+    """jdls.nnx.Optimizer with jdls.wrap(optax.MultiSteps(..., 2)): the FP8 sites are updated
+    with "the step was applied", one history entry per applied step (the micro-batches'
+    maximum)."""
+    model = _Mlp(nnx.Rngs(0))
+    tx = jdls.wrap(optax.MultiSteps(optax.sgd(0.1), every_k_schedule=2), jdls.StaticScale(1.0))
+    optimizer = jdls.nnx.Optimizer(model, tx, wrt=nnx.Param)
+    scales = [1.0, 30.0, 7.0, 2.0]
+    xs = [jax.random.normal(jax.random.key(i), (4, 8)) * s for i, s in enumerate(scales)]
+    step = nnx.jit(_step) if jit else _step
+    counts = []
+    for x in xs:
+        step(model, optimizer, x, jnp.zeros((4, 2)))
+        history = np.asarray(model.a.dot_general.site.get_value().value.lhs.history)
+        counts.append(int(np.count_nonzero(history)))
+    assert counts == [0, 1, 1, 2]
+    amax = [float(jnp.max(jnp.abs(x))) for x in xs]
+    expected = sorted([max(amax[0], amax[1]), max(amax[2], amax[3])])
+    assert sorted(history[history != 0].tolist()) == expected
