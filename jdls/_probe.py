@@ -41,22 +41,51 @@ def _flushed(x: jax.Array, compute_dtype: Any) -> jax.Array:
     return (x != 0) & (rounded == 0)
 
 
+_COUNT_LIMIT = 2**31 - 1  # int32 counts are exact up to here
+
+
+def _counted(g: jax.Array, compute_dtype: Any) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Largest magnitude, nonzero, flushed and non-finite values of ``g`` in one pass."""
+    codes = [g != 0, ~jnp.isfinite(g)]
+    same = not isinstance(compute_dtype, FloatFormat) and g.dtype == jnp.dtype(compute_dtype)
+    if not same:  # already in the compute format: nothing flushes
+        codes.append(_flushed(g, compute_dtype))
+    if g.size > _COUNT_LIMIT:  # too many for int32: float32 sums, one per count
+        big = jnp.max(jnp.abs(g))
+        sums = [jnp.sum(c, dtype=_F32) for c in codes]
+    else:
+        n = len(codes) + 1
+        big, *sums = jax.lax.reduce(
+            (jnp.abs(g), *(c.astype(jnp.int32) for c in codes)),
+            (jnp.zeros((), g.dtype), *(jnp.zeros((), jnp.int32),) * (n - 1)),
+            lambda p, q: (jnp.maximum(p[0], q[0]), *(p[i] + q[i] for i in range(1, n))),
+            tuple(range(g.ndim)),
+        )
+    lost = sums[2] if len(sums) > 2 else jnp.zeros((), jnp.int32)
+    return big, sums[0], lost, sums[1]
+
+
 def statistics(leaves: Sequence[jax.Array], compute_dtype: Any) -> jax.Array:
-    """The probe's measurement of the cotangents ``leaves``: float32 ``FIELDS``."""
+    """The probe's measurement of the cotangents ``leaves``: float32 ``FIELDS``.
+
+    Each leaf is read once, in its own format: its largest magnitude and its three counts
+    (nonzero, flushed, non-finite) come out of one variadic reduction, the counts in int32
+    (exact below 2**31 values). The non-finite count is its own sum, not read off the
+    maximum: XLA's max may drop a NaN (on CPU it does in large arrays).
+    """
     amax, count, nonzero, flushed, nonfinite = (jnp.zeros((), _F32) for _ in range(5))
     for g in leaves:
-        c = jnp.asarray(g).astype(_F32)
-        if c.size:
-            amax = jnp.maximum(amax, jnp.max(jnp.abs(c)))
-        count = count + c.size
-        nonzero = nonzero + jnp.sum(c != 0, dtype=_F32)
-        # its own reduction: XLA's max may drop a NaN (on CPU it does in large arrays)
-        nonfinite = nonfinite + jnp.sum(~jnp.isfinite(c), dtype=_F32)
-        same = not isinstance(compute_dtype, FloatFormat) and jnp.dtype(g.dtype) == jnp.dtype(
-            compute_dtype
-        )
-        if not same:  # already in the compute format: nothing flushes
-            flushed = flushed + jnp.sum(_flushed(c, compute_dtype), dtype=_F32)
+        g = jnp.asarray(g)
+        if g.dtype not in (jnp.float16, jnp.bfloat16, jnp.float32):
+            g = g.astype(_F32)
+        count = count + g.size
+        if not g.size:
+            continue
+        big, nz, lost, bad = _counted(g, compute_dtype)
+        amax = jnp.maximum(amax, big.astype(_F32))
+        nonzero = nonzero + nz.astype(_F32)
+        flushed = flushed + lost.astype(_F32)
+        nonfinite = nonfinite + bad.astype(_F32)
     return jnp.stack([amax, count, nonzero, flushed, nonfinite, jnp.ones((), _F32)])
 
 
