@@ -45,32 +45,33 @@ _COUNT_LIMIT = 2**31 - 1  # int32 counts are exact up to here
 
 
 def _counted(g: jax.Array, compute_dtype: Any) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """Largest magnitude, nonzero, flushed and non-finite values of ``g`` in one pass."""
+    """Largest magnitude of ``g`` (one max) and its nonzero, flushed and non-finite values
+    (one variadic int32 sum)."""
+    big = jnp.max(jnp.abs(g))
     codes = [g != 0, ~jnp.isfinite(g)]
     same = not isinstance(compute_dtype, FloatFormat) and g.dtype == jnp.dtype(compute_dtype)
     if not same:  # already in the compute format: nothing flushes
         codes.append(_flushed(g, compute_dtype))
+    n = len(codes)
     if g.size > _COUNT_LIMIT:  # too many for int32: float32 sums, one per count
-        big = jnp.max(jnp.abs(g))
         sums = [jnp.sum(c, dtype=_F32) for c in codes]
     else:
-        n = len(codes) + 1
-        big, *sums = jax.lax.reduce(
-            (jnp.abs(g), *(c.astype(jnp.int32) for c in codes)),
-            (jnp.zeros((), g.dtype), *(jnp.zeros((), jnp.int32),) * (n - 1)),
-            lambda p, q: (jnp.maximum(p[0], q[0]), *(p[i] + q[i] for i in range(1, n))),
+        sums = jax.lax.reduce(
+            tuple(c.astype(jnp.int32) for c in codes),
+            (jnp.zeros((), jnp.int32),) * n,
+            lambda p, q: tuple(p[i] + q[i] for i in range(n)),
             tuple(range(g.ndim)),
         )
-    lost = sums[2] if len(sums) > 2 else jnp.zeros((), jnp.int32)
+    lost = sums[2] if n > 2 else jnp.zeros((), jnp.int32)
     return big, sums[0], lost, sums[1]
 
 
 def statistics(leaves: Sequence[jax.Array], compute_dtype: Any) -> jax.Array:
     """The probe's measurement of the cotangents ``leaves``: float32 ``FIELDS``.
 
-    Each leaf is read once, in its own format: its largest magnitude and its three counts
-    (nonzero, flushed, non-finite) come out of one variadic reduction, the counts in int32
-    (exact below 2**31 values). The non-finite count is its own sum, not read off the
+    Each leaf is read in its own format (no float32 copy): its largest magnitude is one max,
+    its three counts (nonzero, flushed, non-finite) one variadic reduction in int32 (exact
+    below 2**31 values). The non-finite count is its own sum, not read off the
     maximum: XLA's max may drop a NaN (on CPU it does in large arrays).
     """
     amax, count, nonzero, flushed, nonfinite = (jnp.zeros((), _F32) for _ in range(5))
