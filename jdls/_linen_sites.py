@@ -14,14 +14,14 @@ state outside it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jdls._layer_scales import layer_site
+from jdls._layer_scales import LayerScale, layer_site
 from jdls._probe import Probe
 from jdls._scale import LossScale, check_scale
 from jdls._site import Site, apply_site
@@ -39,14 +39,14 @@ class _Sites(nn.Module):
     """``model`` with its module outputs passed through sites (see the module docstring)."""
 
     jdls_wrapped: nn.Module
-    make: Callable[..., Any]  # (module path, first-seen index) -> [(variable name, Site)]
+    make: Callable[[tuple[str, ...]], list[tuple[str, Site]]]  # module path -> its sites
+    # the per-layer scale at forward position k (the found site gives the stack shape)
+    place: Callable[[int, Site], Site] | None = None
 
     def setup(self) -> None:
         nn.share_scope(self, self.jdls_wrapped)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        seen: dict[tuple[str, ...], int] = {}  # forward order of the layers, this trace
-
         def interceptor(next_fun: Callable[..., Any], a: Any, kw: Any, context: Any) -> Any:
             out = next_fun(*a, **kw)
             module = context.module
@@ -56,15 +56,36 @@ class _Sites(nn.Module):
             # submodules made in the model's setup see the wrapper's field name first
             path = tuple(str(p) for p in module.scope.path)
             path = path[1:] if path[:1] == ("jdls_wrapped",) else path
-            for name, site in self.make(path, seen.setdefault(path, len(seen))):
+            for name, site in self.make(path):
                 # the module's scope, not module.variable: a module without @compact (nn.Embed,
                 # setup-style modules) may not make variables in its __call__
                 value = module.scope.variable(SITES, name, _fresh, site).value
                 out = apply_site(out, value)
             return out
 
+        making = (
+            self.place is not None
+            and self.is_mutable_collection(SITES)
+            and not self.variables.get(SITES)
+        )
         with nn.intercept_methods(interceptor):
-            return self.jdls_wrapped(*args, **kwargs)
+            out = self.jdls_wrapped(*args, **kwargs)
+        if making:
+            self._place_layer_sites()
+        return out
+
+    def _place_layer_sites(self) -> None:
+        """Give the per-layer sites just made their forward positions, here, outside every
+        lifted transformation of the model: the order in which the top-level layers' sites
+        came back to this scope is the order in which the layers returned. (Inside a layer,
+        the site may come from a trace of another layer that ``nn.jit`` reused.)"""
+        assert self.place is not None
+        position = 0
+        for name, made in list(self.variables[SITES].items()):
+            site = made.get(LAYER_SCALE) if isinstance(made, Mapping) else None
+            if isinstance(site, Site) and isinstance(site.kind, LayerScale):
+                self.put_variable(SITES, name, {LAYER_SCALE: self.place(position, site)})
+                position += 1
 
 
 def _fresh(site: Site) -> Site:
@@ -73,17 +94,21 @@ def _fresh(site: Site) -> Site:
     return jax.tree.map(lambda x: jnp.array(x, copy=True), site)
 
 
-def _with_sites(model: nn.Module, make: Callable[..., Any]) -> nn.Module:
+def _with_sites(
+    model: nn.Module,
+    make: Callable[[tuple[str, ...]], list[tuple[str, Site]]],
+    place: Callable[[int, Site], Site] | None = None,
+) -> nn.Module:
     """``model`` with the sites ``make`` gives; on a model that already has sites (probes of a
     model with per-layer scales), one wrapper with both (each site after the earlier ones)."""
     if isinstance(model, _Sites):
         earlier = model.make
 
-        def both(path: tuple[str, ...], order: int) -> list[tuple[str, Site]]:
-            return [*earlier(path, order), *make(path, order)]
+        def both(path: tuple[str, ...]) -> list[tuple[str, Site]]:
+            return [*earlier(path), *make(path)]
 
-        return _Sites(model.jdls_wrapped, both)
-    return _Sites(model, make)
+        return _Sites(model.jdls_wrapped, both, model.place or place)
+    return _Sites(model, make, place)
 
 
 def probes_linen(model: nn.Module, compute_dtype: Any = "float16") -> nn.Module:
@@ -114,8 +139,8 @@ def probes_linen(model: nn.Module, compute_dtype: Any = "float16") -> nn.Module:
     """
     kind = Probe(compute_dtype)
 
-    def make(path: tuple[str, ...], order: int) -> list[tuple[str, Site]]:
-        del path, order
+    def make(path: tuple[str, ...]) -> list[tuple[str, Site]]:
+        del path
         return [(PROBE, Site(kind))]
 
     return _with_sites(model, make)
@@ -132,10 +157,10 @@ def layer_scales_linen(model: nn.Module, scale: LossScale) -> nn.Module:
     ``jdls.linen.TrainState.value_and_grad`` (or :func:`jdls.layer_scaled_value_and_grad` on
     ``(params, sites)``).
 
-    The forward order is the order in which ``init`` calls the layers. Layers of one class
-    each wrapped in ``nn.jit`` share one trace (``nn.jit`` reuses the first one's), so their
-    sites share one position: ``value_and_grad`` then raises an error (never a different
-    result); use ``nn.jit`` around the whole model instead.
+    The forward order is the order in which the layers return during ``init``, set by the
+    wrapper outside the layers: layers of one class each wrapped in ``nn.jit`` (which reuses
+    the first layer's trace for the others) get their own positions, and each site's initial
+    value is made from ``scale`` there, whatever trace JAX reused inside the layer.
 
     Args:
       model: a linen module (not changed).
@@ -154,9 +179,12 @@ def layer_scales_linen(model: nn.Module, scale: LossScale) -> nn.Module:
     """
     check_scale(scale, "scale")
 
-    def make(path: tuple[str, ...], seen: int) -> list[tuple[str, Site]]:
-        if len(path) != 1:
-            return []
-        return [(LAYER_SCALE, layer_site(scale, seen))]
+    def make(path: tuple[str, ...]) -> list[tuple[str, Site]]:
+        # the position is set where the order is known (_Sites._place_layer_sites)
+        return [(LAYER_SCALE, layer_site(scale, 0))] if len(path) == 1 else []
 
-    return _with_sites(model, make)
+    def place(position: int, made: Site) -> Site:
+        stack = made.kind.stack_shape(made.value)
+        return _fresh(layer_site(scale, position).stacked(*stack))
+
+    return _with_sites(model, make, place)

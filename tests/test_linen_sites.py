@@ -216,6 +216,87 @@ def test_nn_jit_inside_the_model_keeps_its_sites() -> None:
     assert float(jnp.min(t.amax)) > 0
 
 
+#: one class: nn.jit reuses the first block's trace (and the sites made in it) for the others
+JittedBlock = nn.jit(Block)
+
+
+class JitBlocks(nn.Module):
+    """Unrolled's layers, each block in nn.jit."""
+
+    dtype: object = jnp.float16
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(WIDTH, dtype=self.dtype, name="embed")(x)
+        for i in range(DEPTH):
+            h, _ = JittedBlock(self.dtype, name=f"block_{i}")(h)
+        return nn.Dense(1, dtype=self.dtype, name="head")(h).astype(jnp.float32)
+
+
+def _with_levels(sites, levels):
+    def set_level(path, site):
+        value = dict(site.value)
+        value["scale"] = value["scale"].replace(loss_scale=jnp.float32(levels[path[0].key]))
+        return jdls.Site(site.kind, value)
+
+    return jax.tree_util.tree_map_with_path(set_level, sites, is_leaf=jdls.is_site)
+
+
+@with_and_without_jit
+def test_layer_scales_of_blocks_each_in_nn_jit_are_exact(jit: bool) -> None:
+    """Blocks of one class each in nn.jit: each block its own place in the chain, set by the
+    wrapper outside the blocks' (shared) trace; the gradients and the adjusted scales equal
+    those of the same model without nn.jit, and the gradients jax.grad's."""
+    x = _x()
+    model = jdls.linen.layer_scales(JitBlocks(jnp.float32), jdls.AdaptiveScale(2.0**8))
+    state = state_of(model, x)
+    names = ["embed", *[f"block_{i}" for i in range(DEPTH)], "head"]
+    assert {k: s["layer_scale"].kind.position for k, s in state.sites.items()} == {
+        name: k for k, name in enumerate(names)
+    }
+    exponents = (30, 3, 20, -6, 12, -4)
+    state = state.replace(
+        sites=_with_levels(state.sites, {n: 2.0**e for n, e in zip(names, exponents, strict=True)})
+    )
+    new, loss, grads = maybe_jit(train_step, jit)(state, x)
+    # the same model without nn.jit: the same parameters and sites (the same paths)
+    unjitted = jdls.linen.layer_scales(Unrolled(jnp.float32), jdls.AdaptiveScale(2.0**8))
+    ref_new, ref_loss, ref_grads = maybe_jit(train_step, jit)(
+        state.replace(apply_fn=unjitted.apply), x
+    )
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    for a, b in zip(
+        jax.tree_util.tree_leaves((grads, new.sites)),
+        jax.tree_util.tree_leaves((ref_grads, ref_new.sites)),
+        strict=True,
+    ):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7 * float(jnp.max(jnp.abs(b))))
+    plain = jax.grad(lambda p: jnp.mean(Unrolled(jnp.float32).apply({"params": p}, x) ** 2))
+    for a, b in zip(
+        jax.tree_util.tree_leaves(grads["params"]),
+        jax.tree_util.tree_leaves(plain(state.params)),
+        strict=True,
+    ):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7 * float(jnp.max(jnp.abs(b))))
+
+
+def test_layer_scales_under_nn_jit_traced_before_are_the_wrappers_own() -> None:
+    """A per-layer-scaled model traced the nn.jit blocks before with another scale: the sites
+    of the next one are its own (its scale, its positions), jitted init or not."""
+    x = _x()
+    jdls.linen.layer_scales(JitBlocks(), jdls.StaticScale(2.0**4)).init(jax.random.key(0), x)
+    model = jdls.linen.layer_scales(JitBlocks(), jdls.AdaptiveScale(2.0**8))
+    for init in (model.init, jax.jit(model.init)):
+        sites = init(jax.random.key(0), x)["jdls"]
+        found = {k: s["layer_scale"] for k, s in sites.items()}
+        assert [found[k].kind.position for k in ("embed", "block_0", "block_3", "head")] == [
+            0, 1, DEPTH, DEPTH + 1
+        ]  # fmt: skip
+        for site in found.values():
+            assert isinstance(site.value["scale"], jdls.DynamicScale)
+            assert float(site.value["scale"].loss_scale) == 2.0**8
+
+
 def test_train_state_with_sites_says_what_to_pass() -> None:
     x = _x()
     state = state_of(jdls.linen.probes(Scanned()), x)

@@ -22,9 +22,7 @@ Each cell equals its reference:
 
 An integer parameter is held fixed (``None`` gradient), as ``eqx.filter_value_and_grad``
 does; plain ``jax.value_and_grad`` refuses it, so its reference uses ``allow_int``. No cell is
-refused but one: per-layer scales made by ``jdls.linen.layer_scales`` in layers each wrapped
-in ``nn.jit`` (nn.jit reuses one layer's trace, and with it its site, for the others: an error
-says so). CI runs a fixed sample covering every value of every axis; ``JDLS_FULL_MATRIX=1``
+refused. CI runs a fixed sample covering every value of every axis; ``JDLS_FULL_MATRIX=1``
 runs all.
 """
 
@@ -694,9 +692,6 @@ def _assert_close(actual, expected, what, dtype):
 
 
 INNER = ("inner_jit", "framework_jit", "checkpoint")
-#: The one cell that is an error: nn.jit reuses the first layer's trace for the other layers
-#: of its class, so their per-layer sites (made in that trace) share one place in the chain.
-REFUSED = {("linen_layer_scales", "framework_jit"): "same position"}
 FRAMEWORK_PROBES = ("linen_probes", "nnx_probes")
 
 
@@ -725,10 +720,6 @@ def _run_both(cap, comp, dtype, leaves):
     ("cap", "comp", "dtype", "leaves"), CELLS, ids=["-".join(c) for c in CELLS]
 )
 def test_cell_equals_its_reference(cap, comp, dtype, leaves):
-    if (cap, comp) in REFUSED:
-        with pytest.raises(ValueError, match=REFUSED[(cap, comp)]):
-            _run_both(cap, comp, dtype, leaves)
-        return
     if cap in FRAMEWORK_PROBES and comp == "scan":
         _check_scanned_framework_probes(cap, dtype, leaves)
         return
