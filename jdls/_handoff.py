@@ -1,5 +1,10 @@
-"""What ``jdls.clip`` measured, handed to the ``jdls.wrap`` right behind it.
+"""What the gradients measured before a transformation changed them, handed to ``jdls.wrap``.
 
+Two handoffs, one idea: the rule sets the scale for the next backward pass, so it must
+measure what the backward pass computed, not what a transformation in front of the wrap made
+of it.
+
+**From ``jdls.clip``.**
 ``optax.chain(jdls.clip(c), jdls.wrap(inner))`` gives the wrap only the clipped gradients. A
 rule that sets the scale from the largest gradient would then aim up to ``norm / c`` too high
 for the next backward pass, which computes the gradients before clipping, and
@@ -12,17 +17,31 @@ Only the very objects ``jdls.clip`` returned match, all of them, in the same ord
 transformation in between or a ``jit`` boundary makes new objects, and the wrap then measures
 what it receives, as before. A record lives as long as the leaves it describes (a weak
 reference removes it), so no value outlives its trace.
+
+**From the scale's own ``value_and_grad``.** Any other transformation in front
+(``optax.clip_by_global_norm``, a hand-written rescale) hands nothing over. But the gradients
+came from ``scale.value_and_grad`` with the very scale the wrap holds: that call records, for
+the scale's ``loss_scale`` array, the unscaled gradients it returned (:func:`remember_backward`),
+and the wrap holding that array looks them up (:func:`recall_backward`) and gives the rule
+their largest magnitude. A record is kept only for the trace it was made in (JAX's opaque
+trace state, public API: a ``value_and_grad`` inside ``lax.scan``, an inner ``jit`` or a
+``vmap`` is not seen from outside it), only while the scale array lives (a weak reference to
+it), and several calls with one scale in one trace are all kept (the rule
+takes the largest of them: each was a backward pass at that scale).
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, NamedTuple
+
+import jax
+import jax.extend
 
 from jdls._norm import GlobalNorm
 
-__all__ = ["recall", "remember"]
+__all__ = ["recall", "recall_backward", "remember", "remember_backward"]
 
 
 class _Record(NamedTuple):
@@ -64,3 +83,61 @@ def recall(leaves: Sequence[Any], axis_name: Hashable | None) -> GlobalNorm | No
     if any(ref() is not x for ref, x in zip(record.leaves, leaves, strict=True)):
         return None
     return record.norm
+
+
+# --------------------------------------------------------------------------------------------
+# From the scale's value_and_grad to the wrap that holds the scale.
+# --------------------------------------------------------------------------------------------
+
+_trace_state: Callable[..., Any] = (
+    getattr(jax.extend.core, "get_opaque_trace_state", None)
+    or jax.core.get_opaque_trace_state  # where jax.extend.core has none (jax 0.8)
+)
+
+
+class _Backward(NamedTuple):
+    scale: weakref.ref[Any]
+    trace: Any
+    calls: list[tuple[Any, ...]]
+
+
+_backward: dict[int, _Backward] = {}
+
+
+def _current_trace() -> Any:
+    return _trace_state(convention="jdls")
+
+
+def remember_backward(loss_scale: Any, leaves: Sequence[Any]) -> None:
+    """Record the unscaled gradient ``leaves`` that a backward pass at ``loss_scale`` (the
+    scale's own array) produced in the current trace. The record holds the leaves for as
+    long as the scale array lives (under ``jit``: the trace; eagerly: the optimizer state
+    that holds the scale), never longer."""
+    if not leaves:
+        return
+    try:
+        scale_ref = weakref.ref(loss_scale)
+    except TypeError:  # a Python number: no array to recognise the scale by
+        return
+    key, trace = id(loss_scale), _current_trace()
+    record = _backward.get(key)
+    if record is None or record.scale() is not loss_scale or record.trace != trace:
+        record = _Backward(scale_ref, trace, [])
+        _backward[key] = record
+        weakref.finalize(loss_scale, _forget_backward, key, scale_ref)
+    record.calls.append(tuple(leaves))
+
+
+def _forget_backward(key: int, ref: weakref.ref[Any]) -> None:
+    record = _backward.get(key)
+    if record is not None and record.scale is ref:
+        del _backward[key]
+
+
+def recall_backward(loss_scale: Any) -> list[tuple[Any, ...]] | None:
+    """The gradient leaves of every ``value_and_grad`` at ``loss_scale`` in the current trace
+    (one tuple per call), or None where there was none."""
+    record = _backward.get(id(loss_scale))
+    if record is None or record.scale() is not loss_scale or record.trace != _current_trace():
+        return None
+    return list(record.calls)

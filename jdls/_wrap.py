@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -27,7 +27,7 @@ from jax import lax
 
 from jdls._checks import all_finite, check_int, check_limit
 from jdls._filter import non_array_hint
-from jdls._handoff import recall
+from jdls._handoff import recall, recall_backward
 from jdls._norm import (
     AxisName,
     FloatLeaves,
@@ -35,6 +35,7 @@ from jdls._norm import (
     check_sharded,
     clip_by_norm,
     flatten_floats,
+    tree_amax,
     tree_norm,
 )
 from jdls._retry import classify, first_attempt
@@ -239,6 +240,8 @@ def wrap(
                 norm=handed.norm, robust=handed.robust, amax=handed.amax if observes else None
             )
             finite = n.finite & ~n.robust if skip_norm_overflow else n.finite
+        elif observes:
+            n = n._replace(amax=_backward_amax(state.scale, tree.floats, n.amax, axis_name))
         loss_finite = jnp.array(True)
         if "value" in extra_args:
             loss_finite = _finite_value(extra_args["value"], axis_name)
@@ -271,6 +274,23 @@ def wrap(
     # (with optax.MultiSteps inside: once per applied step, not per micro-batch).
     init, update = sites_apart(init_fn, update_fn, step_applied)
     return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _backward_amax(
+    scale: Any, received: Sequence[Any], measured: Any, axis_name: AxisName | None
+) -> Any:
+    """The largest magnitude of the gradients that ``scale.value_and_grad`` returned in this
+    trace, when a transformation in front of the wrap changed them (``optax``'s clip): the
+    backward pass the rule sets the scale for computes those, not the clipped ones
+    (jdls/_handoff.py). ``measured`` (the received gradients' own) otherwise."""
+    calls = recall_backward(scale.loss_scale)
+    received_ids = {id(x) for x in received}
+    if calls is None or any({id(x) for x in call} == received_ids for call in calls):
+        return measured  # the very gradients the wrap received: already measured
+    largest = jnp.max(jnp.stack([tree_amax(call) for call in calls]))
+    if axis_name is not None:
+        largest = lax.pmax(largest, axis_name)
+    return largest
 
 
 def _adjust(scale: LossScale, finite: jax.Array, n: GlobalNorm) -> LossScale:

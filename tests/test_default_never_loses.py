@@ -17,6 +17,7 @@ import numpy as np
 import optax
 import pytest
 from _helpers import maybe_jit, with_and_without_jit
+from jax import lax
 
 import jdls
 
@@ -37,15 +38,18 @@ def loss_fn(params, x, weight, loss_dtype=jnp.float32):
     return weight.astype(loss_dtype) * jnp.sum(h.astype(loss_dtype) ** 2)
 
 
-def train(tx, steps, weights, *, x_scale=1.0, loss_dtype=jnp.float32):
+def train(tx, steps, weights, *, x_scale=1.0, loss_dtype=jnp.float32, grad_fn=None):
     """Skipped steps, the scales used (log2) and the last step's statistics."""
     params = init_params()
     state = tx.init(params)
 
+    def value_and_grad(params, state, x, weight):
+        scale = jdls.get_scale(state)
+        return scale.value_and_grad(lambda p: loss_fn(p, x, weight, loss_dtype))(params)
+
     @jax.jit
     def step(params, state, x, weight):
-        scale = jdls.get_scale(state)
-        _, grads = scale.value_and_grad(lambda p: loss_fn(p, x, weight, loss_dtype))(params)
+        _, grads = (grad_fn or value_and_grad)(params, state, x, weight)
         updates, state = tx.update(grads, state, params)
         return optax.apply_updates(params, updates), state
 
@@ -92,17 +96,88 @@ def test_jdls_clip_in_front_skips_no_step_as_max_norm_does(clip):
 
 
 @pytest.mark.full
-def test_optax_clip_in_front_is_learned_after_one_run_of_overflows():
-    # optax's clip hands nothing over: the first prediction overflows, the run of overflows
-    # teaches the margin the factor, and no step overflows after it.
+def test_optax_clip_in_front_skips_no_step_as_max_norm_does():
+    # optax's clip hands nothing over, but the gradients came from the scale's own
+    # value_and_grad: the wrap gives the rule what that backward pass computed.
     def chain(scale):
         return optax.chain(optax.clip_by_global_norm(1e-3), jdls.wrap(optax.adam(1e-3), scale))
 
-    (default, _, _), (classic, _, _) = both(chain, 60, lambda k: 1e-3)
+    (default, used, _), (classic, _, _) = both(chain, 30, lambda k: 1e-3)
+    assert (default, classic) == (0, 0)
+    fused, fused_used, _ = train(jdls.wrap(optax.adam(1e-3), max_norm=1e-3), 30, lambda k: 1e-3)
+    assert fused == 0 and used == fused_used  # the scales of wrap(max_norm=...)
+
+
+def test_a_gradient_computed_where_the_wrap_cannot_see_is_learned_after_one_run():
+    # value_and_grad under an inner jit: its gradients are new arrays of another trace, so the
+    # wrap measures the clipped ones it receives; the first prediction overflows, the run of
+    # overflows teaches the margin the factor, and no step overflows after it.
+    def chain(scale):
+        return optax.chain(optax.clip_by_global_norm(1e-3), jdls.wrap(optax.adam(1e-3), scale))
+
+    def hidden(params, state, x, weight):
+        scale = jdls.get_scale(state)
+        vg = jax.jit(scale.value_and_grad(lambda p: loss_fn(p, x, weight)))
+        return vg(params)
+
+    (default, _, _), (classic, _, _) = both(chain, 60, lambda k: 1e-3, grad_fn=hidden)
     assert classic == 0
     assert default == 4
-    (default_late, _, _), _ = both(chain, 20, lambda k: 1e-3)
+    (default_late, _, _), _ = both(chain, 20, lambda k: 1e-3, grad_fn=hidden)
     assert default_late == default  # all four in the first 20 steps, none in the next 40
+
+
+LINEAR = {"w": jnp.zeros(2)}
+
+
+def linear_loss(p, c=1.0):
+    return c * (300.0 * p["w"][0] + 400.0 * p["w"][1])  # gradient (300c, 400c), norm 500c
+
+
+def clipped_step(grads_of):
+    """One update of ``clip_by_global_norm(1)`` + ``wrap(sgd)`` on the gradients
+    ``grads_of(scale)`` returns; the next scale's log2."""
+    tx = optax.chain(optax.clip_by_global_norm(1.0), jdls.wrap(optax.sgd(1.0)))
+
+    def step(state):
+        grads = grads_of(jdls.get_scale(state))
+        return tx.update(grads, state, LINEAR)
+
+    return step, tx.init(LINEAR)
+
+
+@with_and_without_jit
+def test_the_rule_sees_the_backward_pass_of_the_scale_it_holds(jit):
+    def plain(scale):
+        return scale.value_and_grad(linear_loss)(LINEAR)[1]
+
+    def two_calls(scale):  # two backward passes at this scale, their sum handed on
+        a = scale.value_and_grad(linear_loss)(LINEAR)[1]
+        b = scale.value_and_grad(lambda p: linear_loss(p, 10.0))(LINEAR)[1]
+        return jax.tree.map(jnp.add, a, b)
+
+    def inner_jit(scale):  # another trace: the wrap measures what it receives
+        return jax.jit(scale.value_and_grad(linear_loss))(LINEAR)[1]
+
+    def in_a_scan(scale):  # the body's trace: not seen from outside it, and nothing leaks
+        def body(total, c):
+            g = scale.value_and_grad(lambda p: linear_loss(p, c))(LINEAR)[1]
+            return jax.tree.map(jnp.add, total, g), None
+
+        return lax.scan(body, jax.tree.map(jnp.zeros_like, LINEAR), jnp.ones(2) / 2)[0]
+
+    # largest gradient a, clipped to norm 1: the rule's scale is the largest 2**k with
+    # a * 2**k <= 65504 / 2**6 (the default margin)
+    for grads_of, amax in (
+        (plain, 400.0),  # not the clipped 0.8
+        (two_calls, 4000.0),  # the larger of the two backward passes
+        (inner_jit, 0.8),
+        (in_a_scan, 0.8),
+    ):
+        step, state = clipped_step(grads_of)
+        _, state = maybe_jit(step, jit)(state)
+        expected = math.floor(math.log2(65504 / 2**6 / amax))
+        assert float(jdls.get_scale(state).loss_scale) == 2.0**expected, grads_of.__name__
 
 
 @with_and_without_jit

@@ -85,10 +85,12 @@ class Adaptive(Rule):
     predicted scale, soon after a measurement, ends, and this step's measurement would put
     the scale again at or above the lowest scale that overflowed in the run, the margin rises
     by as many bits as keep it below (at most ``max_margin``). The measurement then
-    understates the backward pass by a steady factor (gradients clipped by a transformation
-    in front of the wrap that does not hand over what it received, as ``jdls.clip`` does; a
-    backward intermediate larger than every parameter gradient): once learned, it costs no
-    more overflows.
+    understates the backward pass by a steady factor (a backward intermediate larger than
+    every parameter gradient; gradients clipped in front of the wrap where the wrap cannot see
+    what the backward pass computed, e.g. computed under an inner ``jit``): once learned, it
+    costs no more overflows. (:func:`jdls.wrap` gives the rule the gradients of the backward
+    pass whenever it can: those ``jdls.clip`` received, or those the scale's own
+    ``value_and_grad`` returned in the same trace.)
 
     Without a measurement, :meth:`jdls.DynamicScale.adjust` refuses a finite step (a
     ValueError that says how to give one) and backs off on an overflow (``adjust(False)``).
