@@ -118,7 +118,12 @@ def log(message: str) -> None:
 
 
 def run_interleaved(
-    cases: Sequence[Case], *, rounds: int, warmup: int = 2, seed: int = 0
+    cases: Sequence[Case],
+    *,
+    rounds: int,
+    warmup: int = 2,
+    seed: int = 0,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> list[list[float]]:
     """Time every case ``rounds`` times, one call per case per round, in shuffled order.
 
@@ -127,6 +132,10 @@ def run_interleaved(
       rounds: timed rounds.
       warmup: untimed calls of every case first (compilation, allocation, caches).
       seed: seed of the per-round order.
+      clock: wall time by default; ``time.process_time`` counts the CPU time of this process
+        only, steadier than wall time on a machine other jobs load (with XLA:CPU on one
+        thread, ``XLA_FLAGS="--xla_cpu_multi_thread_eigen=false
+        intra_op_parallelism_threads=1"``, it is the work of the step).
 
     Returns:
       Per case, its ``rounds`` times in seconds, in round order.
@@ -141,9 +150,9 @@ def run_interleaved(
     for k in range(rounds):
         rng.shuffle(order)
         for j in order:
-            start = time.perf_counter()
+            start = clock()
             cases[j].run()
-            times[j].append(time.perf_counter() - start)
+            times[j].append(clock() - start)
         if (k + 1) % step == 0:
             log(f"  round {k + 1}/{rounds}")
     return times
@@ -197,10 +206,16 @@ def summarize(cases: Sequence[Case], times: Sequence[Sequence[float]]) -> list[d
 
 
 def time_cases(
-    cases: Sequence[Case], *, rounds: int, warmup: int = 2, seed: int = 0
+    cases: Sequence[Case],
+    *,
+    rounds: int,
+    warmup: int = 2,
+    seed: int = 0,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> list[dict[str, Any]]:
     """:func:`run_interleaved` then :func:`summarize`."""
-    return summarize(cases, run_interleaved(cases, rounds=rounds, warmup=warmup, seed=seed))
+    times = run_interleaved(cases, rounds=rounds, warmup=warmup, seed=seed, clock=clock)
+    return summarize(cases, times)
 
 
 # --------------------------------------------------------------------------------------------

@@ -6,13 +6,19 @@ The full train steps of ``bench_step`` (float16 compute, ``jdls.wrap(adam)`` at 
 each with one scalar parameter added, ``probe``, that only an injected outlier touches: the
 loss is ``model_loss + probe * c`` in float16, so with ``c = 3`` the scaled gradient of
 ``probe`` (``3 * 2**15``) overflows float16 and at ``2**14`` it does not. Every case starts
-each call from the scale ``2**15`` (set at the start of the step, the same for every case), so
-a ``c = 3`` batch retries once on every call. Cases:
+each call from the scale ``2**15`` (set at the start of the step, the same for every case, as
+a runtime value: a constant scale is folded into the step), so a ``c = 3`` batch retries once
+on every call. Cases:
 
 * ``jdls.wrap(adam)``: the baseline, the hand-written step (``get_scale``,
   ``scale.value_and_grad``, ``tx.update``, ``apply_updates``), ``c = 0``;
 * ``retrying, finite``: ``jdls.retrying(loss, tx, retries=2)``, ``c = 0`` (target:
   <= 1.02x, goal 1.01x);
+* two ablations, where the cost of a finite step goes: ``jdls.wrap(adam) + the loop's
+  check``, the step without retries that also decides ``jdls.all_finite(grads)`` (the
+  check a retry loop needs, beside the wrap's own); ``the loop without its check``,
+  ``retrying`` whose loop counts every attempt as finite (``_retrying._CHECK = False``):
+  the ``lax.while_loop`` around the backward pass alone;
 * ``retrying without barriers, finite``: the same without the ``lax.optimization_barrier``
   around the retry loop's carry (what the barriers save);
 * ``retrying, retries once``: ``c = 3``: one extra forward and backward inside the step.
@@ -22,16 +28,22 @@ temporary bytes, and the difference to the baseline in units of one float32 grad
 (target: at most one); beside it the ``copy`` instructions of the compiled HLO module. Run::
 
     python -m benchmarks retries [--quick] [--rounds N]
+    XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1" \
+      python -m benchmarks.bench_retry --only mlp-512 --cpu-time   # steadier when loaded
 """
 
 from __future__ import annotations
 
+import argparse
 import re
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
+from jax import lax
 
 import jdls
 from benchmarks import _harness as h
@@ -62,13 +74,32 @@ def with_probe(loss: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
     return probed
 
 
-def make_step(loss: Callable[..., jax.Array], tx: Any, retries: int) -> Callable[..., Any]:
+def make_step(
+    loss: Callable[..., jax.Array], tx: Any, retries: int, check: bool = False
+) -> Callable[..., Any]:
     """``bench_step``'s jdls step (``jdls.retrying`` with ``retries``), from the scale ``2**15``
-    on every call."""
+    on every call; with ``check`` (and no retries), the step also decides
+    ``jdls.all_finite(grads)`` as the retry loop does, and returns a NaN loss when false.
+
+    The scale ``2**15`` enters the step as a runtime value (through
+    ``lax.optimization_barrier``), as a scale read from the optimizer state does: a constant
+    one is folded into the compiled step, which made the step without retries about 30%
+    slower than with the scale of the state (and so hid the cost of retries)."""
     inner = bench_step.jdls_method(loss, tx, retries).step
+    if check:
+        if retries:
+            raise ValueError("check only measures the step without retries")
+
+        def inner(params: Any, state: Any, batch: Any) -> tuple[Any, Any, jax.Array]:
+            scale = jdls.get_scale(state)
+            value, grads = scale.value_and_grad(loss)(params, batch)
+            value = jnp.where(jdls.all_finite(grads), value, jnp.nan)
+            updates, state = tx.update(grads, state, params)
+            return optax.apply_updates(params, updates), state, value
 
     def step(params: Any, state: Any, batch: Any) -> tuple[Any, Any, jax.Array]:
-        return inner(params, jdls.set_scale(state, jdls.DynamicScale(SCALE)), batch)
+        scale = jax.tree_util.tree_map(lax.optimization_barrier, jdls.DynamicScale(SCALE))
+        return inner(params, jdls.set_scale(state, scale), batch)
 
     return step
 
@@ -91,29 +122,42 @@ def mlp_512_workload(quick: bool) -> bench_step.Workload:
     )
 
 
-def run(work: bench_step.Workload, *, rounds: int, warmup: int) -> h.Section:
+def run(
+    work: bench_step.Workload,
+    *,
+    rounds: int,
+    warmup: int,
+    clock: Callable[[], float] = time.perf_counter,
+) -> h.Section:
     loss = with_probe(work.loss)
     params = {"model": work.params, "probe": jnp.zeros((), jnp.float32)}
     finite = {"data": work.batch, "c": jnp.float32(0.0)}
     outlier = {"data": work.batch, "c": jnp.float32(OUTLIER)}
-    # (label, retries, barriers, batch, expected retries)
+    # (label, retries, variant, batch, expected retries); the variants: "" as shipped,
+    # "barriers": the loop without its barriers, "loop": the loop without its check (every
+    # attempt counts as finite), "check": the step without retries plus the loop's check.
     specs = [
-        ("jdls.wrap(adam)", 0, True, finite, 0),
-        ("jdls.retrying(retries=2), finite", 2, True, finite, 0),
-        ("jdls.retrying(retries=2) without barriers, finite", 2, False, finite, 0),
-        ("jdls.retrying(retries=2), retries once", 2, True, outlier, 1),
+        ("jdls.wrap(adam)", 0, "", finite, 0),
+        ("jdls.retrying(retries=2), finite", 2, "", finite, 0),
+        ("ablation: jdls.wrap(adam) + the loop's check", 0, "check", finite, 0),
+        ("ablation: retrying, the loop without its check, finite", 2, "loop", finite, 0),
+        ("jdls.retrying(retries=2) without barriers, finite", 2, "barriers", finite, 0),
+        ("jdls.retrying(retries=2), retries once", 2, "", outlier, 1),
     ]
     h.log(f"{work.title}: compiling {len(specs)} cases")
     runners = []
-    for _, retries, barriers, batch, _ in specs:
+    for _, retries, variant, batch, _ in specs:
         tx = jdls.wrap(bench_step.adam())
-        _retrying._BARRIERS = barriers  # read when the step is traced, in Runner()
+        # read when the step is traced, in Runner()
+        _retrying._BARRIERS = variant != "barriers"
+        _retrying._CHECK = variant != "loop"
         try:
-            method = bench_step.Method(tx.init, make_step(loss, tx, retries))
+            step = make_step(loss, tx, retries, check=variant == "check")
+            method = bench_step.Method(tx.init, step)
             runners.append(bench_step.Runner(method, params, batch))
             copies = hlo_copies(runners[-1])
         finally:
-            _retrying._BARRIERS = True
+            _retrying._BARRIERS = _retrying._CHECK = True
         runners[-1].copies = copies  # type: ignore[attr-defined]
     grad_bytes = 4 * (work.n_params + 1)  # one float32 gradient buffer
     temps = [r.temp_bytes() for r in runners]
@@ -125,7 +169,7 @@ def run(work: bench_step.Workload, *, rounds: int, warmup: int) -> h.Section:
         )
         for (label, *_), r, temp in zip(specs, runners, temps, strict=True)
     ]
-    rows = h.time_cases(cases, rounds=rounds, warmup=warmup)
+    rows = h.time_cases(cases, rounds=rounds, warmup=warmup, clock=clock)
     for row, r, spec in zip(rows, runners, specs, strict=True):
         stats = jdls.stats(r.state)
         row["retries"] = int(stats.retries)
@@ -134,12 +178,19 @@ def run(work: bench_step.Workload, *, rounds: int, warmup: int) -> h.Section:
             raise RuntimeError(f"{row['label']}: expected {spec[4]} retries and a taken step")
     note = (
         f"{work.description}, plus one scalar parameter (the outlier's probe); parameters and "
-        f"optimizer state donated; {rounds} interleaved rounds; ratio = median of the "
+        f"optimizer state donated; {rounds} interleaved rounds of "
+        f"{'CPU time (time.process_time)' if clock is time.process_time else 'wall time'}; "
+        "ratio = median of the "
         "per-round ratios to `jdls.wrap(adam)`; Δtemp in units of one float32 gradient "
         f"buffer ({grad_bytes / 2**20:.2f} MiB); HLO copies: `copy` instructions in the "
         "compiled module."
     )
-    config = {"workload": work.description, "n_params": work.n_params, "rounds": rounds}
+    config = {
+        "workload": work.description,
+        "n_params": work.n_params,
+        "rounds": rounds,
+        "clock": getattr(clock, "__name__", str(clock)),
+    }
     return h.Section(
         f"Retries, {work.title[len('Full train step, ') :]}", note, rows, COLUMNS, config
     )
@@ -165,3 +216,40 @@ def suite(quick: bool = False, rounds: int | None = None) -> list[h.Section]:
             warmup=1 if quick else 2,
         ),
     ]
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m benchmarks.bench_retry [--only mlp-512|mlp|transformer] [--rounds N]
+    [--cpu-time]``: one or all workloads of the suite, printed as Markdown."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", choices=["mlp-512", "mlp", "transformer"])
+    parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="time.process_time instead of wall time (steadier on a loaded machine; run "
+        "XLA:CPU on one thread for it to be the work of the step)",
+    )
+    args = parser.parse_args(argv)
+    print(h.environment_markdown(h.environment()), flush=True)
+    works = {
+        "mlp-512": (mlp_512_workload, 25),
+        "mlp": (bench_step.mlp_workload, 20),
+        "transformer": (bench_step.transformer_workload, 12),
+    }
+    clock = time.process_time if args.cpu_time else time.perf_counter
+    for name, (make, rounds) in works.items():
+        if args.only not in (None, name):
+            continue
+        section = run(
+            make(args.quick),
+            rounds=args.rounds or (3 if args.quick else rounds),
+            warmup=1 if args.quick else 2,
+            clock=clock,
+        )
+        print(section.markdown(), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -5,7 +5,7 @@ optimizer, the step taken directly at the backed-off scale with the same batch::
 
     scale = jdls.get_scale(opt_state)
     loss, grads = differentiate(scale)                       # per device, then averaged
-    while grads overflow and the loss is finite and tries < retries:
+    while grads overflow and the loss is finite and tries < retries and scale > its minimum:
         scale = scale.back_off()                             # a lower scale, as the rule backs off
         loss, grads = differentiate(scale)                   # the same batch
     opt_state = the state with the settled scale
@@ -41,6 +41,11 @@ __all__ = ["retrying"]
 #: is traced; ``benchmarks/bench_retry.py`` measures the step without them).
 _BARRIERS = True
 
+#: Whether the loop checks the gradients (read when a step is traced). Only for
+#: ``benchmarks/bench_retry.py``, which measures the loop without its check: with False every
+#: attempt counts as finite, so a step never retries.
+_CHECK = True
+
 
 def retrying(
     loss_fn: Callable[..., Any],
@@ -58,11 +63,12 @@ def retrying(
 
     1. differentiates ``loss_fn(params, *batch)`` at the scale of the one :func:`jdls.wrap`
        in ``tx`` (``jdls.get_scale(opt_state)``);
-    2. while the gradients are not finite, the loss is finite and fewer than ``retries``
-       attempts were made, backs the scale off as the rule does (``scale.back_off()``: one
-       overflow, or with hysteresis as many as lower the scale) and differentiates the same
-       batch again, inside the compiled step (``lax.while_loop``; a finite step takes one
-       iteration, its first attempt);
+    2. while the gradients are not finite, the loss is finite, fewer than ``retries``
+       attempts were made and the scale is above the rule's minimum, backs the scale off as
+       the rule does (``scale.back_off()``: one overflow, or with hysteresis as many as lower
+       the scale) and differentiates the same batch again, inside the compiled step
+       (``lax.while_loop``; a finite step takes one iteration, its first attempt); at the
+       minimum a retry would recompute the same overflow, so the step is skipped instead;
     3. runs ``tx.update(grads, opt_state, params, value=loss)`` once, with the scale set to
        the one the loop settled on, and applies the updates.
 
@@ -162,8 +168,11 @@ def retrying(
             # and backward pass in the program, so that its temporaries are those of the step
             # without retries (a first attempt outside the loop kept its own and the loop's).
             def more(carry: tuple[Any, ...]) -> jax.Array:
-                _, _, _, finite, loss_finite, n = carry
-                return (n == 0) | (~finite & loss_finite & (n <= retries))
+                s, _, _, finite, loss_finite, n = carry
+                # At the rule's minimum the scale cannot go lower: a retry would recompute
+                # the same overflow, so the step is skipped instead.
+                lower = s.back_off().loss_scale < s.loss_scale
+                return (n == 0) | (~finite & loss_finite & (n <= retries) & lower)
 
             def attempt(carry: tuple[Any, ...]) -> tuple[Any, ...]:
                 s, _, _, _, _, n = carry
@@ -174,7 +183,8 @@ def retrying(
                 )
                 out, grads = differentiate(s)
                 loss_finite = agree(all_finite(out[0] if has_aux else out))
-                return s, out, grads, agree(all_finite(grads)), loss_finite, n + 1
+                finite = agree(all_finite(grads)) if _CHECK else jnp.array(True)
+                return s, out, grads, finite, loss_finite, n + 1
 
             # zeros_like of the abstract values keeps their shardings (the type of an array
             # under an explicit mesh), so the carry has the type the body returns.

@@ -248,6 +248,37 @@ def test_overflow_left_after_the_retries_is_skipped_as_backward(jit):
 
 
 @with_and_without_jit
+@pytest.mark.parametrize(("start", "retries"), [(2.0, 0), (4.0, 1)])
+def test_no_retry_at_the_minimum_scale(start, retries, jit):
+    """A retry at the rule's minimum would recompute the same overflow: the loop stops there,
+    and the step is the direct step at the minimum (skipped, as BACKWARD)."""
+    params = {"w": jnp.ones(3)}
+    c = jnp.array([60000.0, 1.0, 1.0])  # overflows at every scale >= 2
+    tx = jdls.wrap(optax.sgd(0.1), jdls.DynamicScale(start, min_loss_scale=2.0))
+    state = tx.init(params)
+    new_params, new_state, _ = maybe_jit(jdls.retrying(loss_fn, tx, retries=3), jit)(
+        params, state, c
+    )
+    stats = jdls.stats(new_state)
+    assert int(stats.retries) == retries and int(stats.retried_steps) == (retries > 0)
+    assert not bool(stats.finite) and int(stats.cause) == jdls.SkipCause.BACKWARD
+    assert float(jdls.get_scale(new_state).loss_scale) == 2.0
+    want_params, want_state = direct_step(tx, loss_fn, params, state, backed_off(state, retries), c)
+
+    def as_backward(x):  # the direct step, a wrap alone, cannot tell BACKWARD from GRADIENTS
+        if not isinstance(x, jdls.WrapState):
+            return x
+        cause = jnp.asarray(jdls.SkipCause.BACKWARD, x.stats.cause.dtype)
+        return x._replace(stats=x.stats._replace(cause=cause))
+
+    want_state = jax.tree_util.tree_map(
+        as_backward, want_state, is_leaf=lambda x: isinstance(x, jdls.WrapState)
+    )
+    assert_bitwise_equal(new_params, want_params)
+    assert_bitwise_equal(without_retry_stats(new_state), without_retry_stats(want_state))
+
+
+@with_and_without_jit
 def test_forward_nan_is_never_retried(jit):
     params = {"w": jnp.ones(3)}
     c = jnp.array([jnp.nan, 1.0, 1.0])
