@@ -19,7 +19,6 @@ scanned stack) and the measurements come out as their gradients, so ``lax.scan``
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -27,10 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jdls._checks import all_finite
 from jdls._filter import filtered_value_and_grad
 from jdls._formats import finfo
-from jdls._norm import tree_amax
 from jdls._scale import DynamicScale, LossScale, check_scale
 from jdls._site import Site, SiteKind, is_site
 
@@ -135,14 +132,15 @@ class LayerScale(SiteKind):
     def update(self, value: Any, measurement: Any, finite: jax.Array) -> Any:
         scale = value["scale"]
         amax, own = measurement["amax"], measurement["finite"] > 0
+        # one adjustment: grown (measured) on a taken step, backed off where the layer itself
+        # overflowed on a skipped one (a rule backs off alike with or without a measurement),
+        # unchanged where only other layers did
         if isinstance(scale, DynamicScale) and scale.rule.observes:
-            grown = scale.adjust(True, _flushed_as_tiny(scale, amax))
+            adjusted = scale.adjust(finite, _flushed_as_tiny(scale, amax))
         else:
-            grown = scale.adjust(True)
-        backed_off = scale.adjust(False)
-        new = jax.tree_util.tree_map(
-            lambda g, b, s: jnp.where(finite, g, jnp.where(own, s, b)), grown, backed_off, scale
-        )
+            adjusted = scale.adjust(finite)
+        moved = finite | ~own
+        new = jax.tree_util.tree_map(lambda a, s: jnp.where(moved, a, s), adjusted, scale)
         return {**value, "scale": new, "amax": amax, "finite": own.astype(_F32)}
 
 
@@ -251,15 +249,22 @@ def _unscale(g: jax.Array, level: jax.Array) -> jax.Array:
 
 
 def _layer_measure(grads: list[jax.Array], stack: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
-    """The largest magnitude and the finiteness of a layer's gradients, per stacked layer."""
+    """The largest magnitude and the finiteness of a layer's gradients, per stacked layer.
+
+    One max reduction per leaf: a non-finite value counts as an infinity, so the layer is
+    finite exactly where its largest magnitude is (an inf or NaN never reaches the max,
+    which XLA's CPU reduction may otherwise let drop a NaN). A non-finite layer's largest
+    magnitude reads inf."""
     if not grads:
         return jnp.zeros(stack, _F32), jnp.ones(stack, _F32)
-    if not stack:
-        return tree_amax(grads).astype(_F32), all_finite(grads).astype(_F32)
-    flat = [g.reshape(math.prod(stack), -1) for g in grads]
-    amax = jax.vmap(tree_amax)(flat).reshape(stack).astype(_F32)
-    finite = jax.vmap(all_finite)(flat).reshape(stack).astype(_F32)
-    return amax, finite
+    n = len(stack)
+    amax = None
+    for g in grads:
+        inf = jnp.asarray(jnp.inf, g.dtype)
+        big = jnp.max(jnp.where(jnp.isfinite(g), jnp.abs(g), inf), axis=tuple(range(n, g.ndim)))
+        amax = big if amax is None else jnp.maximum(amax, big)
+    amax = jnp.asarray(amax).astype(_F32)
+    return amax, (amax < jnp.inf).astype(_F32)
 
 
 def scale_layers(
