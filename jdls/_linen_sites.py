@@ -20,6 +20,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax.core import freeze
 
 from jdls._layer_scales import LayerScale, layer_site
 from jdls._probe import Probe
@@ -68,8 +69,19 @@ class _Sites(nn.Module):
             and self.is_mutable_collection(SITES)
             and not self.variables.get(SITES)
         )
-        with nn.intercept_methods(interceptor):
-            out = self.jdls_wrapped(*args, **kwargs)
+        # A lifted nn.jit inside the model reuses a trace by the module's fingerprint, which
+        # holds its scope's flags, not the interceptor: a flag naming these sites keeps a trace
+        # made without them (the bare model's, or another wrapper's) from standing in for one
+        # with them. Child scopes (lifted ones too) take the flags of this one.
+        scope = self.scope
+        assert scope is not None
+        flags = scope.flags
+        scope.flags = freeze({**flags, "jdls_sites": self.make})
+        try:
+            with nn.intercept_methods(interceptor):
+                out = self.jdls_wrapped(*args, **kwargs)
+        finally:
+            scope.flags = flags
         if making:
             self._place_layer_sites()
         return out
@@ -81,7 +93,7 @@ class _Sites(nn.Module):
         the site may come from a trace of another layer that ``nn.jit`` reused.)"""
         assert self.place is not None
         position = 0
-        for name, made in list(self.variables[SITES].items()):
+        for name, made in list(self.variables.get(SITES, {}).items()):
             site = made.get(LAYER_SCALE) if isinstance(made, Mapping) else None
             if isinstance(site, Site) and isinstance(site.kind, LayerScale):
                 self.put_variable(SITES, name, {LAYER_SCALE: self.place(position, site)})

@@ -297,6 +297,41 @@ def test_layer_scales_under_nn_jit_traced_before_are_the_wrappers_own() -> None:
             assert float(site.value["scale"].loss_scale) == 2.0**8
 
 
+class DecoratedBlock(nn.Module):
+    @nn.jit  # one jitted method for every instance, in every model
+    @nn.compact
+    def __call__(self, h):
+        return jnp.tanh(nn.Dense(WIDTH, name="dense")(h))
+
+
+class DecoratedBlocks(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        for i in range(2):
+            x = DecoratedBlock(name=f"block_{i}")(x)
+        return x
+
+
+def test_nn_jit_traced_before_without_sites_keeps_the_sites() -> None:
+    """The bare model traced its nn.jit blocks first (init and apply): the probed model's
+    init does not reuse that trace (its sites would be missing), nor does the bare model
+    reuse the probed one's afterwards."""
+    x, key = _x(), jax.random.key(0)
+    bare = DecoratedBlocks()
+    bare.apply(bare.init(key, x), x)
+    model = jdls.linen.probes(bare)
+    state = state_of(model, x)
+    assert sorted(state.sites) == ["block_0", "block_1"]
+    _, grads = state.value_and_grad(lambda v: jnp.mean(model.apply(v, x) ** 2))(state.variables)
+    t = jdls.Telemetry.of(grads["jdls"])
+    assert t.names == ("block_0/dense", "block_0", "block_1/dense", "block_1")
+    assert np.asarray(t.uses).tolist() == [1.0] * 4
+    assert sorted(bare.init(key, x)) == ["params"]
+    scaled = jdls.linen.layer_scales(bare, jdls.StaticScale(2.0))
+    sites = scaled.init(key, x)["jdls"]
+    assert [sites[f"block_{i}"]["layer_scale"].kind.position for i in range(2)] == [0, 1]
+
+
 def test_train_state_with_sites_says_what_to_pass() -> None:
     x = _x()
     state = state_of(jdls.linen.probes(Scanned()), x)
