@@ -19,6 +19,7 @@ scanned stack) and the measurements come out as their gradients, so ``lax.scan``
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -251,19 +252,18 @@ def _unscale(g: jax.Array, level: jax.Array) -> jax.Array:
 def _layer_measure(grads: list[jax.Array], stack: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
     """The largest magnitude and the finiteness of a layer's gradients, per stacked layer.
 
-    One max reduction per leaf: a non-finite value counts as an infinity, so the layer is
-    finite exactly where its largest magnitude is (an inf or NaN never reaches the max,
-    which XLA's CPU reduction may otherwise let drop a NaN). A non-finite layer's largest
+    One max reduction per layer over all its leaves (XLA fuses the concatenation into the
+    reduction: no copy): a non-finite value counts as an infinity, so the layer is finite
+    exactly where its largest magnitude is (an inf or NaN never reaches the max, which
+    XLA's CPU reduction may otherwise let drop a NaN). A non-finite layer's largest
     magnitude reads inf."""
-    if not grads:
+    k = math.prod(stack)
+    flat = [g.astype(_F32).reshape(k, -1) for g in grads if g.size]
+    if not flat:
         return jnp.zeros(stack, _F32), jnp.ones(stack, _F32)
-    n = len(stack)
-    amax = None
-    for g in grads:
-        inf = jnp.asarray(jnp.inf, g.dtype)
-        big = jnp.max(jnp.where(jnp.isfinite(g), jnp.abs(g), inf), axis=tuple(range(n, g.ndim)))
-        amax = big if amax is None else jnp.maximum(amax, big)
-    amax = jnp.asarray(amax).astype(_F32)
+    every = flat[0] if len(flat) == 1 else jnp.concatenate(flat, axis=1)
+    amax = jnp.max(jnp.where(jnp.isfinite(every), jnp.abs(every), jnp.inf), axis=1)
+    amax = amax.reshape(stack)
     return amax, (amax < jnp.inf).astype(_F32)
 
 
