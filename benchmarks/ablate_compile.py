@@ -11,11 +11,11 @@ interleaved, medians). Every row is built from jdls's public API or written here
   statistics): a finite sum decides, as in the reference;
 * ``jdls.wrap(adam)``;
 * ``jdls.wrap(adam, DynamicScale())`` (the classic rule) and ``optax.apply_if_finite(adam)``;
-* ``jdls.wrap(adam)`` with the default's measurement ablated (:func:`amax_ablated`): without
-  its ``abs`` fallback (the ``lax.cond`` that measures again when no square is normal), and
-  with no measurement at all (a constant): what the default adds to the classic rule;
-* ``jdls.wrap(adam)`` and ``jdls.wrap(adam, StaticScale)`` with the exact-overflow pass taken
-  out: jdls's own code, with the ``lax.cond`` branch that handles a non-finite sum exactly
+* ``jdls.wrap(adam)`` with the default's measurement ablated (:func:`no_measurement`): no
+  ``max(abs)`` per leaf, a constant instead: what the measurement adds to the default's rule;
+* ``jdls.wrap(adam)``, ``jdls.wrap(adam, DynamicScale())`` and ``jdls.wrap(adam,
+  StaticScale)`` with the exact-overflow pass taken out: jdls's own code, with the
+  ``lax.cond`` branch that handles a non-finite sum exactly
   (``jdls._norm._branches``' ``careful``) replaced by the ordinary branch while they compile
   (:func:`no_exact_pass`; an inf then still skips, an overflowing finite sum is taken with a
   wrong norm: for this measurement only).
@@ -50,33 +50,29 @@ from benchmarks import bench_update
 WITHOUT_EXACT_PASS = "DynamicScale + sum of squares + lax.cond"
 CLASSIC = "jdls.wrap(adam, DynamicScale())"
 APPLY_IF_FINITE = "optax.apply_if_finite(adam)"
-NO_FALLBACK = "jdls.wrap(adam) without the amax fallback"
-NO_AMAX = "jdls.wrap(adam), amax not read from the squares"
+NO_AMAX = "jdls.wrap(adam), no measurement (a constant)"
 
 
 @contextlib.contextmanager
-def amax_ablated(keep_largest_square: bool) -> Any:
-    """While active, the default's measurement (``jdls._norm._amax_of_squares``) compiles
-    without its ``abs`` fallback (``keep_largest_square``: the root of the largest square
-    only), or not at all (a constant): a measurement aid, never for training."""
+def no_measurement() -> Any:
+    """While active, the default's measurement (``jdls._norm._largest``, one ``max(abs)`` per
+    leaf) compiles as a constant: a measurement aid, never for training."""
     from jdls import _norm
 
-    original = _norm._amax_of_squares
+    original = _norm._largest
 
-    def largest_square(xs: Any, squares: Any) -> Any:
-        return jnp.sqrt(jnp.max(jnp.stack([jnp.max(q) for q in squares]))).astype(jnp.float32)
-
-    def constant(xs: Any, squares: Any) -> Any:
+    def constant(xs: Any) -> Any:
         return jnp.float32(1.0)
 
-    _norm._amax_of_squares = largest_square if keep_largest_square else constant  # type: ignore[assignment]
+    _norm._largest = constant  # type: ignore[assignment]
     try:
         yield
     finally:
-        _norm._amax_of_squares = original
+        _norm._largest = original
 
 
 NO_EXACT = "jdls.wrap(adam) without the exact pass"
+NO_EXACT_CLASSIC = "jdls.wrap(adam, DynamicScale()) without the exact pass"
 NO_EXACT_STATIC = "jdls.wrap(adam, StaticScale) without the exact pass"
 
 
@@ -167,9 +163,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         "jdls.wrap(adam)": lambda: bench_update.from_optax(jdls.wrap(adam())),
         CLASSIC: lambda: bench_update.from_optax(jdls.wrap(adam(), jdls.DynamicScale())),
         APPLY_IF_FINITE: lambda: bench_update.from_optax(optax.apply_if_finite(adam(), 10**6)),
-        NO_FALLBACK: lambda: bench_update.from_optax(jdls.wrap(adam())),
         NO_AMAX: lambda: bench_update.from_optax(jdls.wrap(adam())),
         NO_EXACT: lambda: bench_update.from_optax(jdls.wrap(adam())),
+        NO_EXACT_CLASSIC: lambda: bench_update.from_optax(jdls.wrap(adam(), jdls.DynamicScale())),
         NO_EXACT_STATIC: lambda: bench_update.from_optax(
             jdls.wrap(adam(), jdls.StaticScale(2.0**15))
         ),
@@ -181,10 +177,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         rng.shuffle(order)
         for name in order:
             patch: Any = None
-            if name in (NO_EXACT, NO_EXACT_STATIC):
+            if name in (NO_EXACT, NO_EXACT_CLASSIC, NO_EXACT_STATIC):
                 patch = no_exact_pass()
-            elif name in (NO_FALLBACK, NO_AMAX):
-                patch = amax_ablated(keep_largest_square=name == NO_FALLBACK)
+            elif name == NO_AMAX:
+                patch = no_measurement()
             with patch or contextlib.nullcontext():
                 times[name].append(_measure(rows[name], grads))
     base = [a + b for a, b in times["adam"]]

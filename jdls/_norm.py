@@ -8,14 +8,16 @@ which cannot overflow: a leaf's scaled sum is finite exactly when all its elemen
 when all are, the scaled sum gives the norm. ``jdls.clip`` and ``jdls.wrap`` both use it;
 docs/optax.md explains the choices.
 
-A rule that observes the largest gradient magnitude (:func:`jdls.AdaptiveScale`) gets it from
-the same squares: ``max(x*x)`` reads what the sum of squares reads, so XLA makes no second
-copy of the gradients (a separate ``max(abs(x))`` cost 2-5% of a train step on CPU). The
-square root of a normal float square ``fl(x*x)`` is ``|x|`` exactly (binary floating point,
-round to nearest); when no largest square is normal (every ``|x| < 2**-63`` in float32) or
-one overflowed (``|x| >= 2**64``), the largest magnitude is measured again from ``abs(x)``
-inside one ``lax.cond``, free on ordinary steps (a sum that overflows with every square
-finite needs no second measurement: the largest square is still exact).
+A rule that observes the largest gradient magnitude (:func:`jdls.AdaptiveScale`) gets it in
+the same pass as one more reduction per leaf, ``max(abs(x))``: exact (``abs`` and ``max`` round
+nothing), so no second measurement is ever needed, and XLA reads each leaf for it beside the
+sum of squares without writing the squares out.
+
+Many leaves: the per-leaf sums and maxima are combined over one stacked vector behind an
+optimization barrier (:func:`_stacked`), the sum in a loop that keeps optax's order
+``((0 + s0) + s1) + ...``. Combined as a chain of scalar operations, XLA fuses the chain (one
+operation per leaf) and copies it into every scalar kernel that reads the result; on XLA:CPU
+those kernels took most of the compile time of a many-leaf update (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -199,65 +201,47 @@ def _leaf_amax(x: jax.Array) -> jax.Array:
     return jnp.max(jnp.abs(x)).astype(_F32)
 
 
-def _exact_root(m: jax.Array) -> jax.Array:
-    """The float ``r >= 0`` with ``fl(r*r) == m``, for a normal square ``m`` (it is unique).
-
-    ``sqrt`` gives it when correctly rounded; the two corrections make it exact on a backend
-    whose ``sqrt`` is off by up to two units in the last place."""
-    r = jnp.sqrt(m)
-    for _ in range(2):
-        rr = r * r
-        r = jnp.where(
-            rr > m,
-            lax.nextafter(r, jnp.zeros_like(r)),
-            jnp.where(rr < m, lax.nextafter(r, jnp.full_like(r, jnp.inf)), r),
-        )
-    return r
+#: Up to this many per-leaf scalars are combined as a chain of scalar operations; more are
+#: stacked into one vector first (:func:`_stacked`).
+_CHAIN = 16
 
 
-def _amax_of_squares(xs: Sequence[jax.Array], squares: Sequence[jax.Array]) -> jax.Array:
-    """The largest magnitude of ``xs`` (float32) from their elementwise ``squares``; exact
-    when the squares are finite (see the module docstring)."""
-    exact: list[jax.Array] = []
-    peaks: dict[Any, list[jax.Array]] = {}  # the largest square of each leaf, by dtype
-    for x, q in zip(xs, squares, strict=True):
-        if jnp.iscomplexobj(x):  # |z| is not the root of re**2 + im**2 in floating point
-            exact.append(_leaf_amax(x))
-        else:
-            peaks.setdefault(q.dtype, []).append(jnp.max(q))
-    if not peaks:
-        return jnp.max(jnp.stack(exact))
-    # The root is monotonic: one root of the largest square per dtype.
-    tops = [jnp.max(jnp.stack(p)) for p in peaks.values()]
-    normal = [m >= jnp.finfo(m.dtype).tiny for m in tops]
-    roots = [
-        jnp.where(ok, _exact_root(jnp.where(ok, m, 1)), 0).astype(_F32)
-        for ok, m in zip(normal, tops, strict=True)
-    ]
-    best = jnp.max(jnp.stack(exact + roots))
-    # A leaf whose largest square is normal dominates every leaf whose is not (|x| < 2**-63
-    # in float32, 2**-511 in float64), and so does any magnitude of at least 2**-63; without
-    # either, or with a square that overflowed (|x| >= 2**64 in float32, or an inf), measure
-    # again from abs: the one fallback, also for a sum of squares that overflowed.
-    bound = max(float(np.sqrt(jnp.finfo(m.dtype).tiny)) for m in tops)
-    again = (~jnp.any(jnp.stack(normal)) & (best < _F32(bound))) | ~jnp.isfinite(best)
-    return lax.cond(again, _amax_of_abs, _given, list(xs), best)
+def _stacked(values: Sequence[jax.Array]) -> jax.Array:
+    """The per-leaf scalars ``values`` (one dtype) as one vector that XLA keeps as it is.
 
-
-def _amax_of_abs(xs: Sequence[jax.Array], best: Any = None) -> jax.Array:
-    return amax(xs)
-
-
-def _given(xs: Sequence[jax.Array], best: jax.Array) -> jax.Array:
-    return best
+    Without the barrier, XLA's simplifier turns a reduction over a stack of per-leaf results
+    back into a chain of scalar operations, fuses the chain (one parameter and one operation
+    per leaf) and copies it into every scalar kernel that reads the result."""
+    return lax.optimization_barrier(jnp.stack(values))
 
 
 def _ordered_sum(values: Sequence[jax.Array]) -> jax.Array | float:
-    """``((0 + v0) + v1) + ...``: the order optax uses, for bit-identical norms."""
+    """``((0 + v0) + v1) + ...``: the order optax uses, for bit-identical norms; over more
+    than ``_CHAIN`` values of one dtype, a loop over their stacked vector."""
+    values = list(values)
+    if len(values) > _CHAIN and len({jnp.result_type(v) for v in values}) == 1:
+        stacked = _stacked(values)
+        init = vary_like(jnp.zeros((), stacked.dtype), stacked)
+        looped, _ = lax.scan(lambda t, v: (t + v, None), init, stacked)
+        return looped
     total: jax.Array | float = 0.0
     for v in values:
         total = total + v
     return total
+
+
+def _stacked_max(values: Sequence[jax.Array]) -> jax.Array:
+    """The largest of the scalars ``values`` (one dtype)."""
+    if len(values) > _CHAIN:
+        return jnp.max(_stacked(values))
+    return jnp.max(jnp.stack(values))
+
+
+def _largest(xs: Sequence[jax.Array]) -> jax.Array:
+    """The largest magnitude of the leaves ``xs`` as float32: exact (``abs`` and ``max`` round
+    nothing; the cast to float32 rounds a float64 maximum as it would round each element).
+    An inf gives inf; a NaN may be dropped (the step is not finite then, and the norm says so)."""
+    return _stacked_max([_leaf_amax(x) for x in xs])
 
 
 class GlobalNorm(NamedTuple):
@@ -295,8 +279,7 @@ def _branches(
     def largest_of(xs: list[jax.Array], fast: list[jax.Array]) -> jax.Array:
         if not largest:
             return jnp.zeros((), _F32)
-        # exact also after an overflow of the sum: its own fallback measures from ``abs``
-        return vary_like(fast[0], xs[0])
+        return vary_like(fast[0], xs[0])  # exact, measured beside the sum
 
     def usual(operands: _Operands) -> tuple[jax.Array, ...]:
         xs, total, fast = operands
@@ -316,7 +299,7 @@ def _branches(
         sums = [
             _square_sum(x.astype(jnp.promote_types(wide(x).dtype, total.dtype)) * down) for x in xs
         ]
-        flags = ~jnp.isfinite(jnp.stack(sums))
+        flags = ~jnp.isfinite(_stacked(sums) if len(sums) > _CHAIN else jnp.stack(sums))
         if axis_name is not None:
             flags = lax.pmax(flags.astype(jnp.int32), axis_name) > 0
         finite = ~jnp.any(flags)
@@ -345,7 +328,7 @@ def global_norm(
         finiteness decision is still agreed.
       per_leaf: also return one flag per leaf (exact, agreed across ``axis_name``).
       largest: also return the largest magnitude (exact, float32, a ``pmax`` across
-        ``axis_name``), from the squares the sum reads.
+        ``axis_name``), measured in the same pass as the sum.
     """
     n = len(leaves)
     keep = [i for i, x in enumerate(leaves) if x.size > 0]
@@ -359,9 +342,8 @@ def global_norm(
     xs = [leaves[i] for i in keep]
     is_sharded = (False,) * len(xs) if sharded is None else tuple(sharded[i] for i in keep)
     reduce, usual, careful = _branches(axis_name, is_sharded, largest)
-    squares = [_squares(x) for x in xs]
-    total = reduce([jnp.sum(q) for q in squares])
-    fast = [_amax_of_squares(xs, squares)] if largest else []
+    total = reduce([_square_sum(x) for x in xs])
+    fast = [_largest(xs)] if largest else []
     unsure = ~jnp.isfinite(total)
     if axis_name is not None and not all(is_sharded):
         # the cond below must branch alike on every device
@@ -436,7 +418,7 @@ def amax(leaves: Sequence[jax.Array], *, axis_name: AxisName | None = None) -> j
     a NaN may be dropped (XLA's max reduction on CPU drops it in large arrays), so decide
     finiteness with ``all_finite`` or the norm, not with this."""
     maxima = [_leaf_amax(x) for x in leaves if x.size > 0]
-    out = jnp.max(jnp.stack(maxima)) if maxima else jnp.zeros((), _F32)
+    out = _stacked_max(maxima) if maxima else jnp.zeros((), _F32)
     if axis_name is not None:
         out = lax.pmax(out, axis_name)
     return out

@@ -43,6 +43,35 @@ def test_norm_is_optax_bit_for_bit(jit):
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_many_leaves_keep_optax_order(jit):
+    """Past a few leaves the per-leaf sums and maxima are combined over one stacked vector
+    (a loop for the sum): the norm is still optax's bit for bit, the largest magnitude
+    exact, the per-leaf flags right, on the ordinary and the exact pass."""
+    rng = np.random.default_rng(4)
+    leaves = [
+        jnp.asarray(rng.standard_normal(int(rng.integers(8, 300))).astype("float32") * 3.0**k)
+        for k in range(-20, 20)
+    ]
+    measure = maybe_jit(lambda ls: global_norm(ls, per_leaf=True, largest=True), jit)
+    n = measure(leaves)
+    theirs = maybe_jit(optax.tree.norm, jit)(leaves)
+    assert bool(n.finite) and not bool(n.robust)
+    assert np.asarray(n.norm).tobytes() == np.asarray(theirs).tobytes()
+    assert np.asarray(n.amax).tobytes() == _abs_max(leaves).tobytes()
+    assert not np.asarray(n.leaf_nonfinite).any()
+    big = [x * 1e25 for x in leaves[:30]] + leaves[30:]  # squares overflow, values finite
+    n = measure(big)
+    assert bool(n.finite) and bool(n.robust)
+    assert np.asarray(n.amax).tobytes() == _abs_max(big).tobytes()
+    exact = np.sqrt(sum(np.sum(np.square(np.asarray(x, np.float64))) for x in big))
+    np.testing.assert_allclose(float(n.norm), exact, rtol=1e-5)
+    big[33] = big[33].at[0].set(np.inf)
+    n = measure(big)
+    assert not bool(n.finite)
+    assert np.flatnonzero(np.asarray(n.leaf_nonfinite)).tolist() == [33]
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 @pytest.mark.parametrize("dtype,big", [("float32", 1e25), ("float64", 1e200)])
 def test_overflowing_finite_sum_is_finite(jit, dtype, big):
     with enable_x64(dtype == "float64"):
@@ -239,18 +268,26 @@ def test_largest_with_leaves_sharded_differently(axis_type):
 
 
 @pytest.mark.full
-def test_wrap_measures_from_the_squares_only():
-    """The observing wrap reads the gradients once for the norm and the largest magnitude: no
-    ``abs`` of the gradients outside the branches that run only on rare steps."""
+def test_wrap_measures_beside_the_sum():
+    """The observing wrap measures the largest magnitude beside the sum of squares: one
+    ``max(abs)`` per leaf, exact, and no second measurement in a ``lax.cond`` of its own (the
+    classic rule measures nothing)."""
     params = {"w": jnp.ones((200, 100)), "b": jnp.ones(100), "c": jnp.ones((3, 4), jnp.float16)}
+
+    def top(scale):
+        tx = jdls.wrap(optax.sgd(0.1), scale)
+        state = tx.init(params)
+        jaxpr = jax.make_jaxpr(lambda g, s: tx.update(g, s, params))(params, state)
+        return [e.primitive.name for e in jaxpr.jaxpr.eqns]
+
+    adaptive, classic = top(jdls.AdaptiveScale()), top(jdls.DynamicScale())
+    # the norm's exact pass and the update: nothing else branches
+    assert adaptive.count("cond") == classic.count("cond") == 2
+    assert adaptive.count("reduce_max") == 4  # one per leaf, one across them
+    assert classic.count("reduce_max") == 0
+    # and the scale follows the largest gradient as before: 2**(16 - 6 - 1) for amax 1.0
     tx = jdls.wrap(optax.sgd(0.1), jdls.AdaptiveScale())
     state = tx.init(params)
-    jaxpr = jax.make_jaxpr(lambda g, s: tx.update(g, s, params))(params, state)
-    top = [e.primitive.name for e in jaxpr.jaxpr.eqns]
-    assert not [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "abs" and e.invars[0].aval.ndim]
-    # one per leaf over its squares, two over scalars (the largest square, the largest root)
-    assert top.count("reduce_max") == 5
-    # and the scale follows the largest gradient as before: 2**(16 - 6 - 1) for amax 1.0
     grads = jax.tree_util.tree_map(lambda p: p * 0.5, params)
     grads["w"] = grads["w"].at[7, 3].set(-1.0)
     _, state = jax.jit(tx.update)(grads, state, params)
