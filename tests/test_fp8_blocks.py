@@ -591,5 +591,5 @@ def test_telemetry_reports_each_sites_clipped_blocks_and_flushed_values():
     sites = jdls.update_sites(sites, step(sites))
     rows = fp8.telemetry(sites)
     # x has 4 blocks of 32: the 449 clips its block's maximum when rounding down
-    assert rows["down"]["lhs"] == {"amax": 449.0, "saturated": 0.25, "flushed": 1 / 128}
-    assert rows["up"]["lhs"] == {"amax": 449.0, "saturated": 0.0, "flushed": 1 / 128}
+    assert rows["down"]["lhs"] == {"amax": 449.0, "saturated": 0.25, "flushed": 1 / 128, "uses": 1}
+    assert rows["up"]["lhs"] == {"amax": 449.0, "saturated": 0.0, "flushed": 1 / 128, "uses": 1}

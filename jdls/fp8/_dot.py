@@ -203,12 +203,24 @@ def _fp8_dot_bwd(
     grad_lhs = _grad_of(qg_l, qr, lhs, dims, True, acc, first).astype(lhs.dtype)
     grad_rhs = _grad_of(qg_r, ql, rhs, dims, False, acc, first).astype(rhs.dtype)
     meter = Meter(lhs=ml, rhs=mr, grad=mg)
+    uses = _one_like(meter)
     zeros = jax.tree.map(jnp.zeros_like, state)
     # Inside shard_map, an operand the device did not vary over (replicated weights) gets the
     # sum of the devices' gradients, as JAX's own transpose gives it; a measurement the maximum.
     meter = jax.tree.map(_max_like, meter, state.meter)
+    uses = _max_like(uses, state.uses)
     grad_lhs, grad_rhs = sum_like(grad_lhs, lhs), sum_like(grad_rhs, rhs)
-    return grad_lhs, grad_rhs, dataclasses.replace(zeros, meter=meter)
+    return grad_lhs, grad_rhs, dataclasses.replace(zeros, meter=meter, uses=uses)
+
+
+def _one_like(meter: Meter) -> jax.Array:
+    """1.0: this use of the site. JAX sums the cotangents of a site used several times, so
+    the sum counts the uses. It is computed from the measurement so that it is batched (under
+    ``vmap``) and device-varying (inside ``shard_map``) exactly as the measurement is: an
+    unbatched site under ``vmap`` gets both summed over the batch (``jnp.ones_like`` would be
+    a constant, never summed)."""
+    x = meter.lhs.amax + meter.rhs.amax + meter.grad.amax
+    return jnp.where(jnp.isnan(x), 1.0, 1.0).astype(jnp.float32)
 
 
 def _max_like(x: jax.Array, like: jax.Array) -> jax.Array:

@@ -14,10 +14,12 @@ weight decay never sees the state.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from jdls._site import Site, SiteKind, is_site
@@ -58,6 +60,10 @@ class DotState:
       pending: the largest finite measurements of the steps since the state was last
         updated (steps skipped, or micro-batches of a step not yet applied); an amax of
         ``-inf`` when there were none.
+      uses: float32, how many times the last step used the site; its cotangent is 1 per use
+        (JAX sums the cotangents of a value used several times). Where it is not 1, the
+        meter holds JAX's sum of the uses' measurements (or nothing), which is not recorded:
+        :func:`telemetry` reports NaN there.
     """
 
     lhs: Any
@@ -65,6 +71,7 @@ class DotState:
     grad: Any
     meter: Meter
     pending: Meter
+    uses: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,14 +90,22 @@ class Fp8(SiteKind):
 
     def init(self) -> DotState:
         lhs, rhs, grad = (self.recipe.init(role) for role in ROLES)
-        return DotState(lhs=lhs, rhs=rhs, grad=grad, meter=Meter.zeros(), pending=Meter.empty())
+        return DotState(
+            lhs=lhs,
+            rhs=rhs,
+            grad=grad,
+            meter=Meter.zeros(),
+            pending=Meter.empty(),
+            uses=jnp.zeros((), jnp.float32),
+        )
 
     def backward(self, residuals: Any, g: Any) -> tuple[Any, Any]:
         raise TypeError("an FP8 site is used by jdls.fp8.dot_general, not jdls.apply_site")
 
     def accumulate(self, a: DotState, b: DotState) -> DotState:
         """Two micro-batches' measurements: the maximum of each (the step's amax is the
-        largest of its micro-batches')."""
+        largest of its micro-batches'; each micro-batch uses the site once, so the uses stay
+        1, and a micro-batch that used it twice flags the step)."""
         return jax.tree.map(jnp.maximum, a, b)
 
     def update(self, value: DotState, measurement: DotState, finite: jax.Array) -> DotState:
@@ -99,14 +114,23 @@ class Fp8(SiteKind):
         When ``finite`` (the step was applied), the largest finite measurements since the last
         applied step (this one's included) go to the recipe; otherwise (a skipped step, or a
         micro-batch of ``optax.MultiSteps`` before its step) they wait in ``pending``. An amax
-        that is not finite never reaches the recipe. The meter keeps this step's measurement.
+        that is not finite never reaches the recipe. The meter keeps this step's measurement
+        and ``uses`` its number of uses.
+
+        A measurement is recorded only where the site served exactly one use
+        (``measurement.uses == 1``). Used twice, JAX has summed the uses' measurements (an
+        amax too large); not used, there is nothing to record. Either way the step adds
+        nothing to the history or to ``pending``, as if the site had not been in it, and
+        :func:`jdls.fp8.telemetry` reports its amax as NaN.
         """
         new = measurement.meter
+        once = measurement.uses == 1
+        usable = jax.tree.map(lambda m, e: jnp.where(once, m, e), new, Meter.empty())
 
         def finite_max(p: jax.Array, m: jax.Array) -> jax.Array:
             return jnp.where(jnp.isfinite(m), jnp.maximum(p, m), p)
 
-        pending = jax.tree.map(finite_max, value.pending, new)
+        pending = jax.tree.map(finite_max, value.pending, usable)
         applied = jnp.asarray(finite, bool)
         skipped = jnp.logical_not(applied)
         roles = {}
@@ -116,7 +140,7 @@ class Fp8(SiteKind):
             roles[role] = jax.tree.map(lambda u, o: jnp.where(applied, u, o), updated, old)
         empty = Meter.empty()
         pending = jax.tree.map(lambda e, p: jnp.where(applied, e, p), empty, pending)
-        return DotState(**roles, meter=new, pending=pending)
+        return DotState(**roles, meter=new, pending=pending, uses=measurement.uses)
 
 
 def init(recipe: Recipe) -> Site:
@@ -143,28 +167,54 @@ def _path_name(path: Any) -> str:
     return "/".join(names)
 
 
-def telemetry(tree: Any) -> dict[str, dict[str, dict[str, float]]]:
+def telemetry(tree: Any) -> dict[str, dict[str, dict[str, Any]]]:
     """The last measurement of every FP8 site in ``tree``, by path, on the host.
 
-    Returns ``{path: {"lhs" | "rhs" | "grad": {"amax", "saturated", "flushed"}}}`` with paths
-    such as ``"params/Dense_0/fp8"``; a stack of sites (a scanned layer) gives lists, one
-    entry per layer.
+    Returns ``{path: {"lhs" | "rhs" | "grad": {"amax", "saturated", "flushed", "uses"}}}``
+    with paths such as ``"params/Dense_0/fp8"``; a stack of sites (a scanned layer) gives
+    lists, one entry per layer. ``uses`` is how many times the step used the site. Where it
+    is not 1 the measurement was not recorded, and ``amax``, ``saturated`` and ``flushed``
+    are NaN: a site used twice (JAX sums the measurements of a shared value) or not used, as
+    in a site that has not measured yet. A site used more than once also warns: give each use
+    its own site.
 
     Example:
-      >>> import jdls
-      >>> jdls.fp8.telemetry({"dense": jdls.fp8.init(jdls.fp8.CurrentScaling())})["dense"]["grad"]
-      {'amax': 0.0, 'saturated': 0.0, 'flushed': 0.0}
+      >>> import jax, jax.numpy as jnp, jdls
+      >>> site = jdls.fp8.init(jdls.fp8.CurrentScaling())
+      >>> x = jnp.array([[1.0, -3.5]])
+      >>> loss = lambda s: jnp.sum(jdls.fp8.dot_general(x, x.T, (((1,), (0,)), ((), ())), site=s))
+      >>> site = jdls.update_sites(site, jax.grad(loss)(site))
+      >>> jdls.fp8.telemetry({"dense": site})["dense"]["lhs"]
+      {'amax': 3.5, 'saturated': 0.0, 'flushed': 0.0, 'uses': 1}
     """
     rows: dict[str, dict[str, dict[str, Any]]] = {}
+    shared: list[str] = []
     for path, site in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_fp8)[0]:
         if not _is_fp8(site):
             continue
-        meter = jax.device_get(site.value.meter)
-        rows[_path_name(path)] = {
+        meter, uses = jax.device_get((site.value.meter, site.value.uses))
+        uses = np.asarray(uses)
+        name = _path_name(path)
+        if np.any(uses > 1):
+            shared.append(f"{name} ({int(uses.max())} uses)")
+        rows[name] = {
             role: {
-                field: getattr(getattr(meter, role), field).tolist()
-                for field in ("amax", "saturated", "flushed")
+                **{
+                    field: np.where(
+                        uses == 1, np.asarray(getattr(getattr(meter, role), field)), np.nan
+                    ).tolist()
+                    for field in ("amax", "saturated", "flushed")
+                },
+                "uses": uses.astype(int).tolist(),
             }
             for role in ROLES
         }
+    if shared:
+        warnings.warn(
+            f"FP8 sites used more than once in one step: {', '.join(shared)}. JAX sums the "
+            "measurements of a shared site, so they were not recorded and its scales did not "
+            "change. Give each use its own site (one jdls.fp8.init per call; inside a loop, "
+            "sites stacked along the loop axis).",
+            stacklevel=2,
+        )
     return rows
