@@ -279,3 +279,33 @@ def test_site_state_round_trips_through_pytrees_and_jit():
 def test_dot_refuses_what_is_not_an_fp8_site():
     with pytest.raises(TypeError, match=r"jdls\.fp8\.init"):
         fp8.dot_general(jnp.ones((2, 2)), jnp.ones((2, 2)), DN, site=None)
+
+
+@pytest.mark.parametrize("recipe_cls", [fp8.DelayedScaling, fp8.CurrentScaling])
+def test_every_spelling_of_the_compute_dtype_is_one_recipe(recipe_cls):
+    """jnp.bfloat16, "bfloat16" and np.dtype: one value, equal recipes, one compilation."""
+    spellings = [jnp.bfloat16, "bfloat16", np.dtype(jnp.bfloat16)]
+    recipes = [recipe_cls(compute_dtype=d) for d in spellings]
+    assert all(r == recipes[0] and hash(r) == hash(recipes[0]) for r in recipes)
+    assert all(type(r.compute_dtype) is type(np.dtype(jnp.bfloat16)) for r in recipes)
+    assert recipe_cls(compute_dtype=None).compute_dtype is None
+    traces = []
+
+    @jax.jit
+    def step(site, x):
+        traces.append(1)
+        loss = lambda s: jnp.sum(fp8.dot_general(x, x.T, DN, site=s))  # noqa: E731
+        return jdls.update_sites(site, jax.grad(loss)(site))
+
+    x = jnp.array([[1.0, -3.5]])
+    outs = [step(fp8.init(r), x) for r in recipes]
+    assert len(traces) == 1
+    for out in outs[1:]:
+        assert_bitwise_equal(out, outs[0])
+
+
+def test_a_compute_dtype_that_is_not_a_dtype_says_what_to_pass():
+    with pytest.raises(TypeError, match=r"compute_dtype must be a floating-point dtype: pass"):
+        fp8.DelayedScaling(compute_dtype="int32")
+    with pytest.raises(TypeError, match=r"not the emulated format .*formats="):
+        fp8.CurrentScaling(compute_dtype=jdls.cbfloat16)

@@ -21,6 +21,7 @@ from jdls.fp8._recipe import (
     Measurement,
     Quantized,
     Role,
+    canonical_compute_dtype,
     check_role,
     element_format,
     quantize_with_scale,
@@ -61,8 +62,7 @@ class CurrentScaling:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "formats", Formats.parse(self.formats))
-        if self.compute_dtype is not None:
-            object.__setattr__(self, "compute_dtype", jnp.dtype(self.compute_dtype))
+        object.__setattr__(self, "compute_dtype", canonical_compute_dtype(self.compute_dtype))
 
     @property
     def requantize_backward(self) -> bool:

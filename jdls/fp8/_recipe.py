@@ -26,8 +26,10 @@ from typing import Any, Literal, Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
+from jdls._formats import FloatFormat, canonical_format
 from jdls.fp8._formats import cast, format_max
 
 __all__ = [
@@ -188,6 +190,34 @@ def quantize_with_scale(
 def element_format(formats: Any, role: Role) -> Any:
     """The element format of ``role``: ``formats.backward`` for the gradient, else forward."""
     return formats.backward if role == "grad" else formats.forward
+
+
+def canonical_compute_dtype(compute_dtype: Any) -> np.dtype | None:
+    """A recipe's ``compute_dtype`` in its one spelling (:func:`jdls._formats.canonical_format`):
+    ``jnp.bfloat16``, ``"bfloat16"`` and ``np.dtype("bfloat16")`` become one numpy dtype, so
+    that equal recipes compare and hash equal and ``jax.jit`` compiles once. ``None`` (the
+    operands' dtype) stays ``None``.
+
+    Raises:
+      TypeError: ``compute_dtype`` is not a floating-point dtype XLA computes in (an emulated
+        :class:`jdls.FloatFormat` is not: the dot accumulates in a real dtype).
+    """
+    if compute_dtype is None:
+        return None
+    hint = 'pass a dtype such as jnp.float32, "bfloat16" or np.dtype("float16"), or None'
+    try:
+        fmt = canonical_format(compute_dtype)
+    except TypeError:
+        raise TypeError(
+            f"compute_dtype must be a floating-point dtype: {hint}; got {compute_dtype!r}"
+        ) from None
+    if isinstance(fmt, FloatFormat):
+        raise TypeError(
+            f"compute_dtype must be a dtype XLA computes in, not the emulated format {fmt!r}: "
+            f"{hint} (an emulated element format goes in formats=, e.g. "
+            "jdls.fp8.Formats(jdls.FloatFormat(4, 3), 'e5m2'))"
+        )
+    return fmt
 
 
 def check_role(role: str) -> None:
