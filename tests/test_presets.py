@@ -428,6 +428,27 @@ def test_preset_defaults():
     assert float(jdls.presets.cerebras(init_scale=2.0**20).loss_scale) == 2.0**15  # clamped
 
 
+@pytest.mark.parametrize(
+    ("spellings", "maximum"),
+    [
+        (["float16", jnp.float16, np.dtype("float16")], 2.0**15),
+        (["bfloat16", jnp.bfloat16, np.dtype(jnp.bfloat16)], 2.0**15),
+        (["cbfloat16", jdls.cbfloat16, jdls.FloatFormat(6, 9)], 2.0**31),
+    ],
+    ids=["float16", "bfloat16", "cbfloat16"],
+)
+def test_cerebras_half_dtype_takes_every_spelling_of_a_format(spellings, maximum):
+    scales = [jdls.presets.cerebras(half_dtype=h) for h in spellings]
+    assert all(s.rule == scales[0].rule for s in scales)
+    assert all(float(s.loss_scale) == maximum for s in scales)
+
+
+@pytest.mark.parametrize("bad", ["fp16", jnp.float32, jnp.int8, 16])
+def test_cerebras_half_dtype_that_is_not_a_half_format_says_what_to_pass(bad):
+    with pytest.raises(ValueError, match=r"half_dtype must be one of .*: pass .*jdls\.cbfloat16"):
+        jdls.presets.cerebras(half_dtype=bad)
+
+
 def test_cerebras_static_and_none():
     static = jdls.presets.cerebras(loss_scale=128.0)
     assert isinstance(static, jdls.StaticScale) and float(static.loss_scale) == 128.0

@@ -8,6 +8,7 @@ from typing import Any
 import optax
 
 from jdls._checks import check_limit, check_positive_finite
+from jdls._formats import canonical_format
 from jdls._scale import DynamicScale, NoOpScale, StaticScale
 from jdls._wrap import wrap
 from jdls.presets._arguments import check_interval_plus_one, spelled
@@ -26,7 +27,7 @@ def cerebras(
     min_loss_scale: float | None = CEREBRAS_MIN_LOSS_SCALE,
     max_loss_scale: float | None = None,
     overflow_tolerance: float = 0.0,
-    half_dtype: str = "float16",
+    half_dtype: Any = "float16",
     *,
     max_gradient_norm: float | None = None,
 ) -> DynamicScale | StaticScale | NoOpScale:
@@ -48,7 +49,9 @@ def cerebras(
       max_loss_scale: upper clamp (None: ``2**15`` for float16 and bfloat16, ``2**31`` for
         cbfloat16, as ``cstorch.amp.set_half_dtype`` sets it).
       overflow_tolerance: tolerated fraction of non-finite steps, >= 0.
-      half_dtype: ``"float16"``, ``"bfloat16"`` or ``"cbfloat16"``.
+      half_dtype: float16, bfloat16 or cbfloat16, in any spelling of a format: a name
+        (``"float16"``, ``"bfloat16"``, ``"cbfloat16"``), a dtype (``jnp.bfloat16``,
+        ``np.dtype("float16")``) or a :class:`jdls.FloatFormat` (``jdls.cbfloat16``).
       max_gradient_norm: not accepted here (a TypeError says where it goes: clipping is the
         wrap's, :func:`cerebras_wrap`).
 
@@ -67,10 +70,7 @@ def cerebras(
             "presets.cerebras builds the scale; clipping belongs to the wrap: "
             f"jdls.presets.cerebras_wrap(optimizer, max_gradient_norm={max_gradient_norm!r}, ...)"
         )
-    if half_dtype not in _CEREBRAS_MAX_LOSS_SCALE:
-        raise ValueError(
-            f"half_dtype must be one of {sorted(_CEREBRAS_MAX_LOSS_SCALE)}, got {half_dtype!r}"
-        )
+    half_dtype = _half_dtype_name(half_dtype)
     if loss_scale is None:
         return NoOpScale()
     if not (isinstance(loss_scale, str) and loss_scale == "dynamic"):
@@ -104,6 +104,23 @@ def cerebras(
             tolerance=overflow_tolerance,
         )
         return DynamicScale(max_loss_scale if init_scale is None else init_scale, rule)
+
+
+def _half_dtype_name(half_dtype: Any) -> str:
+    """The name (``"float16"``, ``"bfloat16"``, ``"cbfloat16"``) of ``half_dtype``, however
+    it is spelled (:func:`jdls._formats.canonical_format`)."""
+    names = {canonical_format(name): name for name in _CEREBRAS_MAX_LOSS_SCALE}
+    try:
+        name = names.get(canonical_format(half_dtype))
+    except TypeError:  # not a format at all
+        name = None
+    if name is None:
+        raise ValueError(
+            f"half_dtype must be one of {sorted(_CEREBRAS_MAX_LOSS_SCALE)}, got {half_dtype!r}: "
+            'pass one of these names, a dtype (jnp.float16, np.dtype("bfloat16")) or '
+            "jdls.cbfloat16"
+        )
+    return name
 
 
 def cerebras_wrap(
