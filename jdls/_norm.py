@@ -215,6 +215,12 @@ def _stacked(values: Sequence[jax.Array]) -> jax.Array:
     return lax.optimization_barrier(jnp.stack(values))
 
 
+def _add(total: jax.Array, value: jax.Array) -> tuple[jax.Array, None]:
+    """One step of :func:`_ordered_sum`'s loop (one function, so that ``lax.scan`` traces it
+    once per dtype)."""
+    return total + value, None
+
+
 def _ordered_sum(values: Sequence[jax.Array]) -> jax.Array | float:
     """``((0 + v0) + v1) + ...``: the order optax uses, for bit-identical norms; over more
     than ``_CHAIN`` values of one dtype, a loop over their stacked vector."""
@@ -222,7 +228,7 @@ def _ordered_sum(values: Sequence[jax.Array]) -> jax.Array | float:
     if len(values) > _CHAIN and len({jnp.result_type(v) for v in values}) == 1:
         stacked = _stacked(values)
         init = vary_like(jnp.zeros((), stacked.dtype), stacked)
-        looped, _ = lax.scan(lambda t, v: (t + v, None), init, stacked)
+        looped, _ = lax.scan(_add, init, stacked)
         return looped
     total: jax.Array | float = 0.0
     for v in values:
@@ -266,7 +272,7 @@ def _branches(
 ) -> tuple[Callable[..., jax.Array], Callable[..., Any], Callable[..., Any]]:
     """The reduction and the two ``lax.cond`` branches for one configuration, built once so
     that ``lax.cond`` finds them in its cache outside ``jit``. The operands are the leaves,
-    the sum of squares and, with ``largest``, the largest magnitude measured from the squares."""
+    the sum of squares and, with ``largest``, the largest magnitude measured beside it."""
 
     def reduce(parts: list[jax.Array]) -> jax.Array:
         local = [p for p, s in zip(parts, is_sharded, strict=True) if not s]
