@@ -44,12 +44,32 @@ def _flushed(x: jax.Array, compute_dtype: Any) -> jax.Array:
 _COUNT_LIMIT = 2**31 - 1  # int32 counts are exact up to here
 
 
+def _counted_float16(g: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """:func:`_counted` of a float16 ``g`` in float16 compute, in one integer pass over its
+    bits: the magnitude's bits ``m`` order like the magnitudes (a NaN above inf, so a NaN
+    is the largest magnitude, never dropped), ``m != 0`` is a nonzero value, ``m >= inf``
+    a non-finite one; nothing flushes. Exact: a float16 value is never a float32 subnormal,
+    so the float tests it replaces do not depend on the backend's flushing of those."""
+    inf = int(np.array(np.inf, np.float16).view(np.uint16))
+    m = jax.lax.bitcast_convert_type(g, jnp.uint16).astype(jnp.int32) & 0x7FFF
+    big, nonzero, nonfinite = jax.lax.reduce(
+        (m, (m != 0).astype(jnp.int32), (m >= inf).astype(jnp.int32)),
+        (jnp.zeros((), jnp.int32),) * 3,
+        lambda p, q: (jnp.maximum(p[0], q[0]), p[1] + q[1], p[2] + q[2]),
+        tuple(range(g.ndim)),
+    )
+    amax = jax.lax.bitcast_convert_type(big.astype(jnp.uint16), jnp.float16)
+    return amax, nonzero, jnp.zeros((), jnp.int32), nonfinite
+
+
 def _counted(g: jax.Array, compute_dtype: Any) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Largest magnitude of ``g`` (one max) and its nonzero, flushed and non-finite values
-    (one variadic int32 sum)."""
+    (one variadic int32 sum); a float16 ``g`` in float16 compute in one integer pass."""
+    same = not isinstance(compute_dtype, FloatFormat) and g.dtype == jnp.dtype(compute_dtype)
+    if same and g.dtype == jnp.float16 and g.size <= _COUNT_LIMIT:
+        return _counted_float16(g)
     big = jnp.max(jnp.abs(g))
     codes = [g != 0, ~jnp.isfinite(g)]
-    same = not isinstance(compute_dtype, FloatFormat) and g.dtype == jnp.dtype(compute_dtype)
     if not same:  # already in the compute format: nothing flushes
         codes.append(_flushed(g, compute_dtype))
     n = len(codes)
@@ -72,7 +92,9 @@ def statistics(leaves: Sequence[jax.Array], compute_dtype: Any) -> jax.Array:
     Each leaf is read in its own format (no float32 copy): its largest magnitude is one max,
     its three counts (nonzero, flushed, non-finite) one variadic reduction in int32 (exact
     below 2**31 values). The non-finite count is its own sum, not read off the
-    maximum: XLA's max may drop a NaN (on CPU it does in large arrays).
+    maximum: XLA's max may drop a NaN (on CPU it does in large arrays). A float16 leaf in
+    float16 compute is read in one integer pass over its bits (the same values; its largest
+    magnitude is NaN whenever it holds a NaN).
     """
     amax, count, nonzero, flushed, nonfinite = (jnp.zeros((), _F32) for _ in range(5))
     for g in leaves:

@@ -82,6 +82,33 @@ def test_a_nan_in_a_large_cotangent_is_flagged(jit):
     assert t.first_nonfinite() == "h"
 
 
+@with_and_without_jit
+def test_float16_statistics_in_one_integer_pass_count_what_the_float_tests_count(jit):
+    """A float16 cotangent in float16 compute is measured from its bits: the same counts
+    and largest magnitude as the float tests (a float32 copy), zeros of both signs,
+    subnormals, infinities and NaNs included; a NaN makes the largest magnitude NaN."""
+    rng = np.random.default_rng(0)
+    values = rng.standard_normal(30_000).astype(np.float16) * np.float16(2.0**-12)
+    values[:9] = [0.0, -0.0, 2.0**-24, -(2.0**-24), 2.0**-15, 65504.0, -65504.0, 1.0, -3.0]
+    flagged = values.copy()
+    flagged[[100, 20_000]] = [np.inf, -np.inf]
+    flagged[[7, 29_999]] = np.nan
+
+    def reference(g):
+        g = np.asarray(g, np.float32)
+        finite = np.isfinite(g)
+        amax = np.nan if np.isnan(g).any() else np.max(np.abs(g))
+        return [float(amax), g.size, int(np.count_nonzero(g)), 0, int((~finite).sum()), 1]
+
+    stats = maybe_jit(lambda g: jdls._probe.statistics([g], "float16"), jit)
+    for case in (values, flagged):
+        got = np.asarray(stats(jnp.asarray(case, jnp.float16))).tolist()
+        want = reference(case)
+        assert got[1:] == want[1:]
+        assert got[0] == want[0] or (math.isnan(got[0]) and math.isnan(want[0]))
+    assert math.isnan(np.asarray(stats(jnp.asarray(flagged, jnp.float16)))[0])
+
+
 def test_probes_leave_the_gradients_bit_for_bit_unchanged():
     def loss(w, site=None):
         h = w.astype(jnp.float16) * 3
