@@ -301,7 +301,9 @@ def _branches(
     def careful(operands: _Operands) -> tuple[jax.Array, ...]:
         xs, total, fast = operands
         k = _down_exponent(total.dtype)
-        down = jnp.asarray(2.0**-k, total.dtype)
+        # a runtime value: a constant would let XLA fold it through the square of a
+        # one-element leaf, (x * c)**2 -> x * x * c * c, which overflows where x > 2**64
+        down = lax.optimization_barrier(jnp.asarray(2.0**-k, total.dtype))
         sums = [
             _square_sum(x.astype(jnp.promote_types(wide(x).dtype, total.dtype)) * down) for x in xs
         ]

@@ -85,6 +85,22 @@ def test_overflowing_finite_sum_is_finite(jit, dtype, big):
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("shape", [(1,), (1, 1), (2,)])
+def test_a_one_element_leaf_past_the_square_range_is_finite(jit, shape):
+    # 2**64 squared overflows float32: the exact pass scales by 2**-96 before squaring. A
+    # constant scale let XLA fold it through the square of a one-element leaf, (x*c)**2 ->
+    # x*x*c*c, so the step was reported non-finite (and skipped) with norm inf.
+    grads = {"a": jnp.full(shape, 2.0**64), "b": jnp.ones(3)}
+    n = maybe_jit(lambda ls: global_norm(ls), jit)(jax.tree.leaves(grads))
+    assert bool(n.finite) and bool(n.robust)
+    exact = np.sqrt(np.prod(shape) * 2.0**128 + 3)
+    assert float(n.norm) == np.float32(exact)
+    tx = jdls.wrap(optax.sgd(1.0), jdls.StaticScale(1.0))
+    _, state = maybe_jit(tx.update, jit)(grads, tx.init(grads), grads)
+    assert bool(jdls.stats(state).finite) and int(jdls.stats(state).skipped_steps) == 0
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 @pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
 @pytest.mark.parametrize("dtype,big", [("float32", 1e25), ("float64", 1e200), ("float32", 1.0)])
 def test_nonfinite_leaves_are_flagged(jit, bad, dtype, big):
