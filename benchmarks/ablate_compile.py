@@ -16,7 +16,7 @@ interleaved, medians). Every row is built from jdls's public API or written here
 * ``jdls.wrap(adam)``, ``jdls.wrap(adam, DynamicScale())`` and ``jdls.wrap(adam,
   StaticScale)`` with the exact-overflow pass taken out: jdls's own code, with the
   ``lax.cond`` branch that handles a non-finite sum exactly
-  (``jdls._norm._branches``' ``careful``) replaced by the ordinary branch while they compile
+  (``jdls._numerics.norm._branches``' ``careful``) replaced by the ordinary branch while they compile
   (:func:`no_exact_pass`; an inf then still skips, an overflowing finite sum is taken with a
   wrong norm: for this measurement only).
 
@@ -55,9 +55,9 @@ NO_AMAX = "jdls.wrap(adam), no measurement (a constant)"
 
 @contextlib.contextmanager
 def no_measurement() -> Any:
-    """While active, the default's measurement (``jdls._norm._largest``, one ``max(abs)`` per
+    """While active, the default's measurement (``jdls._numerics.norm._largest``, one ``max(abs)`` per
     leaf) compiles as a constant: a measurement aid, never for training."""
-    from jdls import _norm
+    from jdls._numerics import norm as _norm
 
     original = _norm._largest
 
@@ -80,7 +80,7 @@ NO_EXACT_STATIC = "jdls.wrap(adam, StaticScale) without the exact pass"
 def no_exact_pass() -> Any:
     """While active, ``jdls.wrap`` compiles without its exact-overflow branch (a measurement
     aid: never for training)."""
-    from jdls import _norm
+    from jdls._numerics import norm as _norm
 
     original = _norm._branches
 

@@ -49,7 +49,7 @@ import jdls
 from benchmarks import _harness as h
 from benchmarks import _models as m
 from benchmarks import bench_step
-from jdls import _retrying
+from jdls._transforms import retrying as _retrying
 
 SCALE = 2.0**15
 OUTLIER = 3.0  # 3 * 2**15 overflows float16 (65504), 3 * 2**14 does not

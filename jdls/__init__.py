@@ -1,25 +1,20 @@
 """jdls: dynamic loss scaling for mixed-precision training in JAX and optax."""
 
 from jdls import fp8, linen, nnx, presets, rules
-from jdls._accumulate import AccumulateInfo, accumulate
-from jdls._checks import all_finite
-from jdls._clip import clip
-from jdls._finfo import FormatInfo
-from jdls._formats import FloatFormat, cbfloat16, compress, decompress, finfo
-from jdls._groups import GroupState, group_stats, wrap_groups
-from jdls._layer_scales import (
+from jdls._floats.finfo import FormatInfo
+from jdls._floats.formats import FloatFormat, cbfloat16, compress, decompress, finfo
+from jdls._floats.policy import Policy, get_policy
+from jdls._numerics.checks import all_finite
+from jdls._scales.layer_scales import (
     LayerScale,
     layer_scaled_value_and_grad,
     layer_site,
     rescale_boundary,
 )
-from jdls._multi_loss import adjust_loss_scales, multi_loss_value_and_grad
-from jdls._policy import Policy, get_policy
-from jdls._probe import Probe, Telemetry, plot_headroom
-from jdls._retry import SkipCause
-from jdls._retrying import retrying
-from jdls._scale import AdaptiveScale, DynamicScale, LossScale, NoOpScale, StaticScale
-from jdls._site import (
+from jdls._scales.multi_loss import adjust_loss_scales, multi_loss_value_and_grad
+from jdls._scales.scale import AdaptiveScale, DynamicScale, LossScale, NoOpScale, StaticScale
+from jdls._sites.probe import Probe, Telemetry, plot_headroom
+from jdls._sites.site import (
     Site,
     SiteKind,
     apply_site,
@@ -28,7 +23,12 @@ from jdls._site import (
     split_sites,
     update_sites,
 )
-from jdls._stats import (
+from jdls._transforms.accumulate import AccumulateInfo, accumulate
+from jdls._transforms.clip import clip
+from jdls._transforms.groups import GroupState, group_stats, wrap_groups
+from jdls._transforms.retry import SkipCause
+from jdls._transforms.retrying import retrying
+from jdls._transforms.stats import (
     Stats,
     WrapState,
     get_scale,
@@ -37,7 +37,7 @@ from jdls._stats import (
     set_scale,
     stats,
 )
-from jdls._wrap import wrap
+from jdls._transforms.wrap import wrap
 from jdls.rules import MinimumScaleError
 
 __version__ = "0.1.0"

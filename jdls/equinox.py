@@ -30,10 +30,10 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from jdls._grad import scaled_value_and_grad
-from jdls._layer_scales import scale_layers
-from jdls._scale import LossScale, check_scale
-from jdls._site import is_site_update
+from jdls._scales.grad import scaled_value_and_grad
+from jdls._scales.layer_scales import scale_layers
+from jdls._scales.scale import LossScale, check_scale
+from jdls._sites.site import is_site_update
 
 __all__ = ["apply_updates", "layer_scaled_value_and_grad", "value_and_grad"]
 

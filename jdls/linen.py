@@ -25,10 +25,10 @@ Example:
   32768.0
 """
 
-from jdls._flax import TrainState
-from jdls._flax import from_flax_train_state as from_train_state
-from jdls._linen_sites import SITES
-from jdls._linen_sites import layer_scales_linen as layer_scales
-from jdls._linen_sites import probes_linen as probes
+from jdls._frameworks.flax_glue import TrainState
+from jdls._frameworks.flax_glue import from_flax_train_state as from_train_state
+from jdls._frameworks.linen_sites import SITES
+from jdls._frameworks.linen_sites import layer_scales_linen as layer_scales
+from jdls._frameworks.linen_sites import probes_linen as probes
 
 __all__ = ["SITES", "TrainState", "from_train_state", "layer_scales", "probes"]

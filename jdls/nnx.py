@@ -25,13 +25,15 @@ Example:
   0
 """
 
-from jdls._flax import nnx_value_and_grad as value_and_grad
-from jdls._flax import set_nnx_scale as set_scale
-from jdls._nnx_sites import Optimizer, SiteVariable
-from jdls._nnx_sites import layer_scale_nnx as layer_scale
-from jdls._nnx_sites import layer_scales_nnx as layer_scales
-from jdls._nnx_sites import nnx_layer_scaled_value_and_grad as layer_scaled_value_and_grad
-from jdls._nnx_sites import probes_nnx as probes
+from jdls._frameworks.flax_glue import nnx_value_and_grad as value_and_grad
+from jdls._frameworks.flax_glue import set_nnx_scale as set_scale
+from jdls._frameworks.nnx_sites import Optimizer, SiteVariable
+from jdls._frameworks.nnx_sites import layer_scale_nnx as layer_scale
+from jdls._frameworks.nnx_sites import layer_scales_nnx as layer_scales
+from jdls._frameworks.nnx_sites import (
+    nnx_layer_scaled_value_and_grad as layer_scaled_value_and_grad,
+)
+from jdls._frameworks.nnx_sites import probes_nnx as probes
 
 __all__ = [
     "Optimizer",

@@ -1,4 +1,4 @@
-"""Tests of jdls._formats: bit-exact emulation of IEEE-style float formats.
+"""Tests of jdls._floats.formats: bit-exact emulation of IEEE-style float formats.
 
 References: ml_dtypes/numpy conversions for the formats they have (float16, bfloat16,
 float8_e5m2, float8_e4m3, float8_e3m4, all IEEE-style with inf/NaN), and, for the others
@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jdls
-from jdls._formats import FloatFormat, FormatInfo, cbfloat16, compress, decompress, finfo
+from jdls._floats.formats import FloatFormat, FormatInfo, cbfloat16, compress, decompress, finfo
 
 # name -> (format, numpy dtype); only the IEEE-style ml_dtypes types (inf and NaN encoded
 # with the all-ones exponent, as FloatFormat does). float8_e4m3fn/fnuz/b11fnuz, e5m2fnuz,
@@ -608,7 +608,7 @@ def test_from_bits_reads_only_the_low_bits():
     "name", ["FloatFormat", "FormatInfo", "cbfloat16", "compress", "decompress", "finfo"]
 )
 def test_exported(name):
-    assert name in jdls.__all__ and getattr(jdls, name) is getattr(jdls._formats, name)
+    assert name in jdls.__all__ and getattr(jdls, name) is getattr(jdls._floats.formats, name)
 
 
 # --------------------------------------------------------------------------------------------

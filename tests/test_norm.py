@@ -1,4 +1,4 @@
-"""jdls._norm.global_norm and the skip branch (jdls._skip.cond_branches): the exactness that
+"""jdls._numerics.norm.global_norm and the skip branch (jdls._transforms.skip.cond_branches): the exactness that
 the work to shorten compile times must keep.
 
 * the finiteness decision is exact: a finite gradient whose sum of squares overflows is
@@ -20,7 +20,7 @@ from _helpers import enable_x64, maybe_jit
 from jax.sharding import PartitionSpec as P
 
 import jdls
-from jdls._norm import amax, global_norm
+from jdls._numerics.norm import amax, global_norm
 
 
 def _leaves(dtype: str, big: float) -> list[jax.Array]:

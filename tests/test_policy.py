@@ -1,4 +1,4 @@
-"""Tests of jdls._policy: jmp-compatible policies with native and emulated formats."""
+"""Tests of jdls._floats.policy: jmp-compatible policies with native and emulated formats."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 from _helpers import assert_bitwise_equal, f32_bits, maybe_jit, with_and_without_jit
 
 import jdls
-from jdls._formats import FloatFormat, cbfloat16
-from jdls._policy import Policy, get_policy
+from jdls._floats.formats import FloatFormat, cbfloat16
+from jdls._floats.policy import Policy, get_policy
 
 F32, F16, BF16 = np.dtype("float32"), np.dtype("float16"), np.dtype(jnp.bfloat16)
 
@@ -254,4 +254,4 @@ def test_mlp_gradients_underflow_like_the_format():
 
 def test_exported():
     for name in ("Policy", "get_policy"):
-        assert name in jdls.__all__ and getattr(jdls, name) is getattr(jdls._policy, name)
+        assert name in jdls.__all__ and getattr(jdls, name) is getattr(jdls._floats.policy, name)

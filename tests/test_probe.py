@@ -100,7 +100,7 @@ def test_float16_statistics_in_one_integer_pass_count_what_the_float_tests_count
         amax = np.nan if np.isnan(g).any() else np.max(np.abs(g))
         return [float(amax), g.size, int(np.count_nonzero(g)), 0, int((~finite).sum()), 1]
 
-    stats = maybe_jit(lambda g: jdls._probe.statistics([g], "float16"), jit)
+    stats = maybe_jit(lambda g: jdls._sites.probe.statistics([g], "float16"), jit)
     for case in (values, flagged):
         got = np.asarray(stats(jnp.asarray(case, jnp.float16))).tolist()
         want = reference(case)

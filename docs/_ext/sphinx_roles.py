@@ -75,7 +75,7 @@ class SphinxRoles(griffe.Extension):
         except (griffe.AliasResolutionError, griffe.CyclicAliasError):
             return None
         parts = canonical.split(".")
-        # jdls._scale.DynamicScale.check -> jdls.DynamicScale.check when jdls exports it.
+        # jdls._scales.scale.DynamicScale.check -> jdls.DynamicScale.check when jdls exports it.
         for i in range(len(parts) - 1, 0, -1):
             head = parts[i]
             if head in self._pkg.members and not head.startswith("_"):

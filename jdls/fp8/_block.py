@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jdls._formats import FloatFormat
+from jdls._floats.formats import FloatFormat
 from jdls.fp8._e8m0 import NAN_CODE, ROUNDINGS, amax_bits, ldexp, shared_exponent
 
 __all__ = [

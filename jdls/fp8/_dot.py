@@ -22,8 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jdls._norm import sum_like, varying_axes
-from jdls._site import Site
+from jdls._numerics.norm import sum_like, varying_axes
+from jdls._sites.site import Site
 from jdls.fp8._recipe import Quantized
 from jdls.fp8._state import DotState, Fp8, Meter
 

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jdls._formats import FloatFormat
+from jdls._floats.formats import FloatFormat
 
 __all__ = ["Formats", "cast", "format_max", "format_name"]
 

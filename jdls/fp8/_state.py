@@ -1,6 +1,6 @@
 """The FP8 state of one dot, held as a jdls site, and its update from a step's measurement.
 
-An FP8 dot is a *site* (``jdls/_site.py``): a :class:`jdls.Site` whose kind is
+An FP8 dot is a *site* (``jdls/_sites/site.py``): a :class:`jdls.Site` whose kind is
 :class:`Fp8` (the recipe, configuration) and whose value is a :class:`DotState` (arrays):
 the recipe's state of the three tensors of the dot (``lhs``, ``rhs``, the output gradient
 ``grad``) and a ``meter``. The dot (:func:`jdls.fp8.dot_general`) returns the step's
@@ -22,8 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jdls._site import Site, SiteKind, is_site
-from jdls._stats import step_applied
+from jdls._sites.site import Site, SiteKind, is_site
+from jdls._transforms.stats import step_applied
 from jdls.fp8._recipe import ROLES, Measurement, Recipe
 
 __all__ = ["DotState", "Fp8", "Meter", "init", "step_applied", "telemetry"]

@@ -20,7 +20,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from jdls._site import Site
+from jdls._sites.site import Site
 from jdls.fp8._delayed import DelayedScaling
 from jdls.fp8._dot import dot_general
 from jdls.fp8._recipe import Recipe

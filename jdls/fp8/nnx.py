@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jdls._nnx_sites import SiteVariable
+from jdls._frameworks.nnx_sites import SiteVariable
 from jdls.fp8._delayed import DelayedScaling
 from jdls.fp8._dot import dot_general
 from jdls.fp8._recipe import Recipe

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from jdls._checks import I32_MAX, check_int, check_number
+from jdls._numerics.checks import I32_MAX, check_int, check_number
 
 __all__ = ["check_interval_plus_one", "exact_scale", "integral", "spelled"]
 

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from jdls._checks import (
+from jdls._numerics.checks import (
     F32_MAX,
     F32_TINY,
     check_int,
     check_number,
     check_positive_finite,
 )
-from jdls._scale import DynamicScale, NoOpScale
+from jdls._scales.scale import DynamicScale, NoOpScale
 from jdls.presets._arguments import check_interval_plus_one, exact_scale, integral, spelled
 from jdls.rules import GrowBackoff
 

@@ -7,8 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from jdls._checks import check_int, check_positive_finite
-from jdls._scale import DynamicScale, NoOpScale
+from jdls._numerics.checks import check_int, check_positive_finite
+from jdls._scales.scale import DynamicScale, NoOpScale
 from jdls.presets._cerebras import cerebras
 from jdls.presets._libraries import pytorch
 from jdls.rules import GrowBackoff, OverflowTolerance

@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jdls._checks import check_int
-from jdls._formats import FloatFormat, canonical_format, finfo
+from jdls._floats.formats import FloatFormat, canonical_format, finfo
+from jdls._numerics.checks import check_int
 from jdls.rules._rule import Rule, check_bounds, check_within
 
 __all__ = ["Adaptive", "AdaptiveState"]

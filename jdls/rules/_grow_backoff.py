@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jdls._checks import check_int, check_number
+from jdls._numerics.checks import check_int, check_number
 from jdls.rules._rule import Rule, check_bounds, check_counter
 
 __all__ = ["GrowBackoff", "MinimumScaleError"]

@@ -9,7 +9,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jdls._checks import check_int, check_number
+from jdls._numerics.checks import check_int, check_number
 from jdls.rules._rule import Rule, check_bounds, check_counter
 
 __all__ = ["OverflowTolerance"]

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
-from jdls._checks import check_int, check_positive_finite
+from jdls._numerics.checks import check_int, check_positive_finite
 
 __all__ = ["Rule", "check_bounds", "check_counter", "check_within"]
 

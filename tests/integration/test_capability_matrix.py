@@ -40,7 +40,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import jdls
-from jdls._probe import statistics
+from jdls._sites.probe import statistics
 
 CAPABILITIES = (
     "layer_sites",

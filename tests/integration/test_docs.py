@@ -413,10 +413,10 @@ def _package_modules() -> list[str]:
 #: The modules whose doctests the quick run executes: the train step's own (the scales, their
 #: rules and presets, the wrap, clipping, the statistics); the full suite runs every module's.
 QUICK_DOCTESTS = (
-    "jdls._scale",
-    "jdls._wrap",
-    "jdls._clip",
-    "jdls._stats",
+    "jdls._scales.scale",
+    "jdls._transforms.wrap",
+    "jdls._transforms.clip",
+    "jdls._transforms.stats",
     "jdls.rules",
     "jdls.presets",
 )

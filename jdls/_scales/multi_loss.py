@@ -1,7 +1,7 @@
 """Per-loss scales: several losses, each differentiated at its own scale, combined exactly.
 
 ``backward="one"`` (the default): ``fun`` is traced to a jaxpr, every value gets the set of
-losses that depend on it (``_loss_sets.py``), and one backward pass keeps each value's
+losses that depend on it (``loss_sets.py``), and one backward pass keeps each value's
 cotangent at its set's scale: the region of the backward pass that only loss ``i`` reaches (its
 head) runs at ``s_i``, a region shared by several losses at the smallest of their scales. Each
 parameter's gradient is unscaled by its region's scale: the gradients equal ``jax.grad`` of the
@@ -21,11 +21,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jdls._checks import all_finite, is_float
-from jdls._filter import Split, is_jax_type, split_arguments
-from jdls._loss_sets import EMPTY, Levels, all_sets, analyze, evaluate, var_set
-from jdls._norm import tree_amax, vary_over
-from jdls._scale import DynamicScale, LossScale, check_scale
+from jdls._numerics.checks import all_finite, is_float
+from jdls._numerics.norm import tree_amax, vary_over
+from jdls._scales.filter import Split, is_jax_type, split_arguments
+from jdls._scales.loss_sets import EMPTY, Levels, all_sets, analyze, evaluate, var_set
+from jdls._scales.scale import DynamicScale, LossScale, check_scale
 
 __all__ = ["adjust_loss_scales", "multi_loss_value_and_grad"]
 

@@ -6,7 +6,7 @@ overflowed), :func:`retry` recomputes them at the scale the rule backs off to, u
 times, in a ``lax.while_loop``: each failed attempt counts for the rule as the overflows that
 lower the scale (``scale.back_off()``: one, or with hysteresis the ones it would forgive
 too). A whole train step is retried by :func:`jdls.retrying`
-(``jdls/_retrying.py``).
+(``jdls/_transforms/retrying.py``).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jdls._norm import FloatLeaves, GlobalNorm, sharded_flags
-from jdls._scale import DynamicScale, LossScale
+from jdls._numerics.norm import FloatLeaves, GlobalNorm, sharded_flags
+from jdls._scales.scale import DynamicScale, LossScale
 
 __all__ = [
     "Attempt",

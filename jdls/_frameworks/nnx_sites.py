@@ -19,11 +19,11 @@ from typing import Any, cast
 import jax
 from flax import nnx
 
-from jdls._layer_scales import layer_site, scale_layers
-from jdls._probe import Probe
-from jdls._scale import LossScale, check_scale
-from jdls._site import Site, apply_site, update_sites
-from jdls._stats import step_applied
+from jdls._scales.layer_scales import layer_site, scale_layers
+from jdls._scales.scale import LossScale, check_scale
+from jdls._sites.probe import Probe
+from jdls._sites.site import Site, apply_site, update_sites
+from jdls._transforms.stats import step_applied
 
 __all__ = [
     "Optimizer",

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from jdls._formats import FloatFormat
+    from jdls._floats.formats import FloatFormat
 
 __all__ = ["FormatInfo", "format_info"]
 

@@ -39,7 +39,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.extend
 
-from jdls._norm import GlobalNorm
+from jdls._numerics.norm import GlobalNorm
 
 __all__ = ["recall", "recall_backward", "remember", "remember_backward"]
 

@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jdls._checks import is_float_array
-from jdls._formats import FloatFormat, cbfloat16
+from jdls._floats.formats import FloatFormat, cbfloat16
+from jdls._numerics.checks import is_float_array
 
 __all__ = ["Policy", "get_policy"]
 

@@ -1,6 +1,6 @@
 """The ``LossScale`` interface: scaling, unscaling, ``value_and_grad``, value equality, pytrees.
 
-:mod:`jdls._scale` holds the kinds of scale (no-op, static, dynamic); this module what they
+:mod:`jdls._scales.scale` holds the kinds of scale (no-op, static, dynamic); this module what they
 share, and the error a loss scale gives when it is used as an optax transformation.
 """
 
@@ -13,10 +13,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jdls._checks import is_float
-from jdls._filter import filtered_value_and_grad
-from jdls._grad import reject_axis_name, scaled_value_and_grad
-from jdls._site import is_site
+from jdls._numerics.checks import is_float
+from jdls._scales.filter import filtered_value_and_grad
+from jdls._scales.grad import reject_axis_name, scaled_value_and_grad
+from jdls._sites.site import is_site
 
 __all__ = ["LossScale", "check_scale", "new_scale", "register_scale", "show"]
 

@@ -40,8 +40,8 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
-from jdls._checks import is_float
-from jdls._norm import vary_like
+from jdls._numerics.checks import is_float
+from jdls._numerics.norm import vary_like
 
 __all__ = ["EMPTY", "Levels", "Scope", "all_sets", "analyze", "evaluate", "var_set"]
 
@@ -168,7 +168,7 @@ def analyze(
 
     Example:
       >>> import jax, jax.numpy as jnp
-      >>> from jdls._loss_sets import analyze, var_set
+      >>> from jdls._scales.loss_sets import analyze, var_set
       >>> closed = jax.make_jaxpr(lambda w, h: (jnp.sum(w * h), jnp.sum(h)))(1.0, 2.0)
       >>> scope = analyze(closed, [True, True], [frozenset({0}), frozenset({1})])
       >>> [sorted(var_set(scope, v)) for v in closed.jaxpr.invars]

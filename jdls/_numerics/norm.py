@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jdls._checks import is_float
+from jdls._numerics.checks import is_float
 
 __all__ = [
     "AxisName",

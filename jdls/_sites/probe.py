@@ -1,6 +1,6 @@
 """Cotangent probes: where in the backward pass precision is lost, layer by layer.
 
-A probe is a site (``jdls/_site.py``) of kind :class:`Probe`: ``jdls.apply_site(x, site)`` is
+A probe is a site (``jdls/_sites/site.py``) of kind :class:`Probe`: ``jdls.apply_site(x, site)`` is
 the identity in the forward pass, and in the backward pass it measures the cotangent flowing
 through it (largest magnitude, how many values, how many nonzero, how many flushed to zero in
 the compute format, how many non-finite) and returns the measurement as the cotangent of the
@@ -23,8 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jdls._formats import FloatFormat, finfo
-from jdls._site import Site, SiteKind, is_site
+from jdls._floats.formats import FloatFormat, finfo
+from jdls._sites.site import Site, SiteKind, is_site
 
 __all__ = ["Probe", "Telemetry", "plot_headroom"]
 

@@ -1,6 +1,6 @@
 """``jdls.clip``: gradient clipping that keeps non-finite gradients detectable.
 
-Put it in front of ``jdls.wrap``; the exact global norm it clips by is in ``jdls/_norm.py``.
+Put it in front of ``jdls.wrap``; the exact global norm it clips by is in ``jdls/_numerics/norm.py``.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jdls._checks import check_limit
-from jdls._handoff import remember
-from jdls._norm import AxisName, check_sharded, clip_by_norm, flatten_floats, tree_norm
-from jdls._site import sites_apart
+from jdls._numerics.checks import check_limit
+from jdls._numerics.handoff import remember
+from jdls._numerics.norm import AxisName, check_sharded, clip_by_norm, flatten_floats, tree_norm
+from jdls._sites.site import sites_apart
 
 __all__ = ["clip"]
 
@@ -101,7 +101,7 @@ def clip(
     def update_fn(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
         del params
         tree = flatten_floats(updates)
-        # Measured before clipping, for a jdls.wrap right behind (jdls/_handoff.py): its rule
+        # Measured before clipping, for a jdls.wrap right behind (jdls/_numerics/handoff.py): its rule
         # and Stats.grad_norm then see what the backward pass computed.
         n = tree_norm(tree, axis_name=axis_name, sharded=sharded, largest=True)
         if max_value is not None:

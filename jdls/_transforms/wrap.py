@@ -8,8 +8,8 @@ One train step, top to bottom::
     params = optax.apply_updates(params, updates)
 
 Inside ``tx.update``: one exact sum of squares decides finiteness and gives the global norm
-(``jdls/_norm.py``); the inner update runs only on finite steps (``jdls/_skip.py`` builds what a
-skipped step returns); then the scale is adjusted and the step recorded (``jdls/_stats.py``).
+(``jdls/_numerics/norm.py``); the inner update runs only on finite steps (``jdls/_transforms/skip.py`` builds what a
+skipped step returns); then the scale is adjusted and the step recorded (``jdls/_transforms/stats.py``).
 """
 
 from __future__ import annotations
@@ -25,10 +25,9 @@ import numpy as np
 import optax
 from jax import lax
 
-from jdls._checks import all_finite, check_int, check_limit
-from jdls._filter import non_array_hint
-from jdls._handoff import recall, recall_backward
-from jdls._norm import (
+from jdls._numerics.checks import all_finite, check_int, check_limit
+from jdls._numerics.handoff import recall, recall_backward
+from jdls._numerics.norm import (
     AxisName,
     FloatLeaves,
     GlobalNorm,
@@ -38,11 +37,12 @@ from jdls._norm import (
     tree_amax,
     tree_norm,
 )
-from jdls._retry import classify, first_attempt
-from jdls._scale import AdaptiveScale, DynamicScale, LossScale, check_scale
-from jdls._site import sites_apart
-from jdls._skip import cond_branches, keep_dtypes, select
-from jdls._stats import Stats, WrapState, step_applied
+from jdls._scales.filter import non_array_hint
+from jdls._scales.scale import AdaptiveScale, DynamicScale, LossScale, check_scale
+from jdls._sites.site import sites_apart
+from jdls._transforms.retry import classify, first_attempt
+from jdls._transforms.skip import cond_branches, keep_dtypes, select
+from jdls._transforms.stats import Stats, WrapState, step_applied
 
 __all__ = ["wrap"]
 
@@ -232,7 +232,7 @@ def wrap(
 
         n, finite = measure(tree)
         # A jdls.clip right in front hands over what it measured before clipping: the rule
-        # and the statistics see the gradients of the backward pass (jdls/_handoff.py).
+        # and the statistics see the gradients of the backward pass (jdls/_numerics/handoff.py).
         clipped = n
         handed = recall(tree.floats, axis_name)
         if handed is not None:
@@ -282,7 +282,7 @@ def _backward_amax(
     """The largest magnitude of the gradients that ``scale.value_and_grad`` returned in this
     trace, when a transformation in front of the wrap changed them (``optax``'s clip): the
     backward pass the rule sets the scale for computes those, not the clipped ones
-    (jdls/_handoff.py). ``measured`` (the received gradients' own) otherwise."""
+    (jdls/_numerics/handoff.py). ``measured`` (the received gradients' own) otherwise."""
     calls = recall_backward(scale.loss_scale)
     received_ids = {id(x) for x in received}
     if calls is None or any({id(x) for x in call} == received_ids for call in calls):

@@ -1,7 +1,7 @@
 """Per-layer scales: each layer's backward pass computes at its own scale.
 
 ``rescale_boundary(x, ratio)`` is the identity forward; backward it multiplies the cotangent
-by ``ratio`` (a ``custom_vjp``). A per-layer scale is a site (``jdls/_site.py``) of kind
+by ``ratio`` (a ``custom_vjp``). A per-layer scale is a site (``jdls/_sites/site.py``) of kind
 :class:`LayerScale` at the layer's output, whose value holds the layer's loss scale and the
 ratio ``s[k] / s[k+1]`` of the neighbouring layers' scales. :func:`layer_scaled_value_and_grad`
 sets the ratios from the scales (in the layers' forward order, the kinds' ``position`` and the
@@ -27,10 +27,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jdls._filter import filtered_value_and_grad
-from jdls._formats import finfo
-from jdls._scale import DynamicScale, LossScale, check_scale
-from jdls._site import Site, SiteKind, is_site
+from jdls._floats.formats import finfo
+from jdls._scales.filter import filtered_value_and_grad
+from jdls._scales.scale import DynamicScale, LossScale, check_scale
+from jdls._sites.site import Site, SiteKind, is_site
 
 __all__ = [
     "LayerScale",

@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING, Any
 import jax
 import jax.numpy as jnp
 
-from jdls._checks import is_float
-from jdls._handoff import remember_backward
-from jdls._site import is_site
+from jdls._numerics.checks import is_float
+from jdls._numerics.handoff import remember_backward
+from jdls._sites.site import is_site
 
 if TYPE_CHECKING:
-    from jdls._scale import LossScale
+    from jdls._scales.scale import LossScale
 
 __all__ = ["reject_axis_name", "scaled_value_and_grad", "seed_scale", "with_loss_scale"]
 
@@ -70,7 +70,7 @@ def scaled_value_and_grad(
         (_, (loss, aux, seed)), grads = grad_fn(*args, **kwargs)
         grads = (scale if seed is None else with_loss_scale(scale, seed)).unscale(grads)
         # For the jdls.wrap that holds this scale: what this backward pass computed, whatever
-        # a transformation in front of the wrap makes of it (jdls/_handoff.py).
+        # a transformation in front of the wrap makes of it (jdls/_numerics/handoff.py).
         leaves = jax.tree_util.tree_leaves(grads, is_leaf=is_site)
         remember_backward(
             scale.loss_scale, [x for x in leaves if isinstance(x, jax.Array) and is_float(x)]

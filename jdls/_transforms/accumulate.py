@@ -3,7 +3,7 @@
 ``jdls.accumulate`` runs a ``lax.scan`` over the micro-batches of one step. Each micro-batch's
 loss and gradients are computed at the current scale and checked; with ``retries``, a
 micro-batch whose gradients overflow while its loss is finite is recomputed at lower scales,
-as ``jdls.retrying`` does for a whole step (``jdls/_retry.py``). A micro-batch that
+as ``jdls.retrying`` does for a whole step (``jdls/_transforms/retry.py``). A micro-batch that
 is still not finite is **dropped**: it never enters the sum, and the divisor is the number of
 micro-batches kept. Every failed attempt counts for the scale's rule as the overflows that
 lower the scale (``scale.back_off()``: one, or with hysteresis also those it would forgive),
@@ -22,11 +22,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jdls._checks import check_int
-from jdls._norm import FloatLeaves, GlobalNorm, flatten_floats, tree_norm
-from jdls._retry import first_attempt, retry, value_and_grad_of
-from jdls._scale import DynamicScale, LossScale, check_scale
-from jdls._site import Site, is_site
+from jdls._numerics.checks import check_int
+from jdls._numerics.norm import FloatLeaves, GlobalNorm, flatten_floats, tree_norm
+from jdls._scales.scale import DynamicScale, LossScale, check_scale
+from jdls._sites.site import Site, is_site
+from jdls._transforms.retry import first_attempt, retry, value_and_grad_of
 
 __all__ = ["AccumulateInfo", "accumulate"]
 

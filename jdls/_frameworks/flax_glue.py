@@ -25,12 +25,12 @@ import numpy as np
 from flax import serialization
 from flax.training import train_state
 
-from jdls._grad import reject_axis_name, scaled_value_and_grad
-from jdls._layer_scales import LayerScale, scale_layers
-from jdls._linen_sites import SITES
-from jdls._scale import DynamicScale, LossScale, NoOpScale, StaticScale, check_scale
-from jdls._site import Site, is_site, update_sites
-from jdls._stats import (
+from jdls._frameworks.linen_sites import SITES
+from jdls._scales.grad import reject_axis_name, scaled_value_and_grad
+from jdls._scales.layer_scales import LayerScale, scale_layers
+from jdls._scales.scale import DynamicScale, LossScale, NoOpScale, StaticScale, check_scale
+from jdls._sites.site import Site, is_site, update_sites
+from jdls._transforms.stats import (
     Stats,
     WrapState,
     get_scale,
@@ -379,7 +379,7 @@ def nnx_value_and_grad(
     scale = snapshot(check_scale(scale))
 
     argnums_spec: Any = argnums if isinstance(argnums, int) else tuple(argnums)
-    from jdls._nnx_sites import SiteVariable
+    from jdls._frameworks.nnx_sites import SiteVariable
 
     if wrt is None:
         wrt = nnx.Param

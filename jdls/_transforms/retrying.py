@@ -29,11 +29,11 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from jdls._checks import all_finite, check_int
-from jdls._norm import AxisName, vary_like, vary_over
-from jdls._retry import SkipCause, mean_unsharded
-from jdls._scale import DynamicScale, LossScale
-from jdls._stats import Stats, WrapState, get_scale, replace_scale, stats
+from jdls._numerics.checks import all_finite, check_int
+from jdls._numerics.norm import AxisName, vary_like, vary_over
+from jdls._scales.scale import DynamicScale, LossScale
+from jdls._transforms.retry import SkipCause, mean_unsharded
+from jdls._transforms.stats import Stats, WrapState, get_scale, replace_scale, stats
 
 __all__ = ["retrying"]
 

@@ -22,10 +22,10 @@ import jax
 import jax.numpy as jnp
 from flax.core import freeze
 
-from jdls._layer_scales import LayerScale, layer_site
-from jdls._probe import Probe
-from jdls._scale import LossScale, check_scale
-from jdls._site import Site, apply_site
+from jdls._scales.layer_scales import LayerScale, layer_site
+from jdls._scales.scale import LossScale, check_scale
+from jdls._sites.probe import Probe
+from jdls._sites.site import Site, apply_site
 
 __all__ = ["LAYER_SCALE", "PROBE", "SITES", "layer_scales_linen", "probes_linen"]
 

@@ -167,7 +167,7 @@ def filtered_value_and_grad(
 
     Example:
       >>> import jax, jax.numpy as jnp
-      >>> from jdls._filter import filtered_value_and_grad
+      >>> from jdls._scales.filter import filtered_value_and_grad
       >>> model = {"w": jnp.ones(2), "act": jax.nn.relu, "n": 3}
       >>> loss, grads = filtered_value_and_grad(lambda m: jnp.sum(m["act"](m["w"]) * m["n"]))(model)
       >>> float(loss), grads["w"].tolist(), grads["act"], grads["n"]

@@ -184,7 +184,7 @@ def _is_float(x: Any) -> bool:
 def _cotangent(measurement: Any, value: Any) -> Any:
     """The measurement as a cotangent of ``value``: each float leaf in its leaf's dtype and
     shape (a shape mismatch is the kind's error), ``float0`` zeros for integer leaves."""
-    from jdls._norm import sum_like, vary_like
+    from jdls._numerics.norm import sum_like, vary_like
 
     def leaf(m: Any, v: Any) -> Any:
         if m is None:  # no measurement for this part of the value: zeros

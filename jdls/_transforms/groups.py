@@ -17,10 +17,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jdls._norm import tree_amax
-from jdls._scale import AdaptiveScale, DynamicScale, LossScale, NoOpScale, check_scale
-from jdls._stats import Stats, WrapState, the_wrap_state
-from jdls._wrap import wrap
+from jdls._numerics.norm import tree_amax
+from jdls._scales.scale import AdaptiveScale, DynamicScale, LossScale, NoOpScale, check_scale
+from jdls._transforms.stats import Stats, WrapState, the_wrap_state
+from jdls._transforms.wrap import wrap
 
 __all__ = ["GroupState", "group_stats", "wrap_groups"]
 

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jdls._scale import LossScale, check_scale
+from jdls._scales.scale import LossScale, check_scale
 
 __all__ = [
     "Stats",

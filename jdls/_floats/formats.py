@@ -2,7 +2,7 @@
 
 A :class:`FloatFormat` is an IEEE-754 style binary format (sign, exponent, mantissa bits;
 subnormals, signed zeros, inf and NaN) whose values live in float32 arrays; the rounding,
-encoding and decoding kernels are in ``jdls._bits``. How the emulation is exact, which formats
+encoding and decoding kernels are in ``jdls._floats.bits``. How the emulation is exact, which formats
 are accepted and where float32 subnormals meet XLA's flush-to-zero: docs/formats.md.
 """
 
@@ -16,9 +16,9 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from jdls._bits import from_bits_fn, round_float64, round_fn, storage_dtype, to_bits_fn
-from jdls._checks import I32_MAX, check_int, is_float_array
-from jdls._finfo import FormatInfo, format_info
+from jdls._floats.bits import from_bits_fn, round_float64, round_fn, storage_dtype, to_bits_fn
+from jdls._floats.finfo import FormatInfo, format_info
+from jdls._numerics.checks import I32_MAX, check_int, is_float_array
 
 __all__ = ["FloatFormat", "canonical_format", "cbfloat16", "compress", "decompress", "finfo"]
 
@@ -346,7 +346,7 @@ def canonical_format(dtype: Any) -> np.dtype | FloatFormat:
 
     Example:
       >>> import jax.numpy as jnp, numpy as np, jdls
-      >>> from jdls._formats import canonical_format
+      >>> from jdls._floats.formats import canonical_format
       >>> canonical_format(jnp.float16) == canonical_format("float16") == np.dtype("float16")
       True
       >>> canonical_format("cbfloat16") is jdls.cbfloat16

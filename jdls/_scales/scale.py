@@ -1,4 +1,4 @@
-"""Loss scales: the no-op, static and dynamic kinds (the interface is in ``_scale_interface``).
+"""Loss scales: the no-op, static and dynamic kinds (the interface is in ``scale_interface``).
 
 Every scale is an immutable pytree: its data (the float32 ``loss_scale`` and, for a dynamic
 scale, the rule's int32 counters) are children; its configuration (the rule) is static.
@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jdls._checks import check_positive_finite, finite_flag
-from jdls._scale_interface import LossScale, check_scale, new_scale, register_scale, show
+from jdls._numerics.checks import check_positive_finite, finite_flag
+from jdls._scales.scale_interface import LossScale, check_scale, new_scale, register_scale, show
 from jdls.rules import Adaptive, GrowBackoff, Rule
 from jdls.rules._rule import check_within
 
