@@ -6,7 +6,7 @@ import copy
 import inspect
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -15,10 +15,24 @@ from jdls._numerics.checks import is_float
 from jdls._numerics.handoff import remember_backward
 from jdls._sites.site import is_site
 
-if TYPE_CHECKING:
-    from jdls._scales.scale import LossScale
+__all__ = ["Scaling", "reject_axis_name", "scaled_value_and_grad", "seed_scale", "with_loss_scale"]
 
-__all__ = ["reject_axis_name", "scaled_value_and_grad", "seed_scale", "with_loss_scale"]
+T = TypeVar("T")
+
+
+class Scaling(Protocol):
+    """What the scaled ``value_and_grad`` reads of a loss scale: every :class:`jdls.LossScale`
+    has it (this module stands below the scales and imports none of them)."""
+
+    @property
+    def loss_scale(self) -> jax.Array: ...
+
+    def scale(self, tree: T) -> T: ...
+
+    def unscale(self, tree: T) -> T: ...
+
+
+S = TypeVar("S", bound=Scaling)
 
 
 def reject_axis_name(axis_name: Any) -> None:
@@ -34,7 +48,7 @@ def reject_axis_name(axis_name: Any) -> None:
 
 
 def scaled_value_and_grad(
-    scale: LossScale,
+    scale: Scaling,
     fun: Callable[..., Any],
     has_aux: bool,
     differentiate: Callable[[Callable[..., Any]], Callable[..., Any]],
@@ -92,7 +106,7 @@ def seed_scale(loss_scale: jax.Array, loss: Any) -> jax.Array | None:
     return jnp.minimum(loss_scale, jnp.float32(2.0 ** (exponent - 1)))
 
 
-def with_loss_scale(scale: LossScale, loss_scale: jax.Array) -> LossScale:
+def with_loss_scale(scale: S, loss_scale: jax.Array) -> S:
     """``scale`` with another ``loss_scale`` (scaling and unscaling read only that field)."""
     if isinstance(inspect.getattr_static(type(scale), "loss_scale", None), property):
         return scale  # a scale fixed by its kind (NoOpScale: 1)
