@@ -29,7 +29,7 @@ import numpy as np
 
 from jdls._floats.formats import finfo
 from jdls._scales.filter import filtered_value_and_grad
-from jdls._scales.scale import DynamicScale, LossScale, check_scale
+from jdls._scales.scale import DynamicScale, LossScale, check_scale, observes
 from jdls._sites.site import Site, SiteKind, is_site
 
 __all__ = [
@@ -136,7 +136,7 @@ class LayerScale(SiteKind):
         # one adjustment: grown (measured) on a taken step, backed off where the layer itself
         # overflowed on a skipped one (a rule backs off alike with or without a measurement),
         # unchanged where only other layers did
-        if isinstance(scale, DynamicScale) and scale.rule.observes:
+        if observes(scale):
             adjusted = scale.adjust(finite, _flushed_as_tiny(scale, amax))
         else:
             adjusted = scale.adjust(finite)

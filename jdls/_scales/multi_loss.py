@@ -25,7 +25,7 @@ from jdls._numerics.checks import all_finite, is_float
 from jdls._numerics.norm import tree_amax, vary_over
 from jdls._scales.filter import Split, is_jax_type, split_arguments
 from jdls._scales.loss_sets import EMPTY, Levels, all_sets, analyze, evaluate, var_set
-from jdls._scales.scale import DynamicScale, LossScale, check_scale
+from jdls._scales.scale import LossScale, check_scale, observes
 
 __all__ = ["adjust_loss_scales", "multi_loss_value_and_grad"]
 
@@ -448,8 +448,7 @@ def adjust_loss_scales(
     out = []
     for i, (key, scale) in enumerate(zip(keys, scale_list, strict=True)):
         check_scale(scale, f"scales[{key!r}]")
-        observes = isinstance(scale, DynamicScale) and scale.rule.observes
-        if not observes:
+        if not observes(scale):
             out.append(scale.adjust(flags[i]))
         elif amaxes is None:
             raise ValueError(

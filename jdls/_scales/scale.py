@@ -7,7 +7,8 @@ scale, the rule's int32 counters) are children; its configuration (the rule) is 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeGuard, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -24,8 +25,10 @@ __all__ = [
     "LossScale",
     "NoOpScale",
     "StaticScale",
+    "adjust_observed",
     "check_scale",
     "missing_measurement",
+    "observes",
 ]
 
 _F32 = jnp.float32
@@ -293,6 +296,20 @@ def missing_measurement(rule: Rule) -> str:
         "finite, grad_amax) with jdls.multi_loss_value_and_grad(..., with_amax=True). "
         "(scale.adjust(False) needs no measurement: an overflow backs off.)"
     )
+
+
+def observes(scale: LossScale) -> TypeGuard[DynamicScale]:
+    """Whether ``scale``'s rule sets it from the gradients' largest magnitude
+    (``rule.observes``): every path that adjusts such a scale measures it and passes it."""
+    return isinstance(scale, DynamicScale) and scale.rule.observes
+
+
+def adjust_observed(scale: LossScale, finite: Any, amax: Callable[[], Any]) -> LossScale:
+    """The next scale after a step, ``scale.adjust(finite)``; a rule that observes also gets
+    the step's measurement, ``amax()`` (called only for such a rule)."""
+    if observes(scale):
+        return scale.adjust(finite, amax())
+    return scale.adjust(finite)
 
 
 register_scale(StaticScale, ("loss_scale",), ())

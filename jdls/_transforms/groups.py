@@ -18,7 +18,13 @@ import jax.numpy as jnp
 import optax
 
 from jdls._numerics.norm import tree_amax
-from jdls._scales.scale import AdaptiveScale, DynamicScale, LossScale, NoOpScale, check_scale
+from jdls._scales.scale import (
+    AdaptiveScale,
+    LossScale,
+    NoOpScale,
+    adjust_observed,
+    check_scale,
+)
 from jdls._transforms.stats import Stats, WrapState, the_wrap_state
 from jdls._transforms.wrap import wrap
 
@@ -165,7 +171,9 @@ def wrap_groups(
             grad_norm=jnp.sqrt(jnp.sum(jnp.square(jnp.stack(norms)))),
             cause=jnp.max(jnp.stack(causes)),
         )
-        return updates, WrapState(_adjust(scale, finite, grads), inner, stats)
+        return updates, WrapState(
+            adjust_observed(scale, finite, lambda: tree_amax(dict(grads))), inner, stats
+        )
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -196,14 +204,6 @@ def group_stats(opt_state: Any) -> dict[str, Stats]:
             "jdls.wrap use jdls.stats(opt_state)"
         )
     return {name: g.stats for name, g in inner.items()}
-
-
-def _adjust(scale: LossScale, finite: jax.Array, grads: Mapping[str, Any]) -> LossScale:
-    """The next scale, as ``jdls.wrap`` adjusts it: a rule that observes (``rule.observes``)
-    gets the largest magnitude of the gradients of the groups given."""
-    if isinstance(scale, DynamicScale) and scale.rule.observes:
-        return scale.adjust(finite, tree_amax(dict(grads)))
-    return scale.adjust(finite)
 
 
 def _flags(states: Mapping[str, WrapState]) -> dict[str, Any] | None:

@@ -38,7 +38,13 @@ from jdls._numerics.norm import (
     tree_norm,
 )
 from jdls._scales.filter import non_array_hint
-from jdls._scales.scale import AdaptiveScale, DynamicScale, LossScale, check_scale
+from jdls._scales.scale import (
+    AdaptiveScale,
+    LossScale,
+    adjust_observed,
+    check_scale,
+    observes,
+)
 from jdls._sites.site import sites_apart
 from jdls._transforms.retry import classify, first_attempt
 from jdls._transforms.skip import cond_branches, keep_dtypes, select
@@ -207,6 +213,27 @@ def wrap(
 
         return apply
 
+    def update_or_skip(
+        tree: FloatLeaves,
+        inner_state: Any,
+        params: Any,
+        clipped: GlobalNorm,
+        finite: jax.Array,
+        extra_args: dict[str, Any],
+    ) -> tuple[Any, Any]:
+        """The inner update on a finite step; on a skipped one, ``-0.0`` updates and the inner
+        state as it was. ``clipped`` is the norm ``max_norm`` clips by."""
+        dynamic = {k: v for k, v in extra_args.items() if _is_arrays(v)}
+        static = tuple(sorted((k, v) for k, v in extra_args.items() if k not in dynamic))
+        try:
+            apply = apply_branch(tree.treedef, tree.float_idx, static)
+        except TypeError:  # an unhashable static argument: build the branch uncached
+            apply = apply_branch.__wrapped__(tree.treedef, tree.float_idx, static)
+        operands = (tree.leaves, inner_state, params, clipped, dynamic)
+        if skip_with == "cond":
+            return lax.cond(finite, *cond_branches(apply), operands)
+        return select(finite, apply(operands), inner_state)
+
     def update_fn(
         updates: Any, state: WrapState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, WrapState]:
@@ -215,59 +242,17 @@ def wrap(
         if "value_fn" in extra_args:
             raise TypeError(_RETRIES_MOVED.format("tx.update(..., value_fn=...)"))
         tree = flatten_floats(updates)
-
-        # Decide: one sum of squares gives finiteness and the global norm; a non-finite loss
-        # given as ``value`` (optax's extra argument) makes the step non-finite too.
-        observes = isinstance(state.scale, DynamicScale) and state.scale.rule.observes
-
-        def measure(tree: FloatLeaves) -> tuple[GlobalNorm, jax.Array]:
-            n = tree_norm(
-                tree,
-                axis_name=axis_name,
-                sharded=sharded,
-                per_leaf=track_nonfinite,
-                largest=observes,
-            )
-            return n, (n.finite & ~n.robust if skip_norm_overflow else n.finite)
-
-        n, finite = measure(tree)
-        # A jdls.clip right in front hands over what it measured before clipping: the rule
-        # and the statistics see the gradients of the backward pass (jdls/_numerics/handoff.py).
-        clipped = n
-        handed = recall(tree.floats, axis_name)
-        if handed is not None:
-            n = n._replace(
-                norm=handed.norm, robust=handed.robust, amax=handed.amax if observes else None
-            )
-            finite = n.finite & ~n.robust if skip_norm_overflow else n.finite
-        elif observes:
-            n = n._replace(amax=_backward_amax(state.scale, tree.floats, n.amax, axis_name))
-        loss_finite = jnp.array(True)
-        if "value" in extra_args:
-            loss_finite = _finite_value(extra_args["value"], axis_name)
-            finite = finite & loss_finite
-
+        n, clipped = _measure(tree, state.scale, axis_name, sharded, track_nonfinite)
+        finite, loss_finite = _decide(n, skip_norm_overflow, extra_args, axis_name)
         step = first_attempt(state.scale, tree, n, finite, loss_finite)
-
-        # Apply the inner update, or skip it.
-        dynamic = {k: v for k, v in extra_args.items() if _is_arrays(v)}
-        static = tuple(sorted((k, v) for k, v in extra_args.items() if k not in dynamic))
-        try:
-            apply = apply_branch(tree.treedef, tree.float_idx, static)
-        except TypeError:  # an unhashable static argument: build the branch uncached
-            apply = apply_branch.__wrapped__(tree.treedef, tree.float_idx, static)
-        operands = (tree.leaves, state.inner_state, params, clipped, dynamic)
-        if skip_with == "cond":
-            new_updates, inner_state = lax.cond(finite, *cond_branches(apply), operands)
-        else:
-            new_updates, inner_state = select(finite, apply(operands), state.inner_state)
-
-        # Record the step and adjust the scale.
-        cause = classify(step, retrying=False)
-        stats = _record(state.stats, finite, n, tree, step.tries, cause)
+        new_updates, inner_state = update_or_skip(
+            tree, state.inner_state, params, clipped, finite, extra_args
+        )
+        stats = _record(state.stats, finite, n, tree, step.tries, classify(step, retrying=False))
         if max_consecutive_skips is not None:
             _fail_if_stuck(stats.consecutive_skips, max_consecutive_skips)
-        return new_updates, WrapState(_adjust(step.scale, finite, n), inner_state, stats)
+        scale = adjust_observed(step.scale, finite, lambda: n.amax)
+        return new_updates, WrapState(scale, inner_state, stats)
 
     # Sites among the parameters (per-layer scales, probes, FP8 state): never given to the
     # inner optimizer, never clipped or in the norm; each updated by its kind, skip-aware
@@ -293,13 +278,47 @@ def _backward_amax(
     return largest
 
 
-def _adjust(scale: LossScale, finite: jax.Array, n: GlobalNorm) -> LossScale:
-    """The next scale; rules that ask for it (``rule.observes``) get the gradients' largest
-    magnitude, measured with the norm (``largest=True``)."""
-    if isinstance(scale, DynamicScale) and scale.rule.observes:
-        assert n.amax is not None  # measured when the rule observes
-        return scale.adjust(finite, n.amax)
-    return scale.adjust(finite)
+def _measure(
+    tree: FloatLeaves,
+    scale: LossScale,
+    axis_name: AxisName | None,
+    sharded: Any,
+    per_leaf: bool,
+) -> tuple[GlobalNorm, GlobalNorm]:
+    """What the decision, the rule and the statistics see, and the norm of the gradients given
+    (what ``max_norm`` clips by). One sum of squares gives finiteness and the global norm,
+    and for a rule that observes the largest magnitude. A ``jdls.clip`` right in front hands
+    over what it measured before clipping; else, for a rule that observes, the largest
+    magnitude is that of the gradients ``scale.value_and_grad`` returned
+    (jdls/_numerics/handoff.py): the rule and the statistics see the backward pass."""
+    largest = observes(scale)
+    given = tree_norm(
+        tree, axis_name=axis_name, sharded=sharded, per_leaf=per_leaf, largest=largest
+    )
+    handed = recall(tree.floats, axis_name)
+    if handed is not None:
+        seen = given._replace(
+            norm=handed.norm, robust=handed.robust, amax=handed.amax if largest else None
+        )
+        return seen, given
+    if largest:
+        amax = _backward_amax(scale, tree.floats, given.amax, axis_name)
+        return given._replace(amax=amax), given
+    return given, given
+
+
+def _decide(
+    n: GlobalNorm, skip_norm_overflow: bool, extra_args: dict[str, Any], axis_name: AxisName | None
+) -> tuple[jax.Array, jax.Array]:
+    """Whether the step is applied, and whether the loss was finite: the gradients are finite
+    (and, with ``skip_norm_overflow``, so is their float32 norm), and so is a loss given as
+    ``value`` (optax's extra argument)."""
+    finite = n.finite & ~n.robust if skip_norm_overflow else n.finite
+    loss_finite = jnp.array(True)
+    if "value" in extra_args:
+        loss_finite = _finite_value(extra_args["value"], axis_name)
+        finite = finite & loss_finite
+    return finite, loss_finite
 
 
 def _record(
