@@ -25,10 +25,11 @@ Example:
   32768.0
 """
 
-from jdls._frameworks.flax_glue import TrainState
-from jdls._frameworks.flax_glue import from_flax_train_state as from_train_state
+from jdls._frameworks import flax_serialization  # noqa: F401 (registers the scales and sites)
 from jdls._frameworks.linen_sites import SITES
 from jdls._frameworks.linen_sites import layer_scales_linen as layer_scales
 from jdls._frameworks.linen_sites import probes_linen as probes
+from jdls._frameworks.linen_state import TrainState
+from jdls._frameworks.linen_state import from_flax_train_state as from_train_state
 
 __all__ = ["SITES", "TrainState", "from_train_state", "layer_scales", "probes"]

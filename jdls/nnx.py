@@ -25,8 +25,9 @@ Example:
   0
 """
 
-from jdls._frameworks.flax_glue import nnx_value_and_grad as value_and_grad
-from jdls._frameworks.flax_glue import set_nnx_scale as set_scale
+from jdls._frameworks import flax_serialization  # noqa: F401 (registers the scales and sites)
+from jdls._frameworks.nnx_scale import nnx_value_and_grad as value_and_grad
+from jdls._frameworks.nnx_scale import set_nnx_scale as set_scale
 from jdls._frameworks.nnx_sites import Optimizer, SiteVariable
 from jdls._frameworks.nnx_sites import layer_scale_nnx as layer_scale
 from jdls._frameworks.nnx_sites import layer_scales_nnx as layer_scales

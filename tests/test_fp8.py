@@ -12,7 +12,7 @@ from flax.linen import fp8_ops
 
 import jdls
 from jdls import fp8
-from jdls._sites.site import update_sites
+from jdls._sites.update import update_sites
 
 DN = (((1,), (0,)), ((), ()))
 

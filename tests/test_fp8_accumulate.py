@@ -135,7 +135,7 @@ def test_train_state_with_multisteps_records_one_amax_per_applied_step(jit):
 def test_wrap_with_multisteps_updates_sites_in_params_once_per_applied_step():
     """The site among the parameters given to jdls.wrap(optax.MultiSteps(...)) (the Equinox
     path): the wrap updates it with "the step was applied"."""
-    from jdls._sites.site import put_site_updates
+    from jdls._sites.apart import put_site_updates
 
     batches = _four_micro_batches()
     tx = jdls.wrap(optax.MultiSteps(optax.sgd(0.1), every_k_schedule=2), jdls.StaticScale(1.0))

@@ -24,8 +24,9 @@ from flax.core import freeze
 
 from jdls._scales.layer_scales import LayerScale, layer_site
 from jdls._scales.scale import LossScale, check_scale
+from jdls._sites.apply import apply_site
 from jdls._sites.probe import Probe
-from jdls._sites.site import Site, apply_site
+from jdls._sites.site import Site
 
 __all__ = ["LAYER_SCALE", "PROBE", "SITES", "layer_scales_linen", "probes_linen"]
 

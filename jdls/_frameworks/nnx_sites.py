@@ -21,8 +21,10 @@ from flax import nnx
 
 from jdls._scales.layer_scales import layer_site, scale_layers
 from jdls._scales.scale import LossScale, check_scale
+from jdls._sites.apply import apply_site
 from jdls._sites.probe import Probe
-from jdls._sites.site import Site, apply_site, update_sites
+from jdls._sites.site import Site
+from jdls._sites.update import update_sites
 from jdls._transforms.stats import step_applied
 
 __all__ = [

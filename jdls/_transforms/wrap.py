@@ -45,7 +45,7 @@ from jdls._scales.scale import (
     check_scale,
     observes,
 )
-from jdls._sites.site import sites_apart
+from jdls._sites.apart import sites_apart
 from jdls._transforms.retry import classify, first_attempt
 from jdls._transforms.skip import cond_branches, keep_dtypes, select
 from jdls._transforms.stats import Stats, WrapState, step_applied

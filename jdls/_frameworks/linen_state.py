@@ -1,16 +1,10 @@
-"""Flax integration: a linen ``TrainState`` with the loss scale at hand, and NNX helpers.
+"""Flax linen integration: a ``TrainState`` with the loss scale at hand.
 
 ``jdls.wrap`` is an optax transformation, so it already works unchanged in Flax:
-
-* linen: ``flax.training.train_state.TrainState.create(..., tx=jdls.wrap(optax.adam(...)))``;
-  ``apply_gradients`` checks the gradients, skips the update on inf/NaN and adjusts the scale.
-  :class:`TrainState` adds only reading the scale and a ``value_and_grad`` that uses it.
-* NNX: ``nnx.Optimizer(model, jdls.wrap(optax.adam(...)), wrt=nnx.Param)``, with
-  :func:`jdls.nnx.value_and_grad` (the scaled ``nnx.value_and_grad``) and :func:`jdls.nnx.set_scale`
-  (replace the scale, its rule included).
-
-It is also the one module that imports flax: it registers the loss scales with
-``flax.serialization`` so that ``to_bytes``/``from_bytes`` of any state holding one work.
+``flax.training.train_state.TrainState.create(..., tx=jdls.wrap(optax.adam(...)))``;
+``apply_gradients`` checks the gradients, skips the update on inf/NaN and adjusts the scale.
+:class:`TrainState` adds only reading the scale and a ``value_and_grad`` that uses it (and,
+with sites, their update), and :func:`from_flax_train_state` converts a Flax-example state.
 """
 
 from __future__ import annotations
@@ -26,22 +20,21 @@ from flax import serialization
 from flax.training import train_state
 
 from jdls._frameworks.linen_sites import SITES
-from jdls._scales.grad import reject_axis_name, scaled_value_and_grad
+from jdls._scales.grad import reject_axis_name
 from jdls._scales.layer_scales import LayerScale, scale_layers
-from jdls._scales.scale import DynamicScale, LossScale, NoOpScale, StaticScale, check_scale
-from jdls._sites.site import Site, is_site, update_sites
+from jdls._scales.scale import LossScale
+from jdls._sites.site import Site, is_site
+from jdls._sites.update import update_sites
 from jdls._transforms.stats import (
     Stats,
     WrapState,
     get_scale,
     keep_if_skipped,
-    replace_scale,
-    snapshot,
     stats,
     step_applied,
 )
 
-__all__ = ["TrainState", "from_flax_train_state", "nnx_value_and_grad", "set_nnx_scale"]
+__all__ = ["TrainState", "from_flax_train_state"]
 
 
 def _same_structure(a: Any, b: Any) -> bool:
@@ -327,156 +320,3 @@ def from_flax_train_state(
     return new.replace(
         step=step, opt_state=wrap_state._replace(scale=scale, inner_state=inner_state)
     )
-
-
-# --------------------------------------------------------------------------------------------
-# NNX.
-# --------------------------------------------------------------------------------------------
-
-
-def nnx_value_and_grad(
-    fun: Callable[..., Any],
-    scale: LossScale,
-    argnums: int | Sequence[int] = 0,
-    *,
-    has_aux: bool = False,
-    wrt: Any = None,
-) -> Callable[..., Any]:
-    """``nnx.value_and_grad`` of ``fun`` with the loss scaled and the gradients unscaled.
-
-    The NNX counterpart of :meth:`jdls.LossScale.value_and_grad`: it differentiates NNX
-    modules with ``nnx.value_and_grad`` (only the variables selected by ``wrt``, so modules
-    holding RNG streams or batch statistics work, and their updates propagate), multiplies
-    the loss by ``scale`` before differentiation, and divides the gradients by it after
-    (16-bit gradients come back as float32). Pass the gradients to ``optimizer.update``.
-
-    Args:
-      fun: the loss function; returns a scalar loss, or ``(loss, aux)`` with ``has_aux``.
-      scale: the loss scale, usually ``jdls.get_scale(optimizer)``.
-      argnums: which positional arguments to differentiate, as in ``nnx.value_and_grad``.
-      has_aux: whether ``fun`` returns ``(loss, aux)``.
-      wrt: the NNX filter of the variables to differentiate (default ``nnx.Param``); it
-        should match the ``wrt`` of the ``nnx.Optimizer``.
-
-    Returns:
-      A function with the signature of ``fun`` returning ``(loss, grads)``, or
-      ``((loss, aux), grads)`` with ``has_aux``; ``loss`` is the unscaled loss.
-
-    Example:
-      >>> import jax.numpy as jnp, optax, jdls
-      >>> from flax import nnx
-      >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
-      >>> optimizer = nnx.Optimizer(model, jdls.wrap(optax.sgd(0.1)), wrt=nnx.Param)
-      >>> loss_fn = lambda m: jnp.mean(m(jnp.ones((4, 2)).astype(jnp.float16)) ** 2)
-      >>> scale = jdls.get_scale(optimizer)
-      >>> loss, grads = jdls.nnx.value_and_grad(loss_fn, scale)(model)
-      >>> _ = optimizer.update(model, grads)
-      >>> grads["kernel"].dtype, int(jdls.stats(optimizer).skipped_steps)
-      (dtype('float32'), 0)
-    """
-    from flax import nnx
-
-    scale = snapshot(check_scale(scale))
-
-    argnums_spec: Any = argnums if isinstance(argnums, int) else tuple(argnums)
-    from jdls._frameworks.nnx_sites import SiteVariable
-
-    if wrt is None:
-        wrt = nnx.Param
-    wrt = nnx.Any(wrt, SiteVariable)  # the sites' gradients: their measurements
-    if isinstance(argnums_spec, int):
-        argnums_spec = nnx.DiffState(argnums_spec, wrt)
-    else:
-        argnums_spec = tuple(nnx.DiffState(i, wrt) for i in argnums_spec)
-    return scaled_value_and_grad(
-        scale,
-        fun,
-        has_aux,
-        lambda scaled: nnx.value_and_grad(scaled, argnums=argnums_spec, has_aux=True),
-    )
-
-
-def set_nnx_scale(optimizer: Any, scale: LossScale) -> None:
-    """Replace, in place, the loss scale of an ``nnx.Optimizer`` built with :func:`jdls.wrap`.
-
-    The NNX counterpart of :func:`jdls.set_scale`. Use this rather than
-    ``nnx.update``: ``nnx.update`` copies array values only, so it would keep the old scale's
-    rule (its growth interval, factors and bounds) and silently mix it with the new values.
-    Call it outside ``nnx.jit``, between steps (e.g. after restoring a checkpoint).
-
-    Args:
-      optimizer: an ``nnx.Optimizer`` whose ``tx`` holds exactly one ``jdls.wrap``.
-      scale: the new loss scale (any :class:`jdls.LossScale`, any rule).
-
-    Returns:
-      None; ``optimizer.opt_state`` holds the new scale.
-
-    Example:
-      >>> import optax, jdls
-      >>> from flax import nnx
-      >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
-      >>> optimizer = nnx.Optimizer(model, jdls.wrap(optax.sgd(0.1)), wrt=nnx.Param)
-      >>> jdls.nnx.set_scale(optimizer, jdls.presets.pytorch(init_scale=8.0))
-      >>> scale = jdls.get_scale(optimizer)
-      >>> float(scale.loss_scale), scale.rule.min_loss_scale
-      (8.0, None)
-    """
-    scale = check_scale(scale)
-    if not hasattr(optimizer, "opt_state"):
-        raise TypeError(
-            f"optimizer must be an nnx.Optimizer, got {type(optimizer).__name__}; for an optax "
-            "state or a linen TrainState use jdls.set_scale"
-        )
-    from flax import nnx
-    from flax.nnx.training.optimizer import to_opt_state
-
-    get_scale(optimizer.opt_state)  # exactly one wrap, or a clear error
-    new_scale = to_opt_state(scale)  # its arrays as Variables, as nnx.Optimizer stores them
-    is_variable = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
-    optimizer.opt_state = replace_scale(optimizer.opt_state, new_scale, is_leaf=is_variable)
-
-
-# --------------------------------------------------------------------------------------------
-# flax.serialization of the loss scales (data only; the rule comes from the target).
-# --------------------------------------------------------------------------------------------
-
-
-def _restore(target: Any, state: dict[str, Any], fields: tuple[str, ...]) -> dict[str, Any]:
-    if set(state) != set(fields):
-        raise ValueError(
-            f"cannot restore a {type(target).__name__} from the saved fields {sorted(state)} (a "
-            f"{type(target).__name__} has {sorted(fields)}): build the target with the same "
-            "kind of scale as the one that was saved"
-        )
-    return {f: serialization.from_state_dict(getattr(target, f), state[f], f) for f in fields}
-
-
-def _register_serialization(cls: type, fields: tuple[str, ...]) -> None:
-    def to_state(scale: Any) -> dict[str, Any]:
-        return {f: serialization.to_state_dict(getattr(scale, f)) for f in fields}
-
-    def from_state(target: Any, state: dict[str, Any]) -> Any:
-        leaves = _restore(target, state, fields)
-        return jax.tree_util.tree_unflatten(
-            jax.tree_util.tree_structure(target),
-            jax.tree_util.tree_leaves([leaves[f] for f in fields]),
-        )
-
-    serialization.register_serialization_state(cls, to_state, from_state)
-
-
-_register_serialization(DynamicScale, ("loss_scale", "state"))
-_register_serialization(StaticScale, ("loss_scale",))
-_register_serialization(NoOpScale, ())
-
-
-def _site_to_state(site: Site) -> dict[str, Any]:
-    return {"value": serialization.to_state_dict(site.value)}
-
-
-def _site_from_state(target: Site, state: dict[str, Any]) -> Site:
-    # the kind (configuration) comes from the target, as a scale's rule does
-    return Site(target.kind, serialization.from_state_dict(target.value, state["value"], "value"))
-
-
-serialization.register_serialization_state(Site, _site_to_state, _site_from_state)
