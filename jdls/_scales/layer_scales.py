@@ -257,14 +257,30 @@ def _layer_measure(grads: list[jax.Array], stack: tuple[int, ...]) -> tuple[jax.
     exactly where its largest magnitude is (an inf or NaN never reaches the max, which
     XLA's CPU reduction may otherwise let drop a NaN). A non-finite layer's largest
     magnitude reads inf."""
-    k = math.prod(stack)
-    flat = [g.astype(_F32).reshape(k, -1) for g in grads if g.size]
-    if not flat:
+    grads = [g for g in grads if g.size]
+    if not grads:
         return jnp.zeros(stack, _F32), jnp.ones(stack, _F32)
-    every = flat[0] if len(flat) == 1 else jnp.concatenate(flat, axis=1)
-    amax = jnp.max(jnp.where(jnp.isfinite(every), jnp.abs(every), jnp.inf), axis=1)
-    amax = amax.reshape(stack)
+
+    def magnitude(g: jax.Array) -> jax.Array:
+        g = g.astype(_F32)
+        return jnp.where(jnp.isfinite(g), jnp.abs(g), jnp.inf)
+
+    if all(_reshapes_freely(g) for g in grads):
+        k = math.prod(stack)
+        flat = [g.reshape(k, -1) for g in grads]
+        every = flat[0] if len(flat) == 1 else jnp.concatenate(flat, axis=1)
+        amax = jnp.max(magnitude(every), axis=1).reshape(stack)
+    else:  # a leaf sharded along an explicit mesh axis: one reduction per leaf, no reshape
+        per_leaf = [jnp.max(magnitude(g), axis=tuple(range(len(stack), g.ndim))) for g in grads]
+        amax = per_leaf[0] if len(per_leaf) == 1 else jnp.max(jnp.stack(per_leaf), axis=0)
     return amax, (amax < jnp.inf).astype(_F32)
+
+
+def _reshapes_freely(g: jax.Array) -> bool:
+    """Whether ``g`` may be reshaped without naming the result's sharding: not sharded along
+    an axis of an explicit mesh (``jax.set_mesh``), where JAX asks for ``out_sharding``."""
+    spec = getattr(getattr(jax.typeof(g), "sharding", None), "spec", None)
+    return not spec or all(p is None for p in spec)
 
 
 def scale_layers(
