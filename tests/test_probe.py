@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -175,3 +176,21 @@ def test_plot_headroom(tmp_path):
 def test_a_bad_compute_dtype_says_what_to_pass():
     with pytest.raises(TypeError, match="finfo expects a floating-point dtype"):
         jdls.Probe(compute_dtype="int8")
+
+
+def test_a_format_spelled_any_way_makes_one_probe():
+    spellings = ("float16", jnp.float16, np.dtype("float16"))
+    probes = [jdls.Probe(compute_dtype=s) for s in spellings]
+    assert all(p == probes[0] and hash(p) == hash(probes[0]) for p in probes)
+    assert jdls.Probe(compute_dtype="cbfloat16").compute_dtype is jdls.cbfloat16
+    # one site kind, so one trace: the same static configuration whatever the spelling
+    traces = []
+
+    def loss(site, x):
+        traces.append(None)
+        return jnp.sum(jdls.apply_site(x, site) ** 2)
+
+    grad = jax.jit(jax.grad(loss))
+    for p in probes:
+        grad(jdls.Site(p), jnp.ones(3, jnp.float16))
+    assert len(traces) == 1

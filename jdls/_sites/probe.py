@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jdls._floats.formats import FloatFormat, finfo
+from jdls._floats.formats import FloatFormat, canonical_format, finfo
 from jdls._sites.site import Site, SiteKind, is_site
 
 __all__ = ["Probe", "Telemetry", "plot_headroom"]
@@ -143,6 +143,8 @@ class Probe(SiteKind):
 
     def __post_init__(self) -> None:
         finfo(self.compute_dtype)  # a clear error for a bad format
+        # one spelling per format, so that equal probes compare, hash and key jit's cache alike
+        object.__setattr__(self, "compute_dtype", canonical_format(self.compute_dtype))
 
     def init(self) -> jax.Array:
         return jnp.zeros((len(FIELDS),), _F32)
