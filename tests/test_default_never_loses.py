@@ -271,3 +271,19 @@ def test_a_16_bit_loss_is_seeded_with_at_most_the_largest_power_of_two_of_its_fo
         lambda w: jnp.sum(w.astype(jnp.bfloat16) * 0.5)
     )(w)
     np.testing.assert_array_equal(grads, expected)
+
+
+def test_only_a_scale_whose_rule_observes_keeps_the_gradients_it_returned():
+    # A static or classic scale's array outlives many eager steps: it must not hold them.
+    from jdls._numerics import handoff
+
+    params = {"w": jnp.ones(3)}
+    for scale, kept in (
+        (jdls.StaticScale(4.0), None),
+        (jdls.DynamicScale(), None),
+        (jdls.AdaptiveScale(), 2),
+    ):
+        for _ in range(2):
+            scale.value_and_grad(lambda p: jnp.sum(p["w"] ** 2))(params)
+        record = handoff._backward.get(id(scale.loss_scale))
+        assert (None if record is None else len(record.calls)) == kept

@@ -84,11 +84,16 @@ def scaled_value_and_grad(
         (_, (loss, aux, seed)), grads = grad_fn(*args, **kwargs)
         grads = (scale if seed is None else with_loss_scale(scale, seed)).unscale(grads)
         # For the jdls.wrap that holds this scale: what this backward pass computed, whatever
-        # a transformation in front of the wrap makes of it (jdls/_numerics/handoff.py).
-        leaves = jax.tree_util.tree_leaves(grads, is_leaf=is_site)
-        remember_backward(
-            scale.loss_scale, [x for x in leaves if isinstance(x, jax.Array) and is_float(x)]
-        )
+        # a transformation in front of the wrap makes of it (jdls/_numerics/handoff.py). Only
+        # a rule that observes reads it, so only such a scale keeps the gradients: a static
+        # or classic scale's array outlives many steps when run eagerly, and would hold each
+        # step's gradients as long. (``rule.observes`` read by name: this module stands below
+        # the scale kinds.)
+        if getattr(getattr(scale, "rule", None), "observes", False):
+            leaves = jax.tree_util.tree_leaves(grads, is_leaf=is_site)
+            remember_backward(
+                scale.loss_scale, [x for x in leaves if isinstance(x, jax.Array) and is_float(x)]
+            )
         return ((loss, aux), grads) if has_aux else (loss, grads)
 
     return value_and_grad_fn
