@@ -267,6 +267,99 @@ def test_largest_inside_shard_map_is_agreed():
     assert float(run(put(leaves))) == 41.0
 
 
+def _cases(dtype: str = "float32") -> dict[str, list[jax.Array]]:
+    """Gradients of every kind the decision must tell apart."""
+    cases = {"usual": _leaves(dtype, 3.0), "sum overflows": _leaves(dtype, 1e25)}
+    for name, bad in (("inf", np.inf), ("-inf", -np.inf), ("nan", np.nan)):
+        for where, big in (("small", 1.0), ("beside an overflow", 1e25)):
+            leaves = _leaves(dtype, big)
+            leaves[2] = leaves[2].at[1].set(bad)
+            cases[f"{name}, {where}"] = leaves
+    # XLA:CPU's max reduction drops a NaN in a large array: the sum must catch it
+    cases["nan in a large leaf"] = [jnp.full(20_000, 1e-3).at[3].set(np.nan), jnp.ones(3)]
+    cases["one element past 2**64"] = [jnp.full((1,), 2.0**64), jnp.ones(3)]
+    return cases
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("case", list(_cases()))
+def test_without_the_exact_pass_the_decision_is_the_same(jit, case):
+    """With the largest magnitude measured, finiteness needs no second pass: the same
+    decision as the exact pass on every kind of gradient; the norm is optax's, bit for bit
+    (inf once the sum of squares overflows, where the exact pass gives it up to float32's
+    largest value); the largest magnitude is the same."""
+    leaves = _cases()[case]
+    fast = maybe_jit(lambda ls: global_norm(ls, largest=True, exact_overflow=False), jit)(leaves)
+    exact = maybe_jit(lambda ls: global_norm(ls, largest=True), jit)(leaves)
+    finite = case in ("usual", "sum overflows", "one element past 2**64")
+    assert bool(fast.finite) == bool(exact.finite) == finite
+    assert bool(fast.robust) == bool(exact.robust)
+    theirs = np.float32(optax.tree.norm(leaves))
+    assert np.asarray(fast.norm).tobytes() == theirs.tobytes() or (
+        np.isnan(theirs) and np.isnan(fast.norm)
+    )
+    if bool(exact.finite):
+        assert float(fast.amax) == float(exact.amax)
+    if not bool(exact.robust):
+        assert np.asarray(fast.norm).tobytes() == np.asarray(exact.norm).tobytes()
+
+
+def test_without_the_exact_pass_wide_leaves_keep_it():
+    """A float64 or complex magnitude can overflow float32, where the largest magnitude is
+    measured: those leaves keep the exact pass, and a finite step stays finite."""
+    huge = jnp.full(4, 3e38 + 3e38j, jnp.complex64)  # |z| overflows float32
+    n = global_norm([huge, jnp.ones(3)], largest=True, exact_overflow=False)
+    assert bool(n.finite) and bool(n.robust)  # its norm, past float32, is inf
+    with enable_x64(True):
+        big = [jnp.full(3, 1e200, jnp.float64), jnp.ones(3, jnp.float64)]
+        n = global_norm(big, largest=True, exact_overflow=False)
+        assert bool(n.finite) and bool(n.robust)
+        np.testing.assert_allclose(float(n.norm), np.sqrt(3) * 1e200, rtol=1e-12)
+    with pytest.raises(ValueError, match="needs largest=True"):
+        global_norm([jnp.ones(3)], exact_overflow=False)
+    with pytest.raises(ValueError, match="per_leaf=False"):
+        global_norm([jnp.ones(3)], largest=True, per_leaf=True, exact_overflow=False)
+
+
+@pytest.mark.parametrize("bad", [np.inf, np.nan, None])
+def test_without_the_exact_pass_inside_shard_map(bad):
+    """Across devices the decision is agreed: an inf or a NaN on one device skips on all."""
+    mesh = jax.make_mesh((4,), ("d",))
+    leaves = [jnp.linspace(-3.0, 2.0, 64), jnp.arange(32.0)]
+    if bad is not None:
+        leaves[1] = leaves[1].at[30].set(bad)  # on the last device only
+
+    def local(ls):
+        n = global_norm(ls, axis_name="d", sharded=[True, True], largest=True, exact_overflow=False)
+        return n.finite, n.norm, n.amax
+
+    run = jax.jit(
+        jax.shard_map(local, mesh=mesh, in_specs=(P("d"),), out_specs=P(), check_vma=True)
+    )
+    put = lambda ls: jax.device_put(ls, jax.sharding.NamedSharding(mesh, P("d")))  # noqa: E731
+    finite, norm, top = run(put(leaves))
+    assert bool(finite) == (bad is None)
+    if bad is None:
+        whole = global_norm(leaves, largest=True)
+        np.testing.assert_allclose(float(norm), float(whole.norm), rtol=1e-6)
+        assert float(top) == 31.0
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_default_wrap_takes_a_step_whose_squares_overflow(jit):
+    """Gradients past 2**64 in norm are finite: the default applies the step, as the classic
+    rule does; its ``grad_norm`` is optax's (inf), the classic rule's the exact norm."""
+    params = {"a": jnp.zeros(4), "b": jnp.zeros(3)}
+    grads = {"a": jnp.full(4, 1e25), "b": jnp.ones(3)}
+    for scale, norm in ((jdls.AdaptiveScale(), np.inf), (jdls.DynamicScale(), 2e25)):
+        tx = jdls.wrap(optax.sgd(1e-30), scale)
+        updates, state = maybe_jit(tx.update, jit)(grads, tx.init(params), params)
+        stats = jdls.stats(state)
+        assert bool(stats.finite) and int(stats.skipped_steps) == 0
+        np.testing.assert_allclose(float(stats.grad_norm), norm, rtol=1e-6)
+        np.testing.assert_allclose(np.asarray(updates["a"]), -1e-5, rtol=1e-6)
+
+
 @pytest.mark.parametrize("axis_type", ["Explicit", "Auto"])
 def test_largest_with_leaves_sharded_differently(axis_type):
     """Leaves with different shardings under jit, explicit or automatic: exact, and no
@@ -298,8 +391,9 @@ def test_wrap_measures_beside_the_sum():
         return [e.primitive.name for e in jaxpr.jaxpr.eqns]
 
     adaptive, classic = top(jdls.AdaptiveScale()), top(jdls.DynamicScale())
-    # the norm's exact pass and the update: nothing else branches
-    assert adaptive.count("cond") == classic.count("cond") == 2
+    # the update branches; the classic rule also has the norm's exact pass, which the
+    # largest magnitude makes needless for the default (it decides finiteness itself)
+    assert adaptive.count("cond") == 1 and classic.count("cond") == 2
     assert adaptive.count("reduce_max") == 4  # one per leaf, one across them
     assert classic.count("reduce_max") == 0
     # and the scale follows the largest gradient as before: 2**(16 - 6 - 1) for amax 1.0

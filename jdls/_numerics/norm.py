@@ -325,6 +325,7 @@ def global_norm(
     sharded: Sequence[bool] | None = None,
     per_leaf: bool = False,
     largest: bool = False,
+    exact_overflow: bool = True,
 ) -> GlobalNorm:
     """Finiteness and global norm of float ``leaves`` from one sum of squares.
 
@@ -337,6 +338,14 @@ def global_norm(
       per_leaf: also return one flag per leaf (exact, agreed across ``axis_name``).
       largest: also return the largest magnitude (exact, float32, a ``pmax`` across
         ``axis_name``), measured in the same pass as the sum.
+      exact_overflow: when the sum of squares is not finite, run the second, scaled pass
+        that gives the norm exactly up to float32's largest value (clipping needs it). False
+        (with ``largest`` and without ``per_leaf`` only): finiteness comes from the largest
+        magnitude (inf exactly when an element is) and the sum (NaN exactly when an element
+        is), with no second pass to compile; the norm is then ``optax.global_norm``'s, bit
+        for bit: inf once the float32 sum of squares overflows (a norm past ``2**64``).
+        Leaves of float64 or complex keep the second pass (their magnitude may overflow
+        float32).
     """
     n = len(leaves)
     keep = [i for i, x in enumerate(leaves) if x.size > 0]
@@ -352,6 +361,11 @@ def global_norm(
     reduce, usual, careful = _branches(axis_name, is_sharded, largest)
     total = reduce([_square_sum(x) for x in xs])
     fast = [_largest(xs)] if largest else []
+    if not exact_overflow:
+        if not largest or per_leaf:
+            raise ValueError("exact_overflow=False needs largest=True and per_leaf=False")
+        if all(_fits_float32(x) for x in xs):
+            return _from_largest(total, fast[0], axis_name, sharded is None)
     unsure = ~jnp.isfinite(total)
     if axis_name is not None and not all(is_sharded):
         # the cond below must branch alike on every device
@@ -369,6 +383,32 @@ def global_norm(
     return GlobalNorm(finite, norm, robust, down, scaled, leaf_flags, top if largest else None)
 
 
+def _fits_float32(x: jax.Array) -> bool:
+    """Whether every finite element of ``x`` has a finite float32 magnitude: a real float of
+    32 bits or fewer (a float64 or complex magnitude may overflow float32 and read as inf)."""
+    dtype = jnp.dtype(x.dtype)
+    return dtype.itemsize <= 4 and not jnp.issubdtype(dtype, jnp.complexfloating)
+
+
+def _from_largest(
+    total: jax.Array, top: jax.Array, axis_name: AxisName | None, unknown: bool
+) -> GlobalNorm:
+    """:func:`global_norm` without its second pass: a square, a sum and a ``max`` round no
+    NaN away and make none from finite values, and ``max(abs)`` is inf exactly when an element
+    is, so the two reductions of the first pass decide finiteness exactly on their own."""
+    nan = jnp.isnan(total)
+    if axis_name is not None:
+        nan = lax.pmax(nan.astype(jnp.int32), axis_name) > 0
+        top = lax.pmax(top, axis_name)
+    finite = ~nan & (top < jnp.inf)
+    robust = finite & ~jnp.isfinite(total)
+    norm = jnp.sqrt(total)
+    if unknown and axis_name is not None:
+        norm = jnp.full((), jnp.nan, total.dtype)
+    one = jnp.ones((), total.dtype)
+    return GlobalNorm(finite, norm, robust, one, norm, None, top)
+
+
 def tree_norm(
     tree: FloatLeaves,
     *,
@@ -376,6 +416,7 @@ def tree_norm(
     sharded: Any = None,
     per_leaf: bool = False,
     largest: bool = False,
+    exact_overflow: bool = True,
 ) -> GlobalNorm:
     """:func:`global_norm` of the float leaves of ``tree``, with ``sharded`` given per subtree
     (a bool, a pytree prefix of bools, or a function of the tree returning one)."""
@@ -386,6 +427,7 @@ def tree_norm(
         sharded=None if flags is None else [flags[i] for i in tree.float_idx],
         per_leaf=per_leaf,
         largest=largest,
+        exact_overflow=exact_overflow,
     )
 
 

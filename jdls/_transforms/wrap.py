@@ -37,6 +37,7 @@ from jdls._numerics.norm import (
     tree_amax,
     tree_norm,
 )
+from jdls._numerics.scalars import one_kernel
 from jdls._scales.filter import non_array_hint
 from jdls._scales.scale import (
     AdaptiveScale,
@@ -242,7 +243,9 @@ def wrap(
         if "value_fn" in extra_args:
             raise TypeError(_RETRIES_MOVED.format("tx.update(..., value_fn=...)"))
         tree = flatten_floats(updates)
-        n, clipped = _measure(tree, state.scale, axis_name, sharded, track_nonfinite)
+        n, clipped = _measure(
+            tree, state.scale, axis_name, sharded, track_nonfinite, max_norm is not None
+        )
         finite, loss_finite = _decide(n, skip_norm_overflow, extra_args, axis_name)
         step = first_attempt(state.scale, tree, n, finite, loss_finite)
         new_updates, inner_state = update_or_skip(
@@ -284,6 +287,7 @@ def _measure(
     axis_name: AxisName | None,
     sharded: Any,
     per_leaf: bool,
+    clipping: bool = False,
 ) -> tuple[GlobalNorm, GlobalNorm]:
     """What the decision, the rule and the statistics see, and the norm of the gradients given
     (what ``max_norm`` clips by). One sum of squares gives finiteness and the global norm,
@@ -293,7 +297,14 @@ def _measure(
     (jdls/_numerics/handoff.py): the rule and the statistics see the backward pass."""
     largest = observes(scale)
     given = tree_norm(
-        tree, axis_name=axis_name, sharded=sharded, per_leaf=per_leaf, largest=largest
+        tree,
+        axis_name=axis_name,
+        sharded=sharded,
+        per_leaf=per_leaf,
+        largest=largest,
+        # the largest magnitude decides finiteness on its own; only clipping needs the norm
+        # of an overflowing sum of squares
+        exact_overflow=clipping or per_leaf or not largest,
     )
     handed = recall(tree.floats, axis_name)
     if handed is not None:
@@ -329,24 +340,28 @@ def _record(
     retries: jax.Array,
     cause: jax.Array,
 ) -> Stats:
-    """The statistics of this step."""
+    """The statistics of this step, their counters computed in one kernel."""
     nonfinite = None
     if n.leaf_nonfinite is not None:
         per_leaf: list[Any] = [jnp.zeros((), jnp.bool_)] * len(tree.leaves)
         for k, i in enumerate(tree.float_idx):
             per_leaf[i] = n.leaf_nonfinite[k]
         nonfinite = jax.tree_util.tree_unflatten(tree.treedef, per_leaf)
-    return Stats(
-        finite=finite,
-        skipped_steps=jnp.where(finite, old.skipped_steps, optax.safe_increment(old.skipped_steps)),
-        consecutive_skips=jnp.where(finite, 0, optax.safe_increment(old.consecutive_skips)),
-        grad_norm=n.norm.astype(jnp.float32),
-        nonfinite=nonfinite,
-        retries=retries,
-        cause=cause,
-        retried_steps=jnp.where(
-            retries > 0, optax.safe_increment(old.retried_steps), old.retried_steps
-        ),
+    return one_kernel(
+        Stats(
+            finite=finite,
+            skipped_steps=jnp.where(
+                finite, old.skipped_steps, optax.safe_increment(old.skipped_steps)
+            ),
+            consecutive_skips=jnp.where(finite, 0, optax.safe_increment(old.consecutive_skips)),
+            grad_norm=n.norm.astype(jnp.float32),
+            nonfinite=nonfinite,
+            retries=retries,
+            cause=cause,
+            retried_steps=jnp.where(
+                retries > 0, optax.safe_increment(old.retried_steps), old.retried_steps
+            ),
+        )
     )
 
 

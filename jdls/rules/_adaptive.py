@@ -13,6 +13,7 @@ from jax import lax
 
 from jdls._floats.formats import FloatFormat, canonical_format, finfo
 from jdls._numerics.checks import check_int
+from jdls._numerics.scalars import one_kernel
 from jdls.rules._rule import Rule, check_bounds, check_within
 
 __all__ = ["Adaptive", "AdaptiveState"]
@@ -355,31 +356,10 @@ def _pow2(exponent: jax.Array) -> jax.Array:
 def _select(
     finite: jax.Array, taken: tuple[jax.Array, Any], skipped: tuple[jax.Array, Any]
 ) -> tuple[jax.Array, Any]:
-    """``taken`` where ``finite``, else ``skipped`` (the scale and the state, leaf by leaf).
-
-    XLA compiles each output of a chain of scalar operations as a kernel of its own, into
-    which it copies the part of the chain the output shares with the others: the rule's seven
-    outputs cost seven kernels and the chain several times over. One variadic reduction
-    computes them all in one kernel: each output is the maximum of ``[value, int32 min]``,
-    which is the value, bit for bit (the float32 scale travels as its bits).
-    """
-    leaves, tree = jax.tree_util.tree_flatten(taken)
-    chosen = [
-        jnp.where(finite, a, b).astype(jnp.asarray(a).dtype)
-        for a, b in zip(leaves, jax.tree_util.tree_leaves(skipped), strict=True)
-    ]
-    if any(x.dtype not in (_F32, _I32) for x in chosen):  # not a 32-bit state: leaf by leaf
-        return jax.tree_util.tree_unflatten(tree, chosen)
-    low = _I32(jnp.iinfo(_I32).min)
-    as_int = [x if x.dtype == _I32 else lax.bitcast_convert_type(x, _I32) for x in chosen]
-    rows = [jnp.stack([x, jnp.broadcast_to(low, x.shape)]) for x in as_int]
-    outs = lax.reduce(rows, [low] * len(rows), _maxima, (0,))
-    back = [
-        y if x.dtype == _I32 else lax.bitcast_convert_type(y, x.dtype)
-        for x, y in zip(chosen, outs, strict=True)
-    ]
-    return jax.tree_util.tree_unflatten(tree, back)
-
-
-def _maxima(xs: tuple[jax.Array, ...], ys: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
-    return tuple(jnp.maximum(x, y) for x, y in zip(xs, ys, strict=True))
+    """``taken`` where ``finite``, else ``skipped`` (the scale and the state, leaf by leaf),
+    computed in one kernel (:func:`jdls._numerics.scalars.one_kernel`): the rule's seven
+    outputs would otherwise cost seven kernels, each with its own copy of the shared chain."""
+    chosen = jax.tree_util.tree_map(
+        lambda a, b: jnp.where(finite, a, b).astype(jnp.asarray(a).dtype), taken, skipped
+    )
+    return one_kernel(chosen)
