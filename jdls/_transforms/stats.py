@@ -40,7 +40,9 @@ class Stats(NamedTuple):
       skipped_steps: int32, skipped steps since ``init`` (saturates at the int32 maximum).
       consecutive_skips: int32, skipped steps in a row up to the last one.
       grad_norm: float32, the global L2 norm of the last step's unclipped, unscaled
-        gradients: inf when a gradient is inf or the norm exceeds float32, NaN when a
+        gradients: inf when a gradient is inf or the norm exceeds float32 (with the default
+        rule and no ``max_norm``: once its float32 sum of squares overflows, past ``2**64``,
+        as ``optax.global_norm``), NaN when a
         gradient is NaN, and when it is not known (``axis_name`` without ``sharded``); 0
         before the first step (a NaN there would trip ``jax_debug_nans``).
       nonfinite: with ``track_nonfinite=True``, one bool per gradient leaf (True where the

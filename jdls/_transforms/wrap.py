@@ -7,7 +7,8 @@ One train step, top to bottom::
     updates, opt_state = tx.update(grads, opt_state, params)     # decide, apply or skip, record
     params = optax.apply_updates(params, updates)
 
-Inside ``tx.update``: one exact sum of squares decides finiteness and gives the global norm
+Inside ``tx.update``: one exact sum of squares (with the largest magnitude, for the default
+rule) decides finiteness and gives the global norm
 (``jdls/_numerics/norm.py``); the inner update runs only on finite steps (``jdls/_transforms/skip.py`` builds what a
 skipped step returns); then the scale is adjusted and the step recorded (``jdls/_transforms/stats.py``).
 """
@@ -82,8 +83,9 @@ def wrap(
     ``scale.value_and_grad``, with ``scale = jdls.get_scale(state)``) and
 
     1. decides whether they are all finite, from one sum of squares over every float leaf
-       (exact: an overflowing sum of finite values is told apart from an inf; see
-       :func:`jdls.clip`), which also gives the global norm;
+       (exact: an overflowing sum of finite values is told apart from an inf, by the largest
+       magnitude for a rule that measures it, else by a second pass; see :func:`jdls.clip`),
+       which also gives the global norm;
     2. with ``max_norm``, clips them by that same global norm, as ``jdls.clip(max_norm)``
        (and ``optax.clip_by_global_norm``) would;
     3. applies ``inner`` only when they are finite (``lax.cond``); a skipped step returns zero
