@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jdls._floats.formats import finfo
+from jdls._numerics.scalars import one_kernel
 from jdls._scales.filter import filtered_value_and_grad
 from jdls._scales.scale import DynamicScale, LossScale, check_scale, observes
 from jdls._sites.site import Site, SiteKind, is_site
@@ -142,7 +143,8 @@ class LayerScale(SiteKind):
             adjusted = scale.adjust(finite)
         moved = finite | ~own
         new = jax.tree_util.tree_map(lambda a, s: jnp.where(moved, a, s), adjusted, scale)
-        return {**value, "scale": new, "amax": amax, "finite": own.astype(_F32)}
+        # the scale, its counters and the statistics in one kernel, not one each
+        return one_kernel({**value, "scale": new, "amax": amax, "finite": own.astype(_F32)})
 
 
 def _flushed_as_tiny(scale: DynamicScale, amax: jax.Array) -> jax.Array:
