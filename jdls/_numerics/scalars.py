@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["one_kernel"]
+__all__ = ["clamp", "one_kernel", "pick"]
 
 T = TypeVar("T")
 
@@ -63,6 +63,37 @@ def one_kernel(tree: T) -> T:
     for i, y in zip(picked, outs, strict=True):
         leaves[i] = y
     return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def pick(condition: Any, on_true: Any, on_false: Any) -> jax.Array:
+    """``jnp.where(condition, on_true, on_false)`` as one ``select``: ``jnp.where`` traces a
+    nested ``jit`` of its own, which a rule's dozens of scalar choices pay for in tracing and
+    lowering every train step that compiles.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jdls._numerics.scalars import pick
+      >>> pick(jnp.bool_(True), jnp.int32(3), 0).item()
+      3
+    """
+    dtype = jnp.result_type(on_true, on_false)
+    a, b = jnp.asarray(on_true, dtype), jnp.asarray(on_false, dtype)
+    c = jnp.asarray(condition)
+    shape = jnp.broadcast_shapes(c.shape, a.shape, b.shape)
+    c, a, b = (x if x.shape == shape else jnp.broadcast_to(x, shape) for x in (c, a, b))
+    return lax.select(c, a, b)
+
+
+def clamp(x: Any, low: Any, high: Any) -> jax.Array:
+    """``jnp.clip(x, low, high)`` without its nested ``jit`` (see :func:`pick`).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jdls._numerics.scalars import clamp
+      >>> clamp(jnp.int32(9), 0, 4).item()
+      4
+    """
+    return jnp.minimum(jnp.maximum(x, low), high)
 
 
 def _maxima(xs: tuple[jax.Array, ...], ys: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jdls._floats.formats import finfo
-from jdls._numerics.scalars import one_kernel
+from jdls._numerics.scalars import one_kernel, pick
 from jdls._scales.filter import filtered_value_and_grad
 from jdls._scales.scale import DynamicScale, LossScale, check_scale, observes
 from jdls._sites.site import Site, SiteKind, is_site
@@ -142,7 +142,7 @@ class LayerScale(SiteKind):
         else:
             adjusted = scale.adjust(finite)
         moved = finite | ~own
-        new = jax.tree_util.tree_map(lambda a, s: jnp.where(moved, a, s), adjusted, scale)
+        new = jax.tree_util.tree_map(lambda a, s: pick(moved, a, s), adjusted, scale)
         # the scale, its counters and the statistics in one kernel, not one each
         return one_kernel({**value, "scale": new, "amax": amax, "finite": own.astype(_F32)})
 
@@ -157,7 +157,7 @@ def _flushed_as_tiny(scale: DynamicScale, amax: jax.Array) -> jax.Array:
     if dtype is None:
         return amax
     bound = _F32(float(finfo(dtype).smallest_subnormal) / 2)
-    return jnp.where(amax > 0, amax, bound / scale.loss_scale)
+    return pick(amax > 0, amax, bound / scale.loss_scale)
 
 
 def _value(scale: LossScale, ratio: Any) -> dict[str, Any]:
@@ -265,7 +265,7 @@ def _layer_measure(grads: list[jax.Array], stack: tuple[int, ...]) -> tuple[jax.
 
     def magnitude(g: jax.Array) -> jax.Array:
         g = g.astype(_F32)
-        return jnp.where(jnp.isfinite(g), jnp.abs(g), jnp.inf)
+        return pick(jnp.isfinite(g), jnp.abs(g), jnp.inf)
 
     if all(_reshapes_freely(g) for g in grads):
         k = math.prod(stack)

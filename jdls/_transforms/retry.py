@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jdls._numerics.norm import FloatLeaves, GlobalNorm, sharded_flags
+from jdls._numerics.scalars import pick
 from jdls._scales.scale import DynamicScale, LossScale
 
 __all__ = [
@@ -94,9 +95,7 @@ def retry(
         norm, finite = measure(FloatLeaves(leaves, treedef, float_idx))
         loss_finite = agree(jnp.all(jnp.isfinite(loss)))
         # A non-finite loss: keep the scale as before this attempt (the skip adjusts it once).
-        scale = jax.tree_util.tree_map(
-            lambda new, old: jnp.where(loss_finite, new, old), lower, a.scale
-        )
+        scale = jax.tree_util.tree_map(lambda new, old: pick(loss_finite, new, old), lower, a.scale)
         tries = a.tries + loss_finite.astype(jnp.int32)  # a non-finite loss is no retry
         return Attempt(scale, leaves, norm, finite & loss_finite, loss_finite, tries)
 
@@ -106,8 +105,8 @@ def retry(
 def classify(a: Attempt, retrying: bool) -> jax.Array:
     """The :class:`SkipCause` of the step, an int32 scalar."""
     unknown = SkipCause.BACKWARD if retrying else SkipCause.GRADIENTS
-    cause = jnp.where(a.loss_finite, jnp.int32(unknown), jnp.int32(SkipCause.FORWARD))
-    return jnp.where(a.finite, jnp.int32(SkipCause.NONE), cause)
+    cause = pick(a.loss_finite, jnp.int32(unknown), jnp.int32(SkipCause.FORWARD))
+    return pick(a.finite, jnp.int32(SkipCause.NONE), cause)
 
 
 def mean_unsharded(grads: Any, axis_name: Any, sharded: Any) -> Any:

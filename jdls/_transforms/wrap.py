@@ -38,7 +38,7 @@ from jdls._numerics.norm import (
     tree_amax,
     tree_norm,
 )
-from jdls._numerics.scalars import one_kernel
+from jdls._numerics.scalars import one_kernel, pick
 from jdls._scales.filter import non_array_hint
 from jdls._scales.scale import (
     AdaptiveScale,
@@ -352,15 +352,13 @@ def _record(
     return one_kernel(
         Stats(
             finite=finite,
-            skipped_steps=jnp.where(
-                finite, old.skipped_steps, optax.safe_increment(old.skipped_steps)
-            ),
-            consecutive_skips=jnp.where(finite, 0, optax.safe_increment(old.consecutive_skips)),
+            skipped_steps=pick(finite, old.skipped_steps, optax.safe_increment(old.skipped_steps)),
+            consecutive_skips=pick(finite, 0, optax.safe_increment(old.consecutive_skips)),
             grad_norm=n.norm.astype(jnp.float32),
             nonfinite=nonfinite,
             retries=retries,
             cause=cause,
-            retried_steps=jnp.where(
+            retried_steps=pick(
                 retries > 0, optax.safe_increment(old.retried_steps), old.retried_steps
             ),
         )

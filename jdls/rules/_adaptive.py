@@ -13,7 +13,7 @@ from jax import lax
 
 from jdls._floats.formats import FloatFormat, canonical_format, finfo
 from jdls._numerics.checks import check_int
-from jdls._numerics.scalars import one_kernel
+from jdls._numerics.scalars import clamp, one_kernel, pick
 from jdls.rules._rule import Rule, check_bounds, check_within
 
 __all__ = ["Adaptive", "AdaptiveState"]
@@ -226,14 +226,14 @@ class Adaptive(Rule):
     def _clamp(self, loss_scale: jax.Array) -> jax.Array:
         lo = 2.0**_EXP_MIN if self.min_loss_scale is None else self.min_loss_scale
         hi = 2.0**_EXP_MAX if self.max_loss_scale is None else self.max_loss_scale
-        return jnp.clip(loss_scale, _F32(lo), _F32(hi))
+        return clamp(loss_scale, _F32(lo), _F32(hi))
 
     def _soon(self, state: AdaptiveState) -> jax.Array:
         """Whether an overflow now is the first of a run and comes soon after a prediction:
         within ``margin_window`` finite steps of the start, of the previous overflow, or of
         a lowering of the margin."""
         c, window, interval = state.counter, _I32(self.margin_window), self.margin_interval
-        after_lowering = (c >= interval) & (c % interval <= window)
+        after_lowering = (c >= interval) & (lax.rem(c, _I32(interval)) <= window)
         return (state.overflows == 0) & (c > 0) & ((c <= window) | after_lowering)
 
     def _overflow(
@@ -251,8 +251,8 @@ class Adaptive(Rule):
         # or the measurement understates the backward pass. An isolated overflow (a spike)
         # keeps the margin, so that the next spike overflows and is skipped too.
         soon = self._soon(state)
-        margin = jnp.where(soon, jnp.minimum(state.margin + 1, _I32(self.max_margin)), state.margin)
-        learning = jnp.where(state.overflows == 0, soon.astype(_I32), state.learning)
+        margin = pick(soon, jnp.minimum(state.margin + 1, _I32(self.max_margin)), state.margin)
+        learning = pick(state.overflows == 0, soon.astype(_I32), state.learning)
         overflows = jnp.minimum(state.overflows, _I32(2**30)) + 1
         return backed_off, AdaptiveState(
             margin, _I32(0), overflows, state.settled, _I32(0), learning
@@ -266,10 +266,10 @@ class Adaptive(Rule):
         backed_off, on_overflow = self._overflow(loss_scale, state)
         counted = state.counter + 1
         grow = counted >= self.growth_interval
-        grown = self._clamp(jnp.where(grow, loss_scale * _F32(2.0), loss_scale))
+        grown = self._clamp(pick(grow, loss_scale * _F32(2.0), loss_scale))
         on_finite = AdaptiveState(
             state.margin,
-            jnp.where(grow, _I32(0), counted),
+            pick(grow, _I32(0), counted),
             _I32(0),
             state.settled,
             _I32(0),
@@ -294,7 +294,7 @@ class Adaptive(Rule):
         # log2 is off by one near the boundary): with amax = a * 2**e and fmax = f * 2**g,
         # a and f in [0.5, 1), k = g - margin - e, one less when a > f.
         f, g = math.frexp(float(finfo(self.compute_dtype).max))  # exact, not 2**log2_max
-        a, e = jnp.frexp(jnp.where(measured, amax, 1))
+        a, e = jnp.frexp(pick(measured, amax, 1))
         k_at_zero_margin = _I32(g) - e - (a > _F32(f)).astype(_I32)
         # The first finite step after a run of overflows this rule caused: the lowest scale
         # that overflowed was this one times 2**(the last backoff's bits); the margin rises
@@ -302,17 +302,17 @@ class Adaptive(Rule):
         _, e_scale = jnp.frexp(loss_scale.astype(_F32))
         log2_scale = e_scale - 1  # floor(log2(scale)): exact for the powers of two it sets
         last_bits = jnp.minimum(
-            jnp.left_shift(_I32(1), jnp.clip(state.overflows - 1, 0, 30)),
+            jnp.left_shift(_I32(1), clamp(state.overflows - 1, 0, 30)),
             _I32(self.max_backoff_bits),
         )
         lowest_overflow = log2_scale + last_bits
         learn = (state.learning > 0) & (state.overflows > 0) & measured
         needed = jnp.minimum(k_at_zero_margin - lowest_overflow + 1, _I32(self.max_margin))
-        margin = jnp.where(learn, jnp.maximum(state.margin, needed), state.margin)
+        margin = pick(learn, jnp.maximum(state.margin, needed), state.margin)
         counted = jnp.minimum(state.counter, _I32(2**30)) + 1
-        lower = counted % self.margin_interval == 0
-        k = jnp.clip(k_at_zero_margin - margin, lo, hi)
-        margin = jnp.where(lower, jnp.maximum(margin - 1, _I32(self.min_margin)), margin)
+        lower = lax.rem(counted, _I32(self.margin_interval)) == 0  # counted >= 1
+        k = clamp(k_at_zero_margin - margin, lo, hi)
+        margin = pick(lower, jnp.maximum(margin - 1, _I32(self.min_margin)), margin)
 
         # All zero: no measurement (see the class docstring).
         log2_max, log2_sub = self.format_range()
@@ -321,25 +321,23 @@ class Adaptive(Rule):
         look = never & (state.looking == 0)
         back = jnp.maximum(log2_scale - jump, _I32(min(15, g - 1)))  # the look found zeros
         after_overflows = ~never & (state.overflows > 0)
-        target = jnp.where(
+        target = pick(
             look,
             log2_scale + jump,
-            jnp.where(
+            pick(
                 state.looking > 0,
                 back,
-                jnp.where(after_overflows, state.settled - state.learning, log2_scale),
+                pick(after_overflows, state.settled - state.learning, log2_scale),
             ),
         )
         moved = look | (state.looking > 0) | after_overflows
-        held = jnp.where(moved, _pow2(jnp.clip(target, lo, hi)), loss_scale)
-        grow = ~moved & (counted % self.growth_interval == 0)
-        held = jnp.where(grow, held * _F32(2.0), held)
-        predicted = jnp.where(measured, _pow2(k), held)
-        settled = jnp.where(
-            measured, k, jnp.where(state.looking > 0, jnp.clip(back, lo, hi), state.settled)
-        )
+        held = pick(moved, _pow2(clamp(target, lo, hi)), loss_scale)
+        grow = ~moved & (lax.rem(counted, _I32(self.growth_interval)) == 0)
+        held = pick(grow, held * _F32(2.0), held)
+        predicted = pick(measured, _pow2(k), held)
+        settled = pick(measured, k, pick(state.looking > 0, clamp(back, lo, hi), state.settled))
         # An inf or NaN measurement (a hand-made adjust on a non-finite step): the lowest.
-        predicted = self._clamp(jnp.where(jnp.isfinite(amax), predicted, _pow2(_I32(lo))))
+        predicted = self._clamp(pick(jnp.isfinite(amax), predicted, _pow2(_I32(lo))))
 
         on_finite = AdaptiveState(
             margin, counted, _I32(0), settled, (look & ~measured).astype(_I32), _I32(0)
@@ -349,7 +347,7 @@ class Adaptive(Rule):
 
 def _pow2(exponent: jax.Array) -> jax.Array:
     """``2.0**exponent`` exactly, for int32 exponents in [-126, 127] (built from the bits)."""
-    e = jnp.clip(exponent, _EXP_MIN, _EXP_MAX).astype(_I32)
+    e = clamp(exponent, _EXP_MIN, _EXP_MAX).astype(_I32)
     return lax.bitcast_convert_type(jnp.left_shift(e + 127, 23), _F32)
 
 
@@ -360,6 +358,6 @@ def _select(
     computed in one kernel (:func:`jdls._numerics.scalars.one_kernel`): the rule's seven
     outputs would otherwise cost seven kernels, each with its own copy of the shared chain."""
     chosen = jax.tree_util.tree_map(
-        lambda a, b: jnp.where(finite, a, b).astype(jnp.asarray(a).dtype), taken, skipped
+        lambda a, b: pick(finite, a, b).astype(jnp.asarray(a).dtype), taken, skipped
     )
     return one_kernel(chosen)

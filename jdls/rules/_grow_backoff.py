@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jdls._numerics.checks import check_int, check_number
+from jdls._numerics.scalars import pick
 from jdls.rules._rule import Rule, check_bounds, check_counter
 
 __all__ = ["GrowBackoff", "MinimumScaleError"]
@@ -151,7 +152,7 @@ class GrowBackoff(Rule):
 
         grown = loss_scale * _F32(self.growth_factor)
         if self.keep_scale_if_growth_overflows:
-            grown = jnp.where(jnp.isfinite(grown), grown, loss_scale)
+            grown = pick(jnp.isfinite(grown), grown, loss_scale)
         if self.max_loss_scale is not None:
             grown = jnp.minimum(grown, _F32(self.max_loss_scale))
         if self.backoff_factor is None:
@@ -162,16 +163,14 @@ class GrowBackoff(Rule):
             backed_off = loss_scale * _F32(self.backoff_factor)
         if self.min_loss_scale is not None:
             backed_off = jnp.maximum(backed_off, _F32(self.min_loss_scale))
-        new_scale = jnp.where(backoff, backed_off, jnp.where(grow, grown, loss_scale))
+        new_scale = pick(backoff, backed_off, pick(grow, grown, loss_scale))
 
-        counter = jnp.where(
-            overflow, _I32(0), jnp.where(grow, _I32(self.counter_after_growth), counted)
-        )
+        counter = pick(overflow, _I32(0), pick(grow, _I32(self.counter_after_growth), counted))
         refill = grow | finite if self.refill_hysteresis_on_finite else grow
-        hysteresis = jnp.where(
+        hysteresis = pick(
             refill,
             _I32(self.hysteresis),
-            jnp.where(overflow, jnp.maximum(state.hysteresis - 1, _I32(1)), state.hysteresis),
+            pick(overflow, jnp.maximum(state.hysteresis - 1, _I32(1)), state.hysteresis),
         )
         at_min = state.min_scale_overflows
         if self.error_at_min_scale:
