@@ -26,8 +26,11 @@ and the wrap holding that array looks them up (:func:`recall_backward`) and give
 their largest magnitude. A record is kept only for the trace it was made in (JAX's opaque
 trace state, public API: a ``value_and_grad`` inside ``lax.scan``, an inner ``jit`` or a
 ``vmap`` is not seen from outside it), only while the scale array lives (a weak reference to
-it), and several calls with one scale in one trace are all kept (the rule
-takes the largest of them: each was a backward pass at that scale).
+it), and several calls with one scale in one trace all count (the rule takes the largest of
+them: each was a backward pass at that scale). Only the last call's leaves are held: an
+earlier call's are folded into their largest magnitude when the next call comes, so that
+gradients computed again and again with one scale (eagerly, an accumulation loop over many
+micro-batches) are never all held at once.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.extend
 
-from jdls._numerics.norm import GlobalNorm
+from jdls._numerics.norm import GlobalNorm, amax
 
 __all__ = ["recall", "recall_backward", "remember", "remember_backward"]
 
@@ -95,10 +98,23 @@ _trace_state: Callable[..., Any] = (
 )
 
 
-class _Backward(NamedTuple):
-    scale: weakref.ref[Any]
-    trace: Any
-    calls: list[tuple[Any, ...]]
+class _Backward:
+    """The backward passes at one scale array, in one trace: the last call's leaves, and the
+    largest magnitude of every earlier call's (None before a second call)."""
+
+    def __init__(self, scale: weakref.ref[Any], trace: Any) -> None:
+        self.scale = scale
+        self.trace = trace
+        self.latest: tuple[Any, ...] = ()
+        self.earlier: jax.Array | None = None
+
+    def add(self, leaves: Sequence[Any]) -> None:
+        if self.latest:
+            folded = amax(self.latest)
+            self.earlier = (
+                folded if self.earlier is None else jax.numpy.maximum(self.earlier, folded)
+            )
+        self.latest = tuple(leaves)
 
 
 _backward: dict[int, _Backward] = {}
@@ -110,9 +126,10 @@ def _current_trace() -> Any:
 
 def remember_backward(loss_scale: Any, leaves: Sequence[Any]) -> None:
     """Record the unscaled gradient ``leaves`` that a backward pass at ``loss_scale`` (the
-    scale's own array) produced in the current trace. The record holds the leaves for as
-    long as the scale array lives (under ``jit``: the trace; eagerly: the optimizer state
-    that holds the scale), never longer."""
+    scale's own array) produced in the current trace. The record holds the last call's
+    leaves for as long as the scale array lives (under ``jit``: the trace; eagerly: the
+    optimizer state that holds the scale), never longer, and an earlier call's only as their
+    largest magnitude."""
     if not leaves:
         return
     try:
@@ -122,10 +139,10 @@ def remember_backward(loss_scale: Any, leaves: Sequence[Any]) -> None:
     key, trace = id(loss_scale), _current_trace()
     record = _backward.get(key)
     if record is None or record.scale() is not loss_scale or record.trace != trace:
-        record = _Backward(scale_ref, trace, [])
+        record = _Backward(scale_ref, trace)
         _backward[key] = record
         weakref.finalize(loss_scale, _forget_backward, key, scale_ref)
-    record.calls.append(tuple(leaves))
+    record.add(leaves)
 
 
 def _forget_backward(key: int, ref: weakref.ref[Any]) -> None:
@@ -134,10 +151,11 @@ def _forget_backward(key: int, ref: weakref.ref[Any]) -> None:
         del _backward[key]
 
 
-def recall_backward(loss_scale: Any) -> list[tuple[Any, ...]] | None:
-    """The gradient leaves of every ``value_and_grad`` at ``loss_scale`` in the current trace
-    (one tuple per call), or None where there was none."""
+def recall_backward(loss_scale: Any) -> tuple[tuple[Any, ...], jax.Array | None] | None:
+    """The gradient leaves of the last ``value_and_grad`` at ``loss_scale`` in the current
+    trace and the largest magnitude of the earlier ones (None without earlier ones), or None
+    where there was none."""
     record = _backward.get(id(loss_scale))
     if record is None or record.scale() is not loss_scale or record.trace != _current_trace():
         return None
-    return list(record.calls)
+    return record.latest, record.earlier

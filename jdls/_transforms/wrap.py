@@ -272,12 +272,18 @@ def _backward_amax(
     """The largest magnitude of the gradients that ``scale.value_and_grad`` returned in this
     trace, when a transformation in front of the wrap changed them (``optax``'s clip): the
     backward pass the rule sets the scale for computes those, not the clipped ones
-    (jdls/_numerics/handoff.py). ``measured`` (the received gradients' own) otherwise."""
-    calls = recall_backward(scale.loss_scale)
-    received_ids = {id(x) for x in received}
-    if calls is None or any({id(x) for x in call} == received_ids for call in calls):
+    (jdls/_numerics/handoff.py). With several calls, the largest of them all. ``measured``
+    (the received gradients' own) where nothing else was recorded."""
+    found = recall_backward(scale.loss_scale)
+    if found is None:
+        return measured
+    latest, earlier = found
+    same = {id(x) for x in latest} == {id(x) for x in received}
+    if same and earlier is None:
         return measured  # the very gradients the wrap received: already measured
-    largest = jnp.max(jnp.stack([tree_amax(call) for call in calls]))
+    largest = measured if same else tree_amax(list(latest))
+    if earlier is not None:
+        largest = jnp.maximum(largest, earlier)
     if axis_name is not None:
         largest = lax.pmax(largest, axis_name)
     return largest
