@@ -164,6 +164,22 @@ def test_scale_caused_overflow_is_retried_not_dropped(jit):
     assert int(info.dropped) == 1 and bool(info.skip)
 
 
+@with_and_without_jit
+def test_no_retry_at_the_rules_minimum(jit):
+    """At its minimum the scale cannot go lower: a retry would recompute the same overflow,
+    so the micro-batch is dropped at once, retries left unused."""
+    params = {"w": jnp.ones(3)}
+    cs = jnp.array([[0.5, 1.0, 0.5], [3.0, 1.0, 0.5]])  # the second overflows at 2**15
+    floor = jdls.DynamicScale(2.0**15, min_loss_scale=2.0**15)
+    run = maybe_jit(lambda s, b: jdls.accumulate(loss_f16, s, params, b, retries=3), jit)
+    _, _, info = run(floor, cs)
+    assert int(info.retries) == 0 and int(info.dropped) == 1
+    # one binade above the minimum: one retry, at the minimum, which is finite there
+    cs = jnp.array([[0.5, 0.5, 0.5], [1.5, 0.5, 0.5]])  # the second overflows at 2**16 only
+    _, _, info = run(jdls.DynamicScale(2.0**16, min_loss_scale=2.0**15), cs)
+    assert int(info.retries) == 1 and int(info.dropped) == 0
+
+
 def test_forward_nan_micro_batch_is_never_retried():
     params = {"w": jnp.ones(3)}
     cs = jnp.array([[0.5, 1.0, 0.5], [jnp.nan, 1.0, 0.5]])

@@ -82,7 +82,11 @@ def retry(
     dtypes = [getattr(x, "dtype", None) for x in first.leaves]
 
     def more(a: Attempt) -> jax.Array:  # ``tries`` counts attempts whose loss was finite
-        return ~a.finite & a.loss_finite & (a.tries < max_tries)
+        # At the rule's minimum the scale cannot go lower: a retry would recompute the same
+        # overflow, so the micro-batch is dropped instead.
+        scale = cast(DynamicScale, a.scale)
+        lower = scale.back_off().loss_scale < scale.loss_scale
+        return ~a.finite & a.loss_finite & (a.tries < max_tries) & lower
 
     def attempt(a: Attempt) -> Attempt:
         # this attempt's overflow, as the rule counts it, and those it would forgive
