@@ -212,6 +212,29 @@ def test_an_observing_rule_gets_the_groups_measurement(jit):
 
 
 @with_and_without_jit
+def test_an_observing_rule_over_groups_sees_the_backward_pass(jit):
+    """Clipping in front of the groups: the rule sets the scale from the gradients the
+    scale's ``value_and_grad`` returned, not the clipped ones, as under ``jdls.wrap``."""
+    params = {"a": {"w": jnp.zeros(1)}, "b": {"w": jnp.zeros(1)}}
+
+    def loss(p):  # gradient (300, 400): norm 500, largest 400
+        return 300.0 * p["a"]["w"][0] + 400.0 * p["b"]["w"][0]
+
+    def scale_after(tx):
+        def step(state):
+            _, grads = jdls.get_scale(state).value_and_grad(loss)(params)
+            return tx.update(grads, state, params)[1]
+
+        return float(jdls.get_scale(maybe_jit(step, jit)(tx.init(params))).loss_scale)
+
+    clip = optax.clip_by_global_norm(1.0)
+    groups = jdls.wrap_groups({"a": optax.sgd(0.1), "b": optax.sgd(0.1)})
+    single = jdls.wrap(optax.sgd(0.1))
+    # the largest 2**k with 400 * 2**k <= 65504 / 2**6 (the default margin): 2**1
+    assert scale_after(optax.chain(clip, groups)) == scale_after(optax.chain(clip, single)) == 2.0
+
+
+@with_and_without_jit
 def test_nonfinite_paths_names_the_group_and_the_leaf(jit):
     tx = jdls.wrap_groups(
         {"gen": optax.sgd(0.1), "disc": optax.sgd(0.1)}, jdls.DynamicScale(), track_nonfinite=True

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jdls._numerics.norm import tree_amax
+from jdls._numerics.norm import flatten_floats, tree_amax
 from jdls._scales.scale import (
     AdaptiveScale,
     LossScale,
@@ -26,7 +26,7 @@ from jdls._scales.scale import (
     check_scale,
 )
 from jdls._transforms.stats import Stats, WrapState, the_wrap_state
-from jdls._transforms.wrap import wrap
+from jdls._transforms.wrap import backward_amax, wrap
 
 __all__ = ["GroupState", "group_stats", "wrap_groups"]
 
@@ -171,9 +171,12 @@ def wrap_groups(
             grad_norm=jnp.sqrt(jnp.sum(jnp.square(jnp.stack(norms)))),
             cause=jnp.max(jnp.stack(causes)),
         )
-        return updates, WrapState(
-            adjust_observed(scale, finite, lambda: tree_amax(dict(grads))), inner, stats
-        )
+
+        def largest() -> jax.Array:  # of the backward pass, as jdls.wrap measures it
+            given = flatten_floats(dict(grads)).floats
+            return backward_amax(scale, given, tree_amax(dict(grads)), None)
+
+        return updates, WrapState(adjust_observed(scale, finite, largest), inner, stats)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

@@ -52,7 +52,7 @@ from jdls._transforms.retry import classify, first_attempt
 from jdls._transforms.skip import cond_branches, keep_dtypes, select
 from jdls._transforms.stats import Stats, WrapState, step_applied
 
-__all__ = ["wrap"]
+__all__ = ["backward_amax", "wrap"]
 
 _SKIP_WITH = ("cond", "select")
 
@@ -266,7 +266,7 @@ def wrap(
     return optax.GradientTransformationExtraArgs(init, update)
 
 
-def _backward_amax(
+def backward_amax(
     scale: Any, received: Sequence[Any], measured: Any, axis_name: AxisName | None
 ) -> Any:
     """The largest magnitude of the gradients that ``scale.value_and_grad`` returned in this
@@ -321,7 +321,7 @@ def _measure(
         )
         return seen, given
     if largest:
-        amax = _backward_amax(scale, tree.floats, given.amax, axis_name)
+        amax = backward_amax(scale, tree.floats, given.amax, axis_name)
         return given._replace(amax=amax), given
     return given, given
 
