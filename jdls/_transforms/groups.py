@@ -55,7 +55,8 @@ def wrap_groups(
     is checked and updated (or skipped) on its own, as ``jdls.wrap(inner)`` would; the scale
     is adjusted once, as overflowing if any given group's gradients were not finite (a rule
     that observes, :class:`jdls.rules.Adaptive`, gets the largest magnitude of the given
-    groups' gradients, as :func:`jdls.wrap` gives it over all its gradients). A
+    groups' gradients, or of those the scale's ``value_and_grad`` returned when a
+    transformation in front changed them, as :func:`jdls.wrap` gives it). A
     group left out of ``grads`` is not stepped (its state stays as it was, and it has no
     say in the scale): the pattern of a GAN stepping its discriminator and its generator
     in turn, ``scaler.step(opt_d); scaler.update()`` then ``scaler.step(opt_g);
