@@ -120,3 +120,44 @@ def test_checkpoint_resume_continues_bit_for_bit(tmp_path):
     assert_bitwise_equal(restored, reference)
     site = restored["variables"]["jdls"]["Dense_0"]["DotGeneral_0"]["fp8"].value
     assert np.count_nonzero(np.asarray(site.lhs.history)) == 4
+
+
+def test_a_checkpoint_saved_before_uses_were_counted_restores():
+    """``flax.serialization`` of FP8 sites saved before a site counted its uses (no ``uses``
+    field): they restore, ``uses`` from the target, and training goes on bit for bit."""
+    from flax import serialization
+
+    model = _Mlp()
+    x, _ = _data(0)
+    variables = model.init(jax.random.key(0), x)
+
+    @jax.jit
+    def step(v, x, t):
+        grads = _grads(model, v, x, t)
+        params = jax.tree.map(lambda p, g: p - 1e-3 * g, v["params"], grads["params"])
+        return {"params": params, "jdls": jdls.update_sites(v["jdls"], grads["jdls"], True)}
+
+    for i in range(2):
+        variables = step(variables, *_data(i))
+
+    def drop_uses(tree):  # the state dict as it was saved before the field existed
+        if isinstance(tree, dict):
+            return {k: drop_uses(v) for k, v in tree.items() if k != "uses"}
+        return tree
+
+    saved = serialization.msgpack_serialize(drop_uses(serialization.to_state_dict(variables)))
+    target = model.init(jax.random.key(1), x)
+    restored = serialization.from_state_dict(target, serialization.msgpack_restore(saved))
+    site = restored["jdls"]["Dense_0"]["DotGeneral_0"]["fp8"].value
+    assert float(site.uses) == 0.0  # the target's: a fresh state counts none
+    assert (
+        np.asarray(site.lhs.history).tolist()
+        == np.asarray(
+            variables["jdls"]["Dense_0"]["DotGeneral_0"]["fp8"].value.lhs.history
+        ).tolist()
+    )
+    assert_bitwise_equal(step(restored, *_data(2)), step(variables, *_data(2)))
+    with pytest.raises(ValueError, match="missing \\['meter'\\]"):
+        broken = drop_uses(serialization.to_state_dict(variables))
+        del broken["jdls"]["Dense_0"]["DotGeneral_0"]["fp8"]["value"]["meter"]
+        serialization.from_state_dict(target, broken)

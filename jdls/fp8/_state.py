@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
+from flax import serialization, struct
 
 from jdls._sites.site import Site, SiteKind, is_site
 from jdls._transforms.stats import step_applied
@@ -72,6 +72,37 @@ class DotState:
     meter: Meter
     pending: Meter
     uses: jax.Array
+
+
+def _dot_state_dict(state: DotState) -> dict[str, Any]:
+    return {f.name: serialization.to_state_dict(getattr(state, f.name)) for f in _DOT_FIELDS}
+
+
+def _dot_from_state_dict(target: DotState, state: dict[str, Any]) -> DotState:
+    """A :class:`DotState` restored field by field; ``uses``, which a state saved before the
+    field existed lacks, comes from the target (a freshly initialised state counts none)."""
+    names = {f.name for f in _DOT_FIELDS}
+    unknown = sorted(set(state) - names)
+    missing = sorted(names - set(state) - {"uses"})
+    if unknown or missing:
+        raise ValueError(
+            f"cannot restore a jdls.fp8.DotState from the saved fields {sorted(state)}: "
+            f"unknown {unknown}, missing {missing}; restore into a target built with the same "
+            "FP8 recipe as the one that was saved"
+        )
+    values = {
+        name: serialization.from_state_dict(getattr(target, name), state[name], name)
+        if name in state
+        else getattr(target, name)
+        for name in names
+    }
+    return dataclasses.replace(target, **values)
+
+
+_DOT_FIELDS = dataclasses.fields(DotState)
+serialization.register_serialization_state(
+    DotState, _dot_state_dict, _dot_from_state_dict, override=True
+)
 
 
 @dataclasses.dataclass(frozen=True)
