@@ -363,3 +363,60 @@ def test_probes_of_a_model_with_layer_scales_have_both_sites(jit: bool) -> None:
     t = jdls.Telemetry.of(grads["jdls"])
     assert len(t.names) == 10 and np.asarray(t.uses).tolist() == [1.0] * 10
     assert new.sites["blocks"]["layer_scale"].value["scale"].loss_scale.shape == (DEPTH,)
+
+
+class DropBlock(nn.Module):
+    """A block with dropout, ``train`` given positionally."""
+
+    @nn.compact
+    def __call__(self, h, train):
+        h = jnp.tanh(nn.Dense(WIDTH, name="dense")(h) + 1.0)
+        return nn.Dropout(0.5, deterministic=not train)(h)
+
+
+class DropBlocks(nn.Module):
+    """Blocks of one class, each in ``nn.jit`` or not, ``train`` passed on positionally."""
+
+    jitted: bool = True
+
+    @nn.compact
+    def __call__(self, x, train):
+        block = nn.jit(DropBlock, static_argnums=(2,)) if self.jitted else DropBlock
+        h = nn.Dense(WIDTH, name="embed")(x)
+        for i in range(DEPTH):
+            h = block(name=f"block_{i}")(h, train)
+        return nn.Dense(1, name="head")(h)
+
+
+@with_and_without_jit
+@pytest.mark.full(keep=1)
+def test_layer_scales_of_nn_jit_blocks_with_a_positional_train_flag(jit: bool) -> None:
+    """A positional ``train`` flag reaches blocks each in ``nn.jit`` (static there) through
+    the per-layer-scales wrapper: dropout on in training, off in evaluation, and the
+    parameters' gradients those of the bare model (jax.grad), each layer at its own scale."""
+    x = _x()
+    model = jdls.linen.layer_scales(DropBlocks(), jdls.AdaptiveScale(2.0**8))
+    variables = model.init(jax.random.key(0), x, False)
+    names = ["embed", *[f"block_{i}" for i in range(DEPTH)], "head"]
+    variables = {
+        **variables,
+        "jdls": _with_levels(
+            variables["jdls"], {n: 2.0 ** (3 * k - 4) for k, n in enumerate(names)}
+        ),
+    }
+    rngs = {"dropout": jax.random.key(7)}
+    bare = DropBlocks()
+    grad = jdls.NoOpScale().value_and_grad  # the sites' counters are integers
+    for train in (True, False):
+
+        def loss(v, m=model, t=train):
+            return jnp.mean(m.apply(v, x, t, rngs=rngs) ** 2)
+
+        grads = maybe_jit(lambda v, f=loss: grad(f)(v)[1], jit)(variables)
+        ref = jax.grad(lambda p, t=train: loss({"params": p}, bare, t))(variables["params"])
+        for a, b in zip(jax.tree.leaves(grads["params"]), jax.tree.leaves(ref), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    # dropout is on in training only
+    out = [model.apply(variables, x, t, rngs=rngs) for t in (True, False)]
+    assert not np.allclose(out[0], out[1])
+    np.testing.assert_array_equal(out[1], bare.apply({"params": variables["params"]}, x, False))

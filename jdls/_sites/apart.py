@@ -9,22 +9,10 @@ from typing import Any
 
 import jax
 
-from jdls._sites.site import SiteUpdate, is_site, is_site_update
+from jdls._sites.site import SiteUpdate, is_site
 from jdls._sites.update import merge_sites, split_sites, update_sites
 
-__all__ = ["put_site_updates", "sites_apart"]
-
-
-def put_site_updates(tree: Any, updates: Any) -> Any:
-    """``tree`` with every site replaced by the :class:`SiteUpdate` at its place in
-    ``updates`` (where ``updates`` has one); other leaves unchanged."""
-
-    def put(x: Any, u: Any) -> Any:
-        return u.site if is_site(x) and is_site_update(u) else x
-
-    return jax.tree_util.tree_map(
-        put, tree, updates, is_leaf=lambda x: is_site(x) or x is None or is_site_update(x)
-    )
+__all__ = ["sites_apart"]
 
 
 def sites_apart(
