@@ -66,9 +66,10 @@ def one_kernel(tree: T) -> T:
 
 
 def pick(condition: Any, on_true: Any, on_false: Any) -> jax.Array:
-    """``jnp.where(condition, on_true, on_false)`` as one ``select``: ``jnp.where`` traces a
-    nested ``jit`` of its own, which a rule's dozens of scalar choices pay for in tracing and
-    lowering every train step that compiles.
+    """``jnp.where(condition, on_true, on_false)``, for scalars as one ``select``:
+    ``jnp.where`` traces a nested ``jit`` of its own, which a rule's dozens of scalar choices
+    pay for in tracing and lowering every train step that compiles. Arrays go to
+    ``jnp.where``, which broadcasts them and their shardings.
 
     Example:
       >>> import jax.numpy as jnp
@@ -79,8 +80,8 @@ def pick(condition: Any, on_true: Any, on_false: Any) -> jax.Array:
     dtype = jnp.result_type(on_true, on_false)
     a, b = jnp.asarray(on_true, dtype), jnp.asarray(on_false, dtype)
     c = jnp.asarray(condition)
-    shape = jnp.broadcast_shapes(c.shape, a.shape, b.shape)
-    c, a, b = (x if x.shape == shape else jnp.broadcast_to(x, shape) for x in (c, a, b))
+    if c.shape or a.shape or b.shape:  # arrays: jnp.where broadcasts them, shardings too
+        return jnp.where(c, a, b)
     return lax.select(c, a, b)
 
 
