@@ -46,6 +46,12 @@ F32_MAX = float(np.finfo(np.float32).max)
 #: passes the function under test through :func:`maybe_jit`.
 with_and_without_jit = pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 
+#: Both, the eager case in the full suite only: for tests whose eager case is slow (every
+#: operation dispatched on its own) and adds nothing the jitted one does not check.
+jitted_in_quick_run = pytest.mark.parametrize(
+    "jit", [pytest.param(False, id="eager", marks=pytest.mark.full), pytest.param(True, id="jit")]
+)
+
 
 def maybe_jit(fn: Callable, jit: bool) -> Callable:
     """``jax.jit(fn)`` if ``jit``, else ``fn`` itself."""

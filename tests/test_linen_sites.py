@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _helpers import maybe_jit, with_and_without_jit
+from _helpers import jitted_in_quick_run, maybe_jit, with_and_without_jit
 
 import jdls
 
@@ -242,7 +242,7 @@ def _with_levels(sites, levels):
     return jax.tree_util.tree_map_with_path(set_level, sites, is_leaf=jdls.is_site)
 
 
-@with_and_without_jit
+@jitted_in_quick_run  # eager about 5 s, jitted 2
 def test_layer_scales_of_blocks_each_in_nn_jit_are_exact(jit: bool) -> None:
     """Blocks of one class each in nn.jit: each block its own place in the chain, set by the
     wrapper outside the blocks' (shared) trace; the gradients and the adjusted scales equal
@@ -339,8 +339,7 @@ def test_train_state_with_sites_says_what_to_pass() -> None:
         state.apply_gradients(grads=state.params)
 
 
-@pytest.mark.full(keep=1)  # about 10 s each on 2 cores: the eager case in the quick run
-@with_and_without_jit
+@jitted_in_quick_run  # eager about 9 s on 2 cores, jitted 2
 def test_probes_of_a_model_with_layer_scales_have_both_sites(jit: bool) -> None:
     """jdls.linen.probes(jdls.linen.layer_scales(model, scale)): one wrapper, a per-layer
     scale and a probe at each layer; the gradients are those of the per-layer scales alone."""
@@ -388,8 +387,7 @@ class DropBlocks(nn.Module):
         return nn.Dense(1, name="head")(h)
 
 
-@with_and_without_jit
-@pytest.mark.full(keep=1)
+@jitted_in_quick_run
 def test_layer_scales_of_nn_jit_blocks_with_a_positional_train_flag(jit: bool) -> None:
     """A positional ``train`` flag reaches blocks each in ``nn.jit`` (static there) through
     the per-layer-scales wrapper: dropout on in training, off in evaluation, and the

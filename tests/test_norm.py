@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _helpers import enable_x64, maybe_jit
+from _helpers import enable_x64, jitted_in_quick_run, maybe_jit
 from jax.sharding import PartitionSpec as P
 
 import jdls
@@ -42,7 +42,7 @@ def test_norm_is_optax_bit_for_bit(jit):
     assert not np.asarray(n.leaf_nonfinite).any()
 
 
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@jitted_in_quick_run  # eager about 18 s, jitted 5
 def test_many_leaves_keep_optax_order(jit):
     """Past a few leaves the per-leaf sums and maxima are combined over one stacked vector
     (a loop for the sum): the norm is still optax's bit for bit, the largest magnitude
