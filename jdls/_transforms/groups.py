@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import optax
 
 from jdls._numerics.norm import flatten_floats, tree_amax
+from jdls._numerics.scalars import one_kernel, pick
 from jdls._scales.scale import (
     AdaptiveScale,
     LossScale,
@@ -162,15 +163,17 @@ def wrap_groups(
                 else jax.tree_util.tree_map(jnp.zeros_like, flags)
                 for name, flags in nonfinite.items()
             }
-        stats = old._replace(
-            nonfinite=nonfinite,
-            finite=finite,
-            skipped_steps=jnp.where(
-                finite, old.skipped_steps, optax.safe_increment(old.skipped_steps)
-            ),
-            consecutive_skips=jnp.where(finite, 0, optax.safe_increment(old.consecutive_skips)),
-            grad_norm=jnp.sqrt(jnp.sum(jnp.square(jnp.stack(norms)))),
-            cause=jnp.max(jnp.stack(causes)),
+        stats = one_kernel(  # the counters in one kernel, not one each
+            old._replace(
+                nonfinite=nonfinite,
+                finite=finite,
+                skipped_steps=pick(
+                    finite, old.skipped_steps, optax.safe_increment(old.skipped_steps)
+                ),
+                consecutive_skips=pick(finite, 0, optax.safe_increment(old.consecutive_skips)),
+                grad_norm=jnp.sqrt(jnp.sum(jnp.square(jnp.stack(norms)))),
+                cause=jnp.max(jnp.stack(causes)),
+            )
         )
 
         def largest() -> jax.Array:  # of the backward pass, as jdls.wrap measures it
