@@ -48,6 +48,7 @@ def test_accumulate_takes_the_maximum_of_the_micro_batches_measurements():
     assert site.value.lhs.history.tolist() == [max(amaxes), 0.0, 0.0, 0.0]
 
 
+@pytest.mark.full  # about 5 s; MultiSteps one micro-batch at a time stays in the quick run
 def test_multisteps_one_micro_batch_at_a_time_gives_the_same_state_as_accumulate():
     variables, batches = _variables(), _micro_batches()
     _, grads, _ = jdls.accumulate(_loss, jdls.StaticScale(1.0), variables, batches)

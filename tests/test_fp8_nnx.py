@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _helpers import jitted_in_quick_run
 from flax import nnx
 
 import jdls
@@ -75,7 +76,7 @@ def test_nnx_einsum_op_is_one_fp8_dot():
     np.testing.assert_array_equal(layer(x), expected)
 
 
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@jitted_in_quick_run
 def test_nnx_optimizer_with_multisteps_records_one_amax_per_applied_step(jit):
     """jdls.nnx.Optimizer with jdls.wrap(optax.MultiSteps(..., 2)): the FP8 sites are updated
     with "the step was applied", one history entry per applied step (the micro-batches'

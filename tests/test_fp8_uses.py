@@ -168,6 +168,7 @@ def test_uses_are_counted_per_element_of_a_stack():
     assert row["uses"] == [1, 2]
 
 
+@pytest.mark.full  # about 4 s; the other counts of uses stay in the quick run
 def test_vmap_over_examples_counts_an_unbatched_site_once_per_example():
     """A site batched along the vmap axis serves one example each; one unbatched site
     serves every example: JAX sums its measurements over the batch, and it is flagged."""

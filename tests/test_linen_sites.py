@@ -186,6 +186,7 @@ def test_a_skipped_step_keeps_the_scales_and_records_the_probes() -> None:
     assert float(jnp.max(jdls.Telemetry.of(after.sites).nonfinite)) == 1.0
 
 
+@pytest.mark.full  # about 4 s; the nn.jit trace-reuse tests stay in the quick run
 def test_a_jitted_apply_traced_before_keeps_its_sites() -> None:
     """An evaluation step traced the jitted apply before, outside any differentiation: the
     sites are the apply's own variables, so the cached trace has them."""

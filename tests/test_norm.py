@@ -50,7 +50,7 @@ def test_many_leaves_keep_optax_order(jit):
     rng = np.random.default_rng(4)
     leaves = [
         jnp.asarray(rng.standard_normal(int(rng.integers(8, 300))).astype("float32") * 3.0**k)
-        for k in range(-20, 20)
+        for k in range(-12, 12)  # 24 leaves: past the 16 combined as a chain
     ]
     measure = maybe_jit(lambda ls: global_norm(ls, per_leaf=True, largest=True), jit)
     n = measure(leaves)
@@ -59,16 +59,16 @@ def test_many_leaves_keep_optax_order(jit):
     assert np.asarray(n.norm).tobytes() == np.asarray(theirs).tobytes()
     assert np.asarray(n.amax).tobytes() == _abs_max(leaves).tobytes()
     assert not np.asarray(n.leaf_nonfinite).any()
-    big = [x * 1e25 for x in leaves[:30]] + leaves[30:]  # squares overflow, values finite
+    big = [x * 1e25 for x in leaves[:18]] + leaves[18:]  # squares overflow, values finite
     n = measure(big)
     assert bool(n.finite) and bool(n.robust)
     assert np.asarray(n.amax).tobytes() == _abs_max(big).tobytes()
     exact = np.sqrt(sum(np.sum(np.square(np.asarray(x, np.float64))) for x in big))
     np.testing.assert_allclose(float(n.norm), exact, rtol=1e-5)
-    big[33] = big[33].at[0].set(np.inf)
+    big[20] = big[20].at[0].set(np.inf)
     n = measure(big)
     assert not bool(n.finite)
-    assert np.flatnonzero(np.asarray(n.leaf_nonfinite)).tolist() == [33]
+    assert np.flatnonzero(np.asarray(n.leaf_nonfinite)).tolist() == [20]
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
