@@ -44,13 +44,13 @@ F32_MAX = float(np.finfo(np.float32).max)
 
 #: Runs a test twice, ``jit=False`` (ids ``eager``) and ``jit=True`` (``jit``); the test
 #: passes the function under test through :func:`maybe_jit`.
-with_and_without_jit = pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
-
-#: Both, the eager case in the full suite only: for tests whose eager case is slow (every
-#: operation dispatched on its own) and adds nothing the jitted one does not check.
-jitted_in_quick_run = pytest.mark.parametrize(
+#: A test run jitted and eagerly. The quick run keeps the jitted case (how a train step runs);
+#: the full suite runs both. Eager cases are the slow ones (every operation dispatched on its
+#: own), and the quick run must stay under 5 minutes with its install.
+with_and_without_jit = pytest.mark.parametrize(
     "jit", [pytest.param(False, id="eager", marks=pytest.mark.full), pytest.param(True, id="jit")]
 )
+jitted_in_quick_run = with_and_without_jit
 
 
 def maybe_jit(fn: Callable, jit: bool) -> Callable:

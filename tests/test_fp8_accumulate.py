@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _helpers import assert_bitwise_equal
+from _helpers import assert_bitwise_equal, with_and_without_jit
 
 import jdls
 from jdls import fp8
@@ -101,7 +101,7 @@ def _expected_history(batches):
     return sorted([max(amax[0], amax[1]), max(amax[2], amax[3])])
 
 
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@with_and_without_jit
 def test_train_state_with_multisteps_records_one_amax_per_applied_step(jit):
     """jdls.linen.TrainState with jdls.wrap(optax.MultiSteps(..., 2)): the site is updated with
     "the step was applied", so each applied step enters the history once, as the maximum of

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _helpers import assert_bitwise_equal, maybe_jit
+from _helpers import assert_bitwise_equal, maybe_jit, with_and_without_jit
 
 import jdls
 from jdls import fp8
@@ -43,7 +43,7 @@ def _quiet_telemetry(tree):
         return fp8.telemetry(tree)
 
 
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@with_and_without_jit
 def test_a_site_used_once_records_its_amax_exactly(jit):
     recipe = fp8.DelayedScaling(4)
     site = fp8.init(recipe)
@@ -62,7 +62,7 @@ def test_a_site_used_once_records_its_amax_exactly(jit):
     assert row["rhs"]["amax"] == 2.0 and row["grad"]["amax"] == 1.0
 
 
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@with_and_without_jit
 def test_a_site_used_twice_records_nothing_and_is_flagged(jit):
     site = fp8.init(fp8.DelayedScaling(4))
     # one site, two dots: JAX adds up the two measurements (3.5 + 7 = 10.5)
@@ -123,7 +123,7 @@ def test_a_site_the_step_did_not_use_records_nothing():
     assert np.isnan(row["lhs"]["amax"]) and row["lhs"]["uses"] == 0
 
 
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@with_and_without_jit
 def test_scan_counts_uses_per_layer_of_a_stacked_site(jit):
     """A stacked site (one per iteration) serves one use per layer; one site closed over by
     the loop body serves all of them and is flagged."""

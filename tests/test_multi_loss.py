@@ -248,7 +248,7 @@ def _scales_like(losses: object, exps: tuple) -> object:
     return _like(losses, [jdls.StaticScale(2.0**e) for e in exps])
 
 
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@with_and_without_jit
 @pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weights"])
 @pytest.mark.parametrize(
     "exps", [(0, 20), (20, -10), (-10, 0)], ids=lambda e: f"exp{e[0]}_exp{e[1]}"
@@ -715,7 +715,7 @@ def test_an_overflow_in_the_small_heads_cotangent_flags_the_small_loss_only(
 
 
 @both_backwards
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@with_and_without_jit
 def test_weights_with_integer_and_none_leaves(backward: str, jit: bool) -> None:
     """An integer leaf gets its ``float0`` gradient and a None leaf stays None, with weights."""
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _helpers import enable_x64, jitted_in_quick_run, maybe_jit
+from _helpers import enable_x64, jitted_in_quick_run, maybe_jit, with_and_without_jit
 from jax.sharding import PartitionSpec as P
 
 import jdls
@@ -32,7 +32,7 @@ def _leaves(dtype: str, big: float) -> list[jax.Array]:
     ]
 
 
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@with_and_without_jit
 def test_norm_is_optax_bit_for_bit(jit):
     leaves = _leaves("float32", 3.0)
     n = maybe_jit(lambda ls: global_norm(ls, per_leaf=True), jit)(leaves)
@@ -71,7 +71,7 @@ def test_many_leaves_keep_optax_order(jit):
     assert np.flatnonzero(np.asarray(n.leaf_nonfinite)).tolist() == [20]
 
 
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@with_and_without_jit
 @pytest.mark.parametrize("dtype,big", [("float32", 1e25), ("float64", 1e200)])
 def test_overflowing_finite_sum_is_finite(jit, dtype, big):
     with enable_x64(dtype == "float64"):
@@ -84,7 +84,7 @@ def test_overflowing_finite_sum_is_finite(jit, dtype, big):
         np.testing.assert_allclose(float(n.norm) / big, exact, rtol=1e-5)
 
 
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@with_and_without_jit
 @pytest.mark.parametrize("shape", [(1,), (1, 1), (2,)])
 def test_a_one_element_leaf_past_the_square_range_is_finite(jit, shape):
     # 2**64 squared overflows float32: the exact pass scales by 2**-96 before squaring. A
@@ -100,7 +100,7 @@ def test_a_one_element_leaf_past_the_square_range_is_finite(jit, shape):
     assert bool(jdls.stats(state).finite) and int(jdls.stats(state).skipped_steps) == 0
 
 
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@with_and_without_jit
 @pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
 @pytest.mark.parametrize("dtype,big", [("float32", 1e25), ("float64", 1e200), ("float32", 1.0)])
 def test_nonfinite_leaves_are_flagged(jit, bad, dtype, big):
@@ -136,7 +136,7 @@ def test_inside_shard_map_with_axis_name():
     assert np.asarray(flags).tolist() == [False, False, True]
 
 
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@with_and_without_jit
 @pytest.mark.parametrize("track", [False, True])
 def test_skipped_step_is_bit_exact(jit, track):
     params = {"w": jnp.array([1.0, -0.0, 3.0]), "b": jnp.array([[0.5]], jnp.float16)}
@@ -179,7 +179,7 @@ def _random_tree(rng: np.random.Generator, exponent: int) -> list[jax.Array]:
     return leaves
 
 
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@with_and_without_jit
 @pytest.mark.full
 def test_largest_is_the_abs_max_bit_for_bit(jit):
     """Across the whole float32 range, small and large leaves, 16-bit and float32: the largest
@@ -200,7 +200,7 @@ def test_largest_is_the_abs_max_bit_for_bit(jit):
                     assert np.asarray(n.norm).tobytes() == np.asarray(plain(leaves)).tobytes()
 
 
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@with_and_without_jit
 @pytest.mark.parametrize(
     "leaves",
     [
@@ -234,7 +234,7 @@ def test_largest_in_float64():
             assert np.asarray(n.amax).tobytes() == _abs_max(leaves).tobytes(), exponent
 
 
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@with_and_without_jit
 @pytest.mark.parametrize("bad", [np.inf, np.nan])
 def test_observing_wrap_skips_a_nan_in_a_large_leaf(jit, bad):
     """XLA's max reduction drops a NaN in a large array on CPU: finiteness must come from the
@@ -281,7 +281,7 @@ def _cases(dtype: str = "float32") -> dict[str, list[jax.Array]]:
     return cases
 
 
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@with_and_without_jit
 @pytest.mark.parametrize("case", list(_cases()))
 def test_without_the_exact_pass_the_decision_is_the_same(jit, case):
     """With the largest magnitude measured, finiteness needs no second pass: the same
@@ -345,7 +345,7 @@ def test_without_the_exact_pass_inside_shard_map(bad):
         assert float(top) == 31.0
 
 
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@with_and_without_jit
 def test_default_wrap_takes_a_step_whose_squares_overflow(jit):
     """Gradients past 2**64 in norm are finite: the default applies the step, as the classic
     rule does; its ``grad_norm`` is optax's (inf), the classic rule's the exact norm."""

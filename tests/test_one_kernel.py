@@ -12,8 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import pytest
-from _helpers import maybe_jit
+from _helpers import maybe_jit, with_and_without_jit
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -23,7 +22,7 @@ from jdls._numerics.scalars import one_kernel
 _EDGES = [0x7FC00001, 0xFFC00000, 0x7F800001, 0x7F800000, 0xFF800000, 0x80000000, 0, 1, 0x80000001]
 
 
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@with_and_without_jit
 @settings(max_examples=40, deadline=None)
 @given(
     bits=st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=6),
@@ -42,7 +41,7 @@ def test_every_value_comes_back_bit_for_bit(jit, bits, ints):
             assert y.tobytes() == x.tobytes()
 
 
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@with_and_without_jit
 def test_other_leaves_pass_as_they_are(jit):
     tree = {
         "flag": jnp.asarray(True),
