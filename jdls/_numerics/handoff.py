@@ -44,7 +44,7 @@ import jax.extend
 
 from jdls._numerics.norm import GlobalNorm, amax
 
-__all__ = ["recall", "recall_backward", "remember", "remember_backward"]
+__all__ = ["backward_amax", "recall", "recall_backward", "remember", "remember_backward"]
 
 
 class _Record(NamedTuple):
@@ -159,3 +159,26 @@ def recall_backward(loss_scale: Any) -> tuple[tuple[Any, ...], jax.Array | None]
     if record is None or record.scale() is not loss_scale or record.trace != _current_trace():
         return None
     return record.latest, record.earlier
+
+
+def backward_amax(
+    loss_scale: Any, received: Sequence[Any], measured: Any, axis_name: Hashable | None
+) -> Any:
+    """The largest magnitude of the gradients that ``value_and_grad`` at ``loss_scale``
+    returned in this trace, for a wrap that received ``received`` (measured: ``measured``).
+    When a transformation in front changed them (``optax``'s clip), the backward pass the rule
+    sets the scale for computes the returned ones, not the clipped ones. With several calls,
+    the largest of them all; ``measured`` where nothing else was recorded."""
+    found = recall_backward(loss_scale)
+    if found is None:
+        return measured
+    latest, earlier = found
+    same = {id(x) for x in latest} == {id(x) for x in received}
+    if same and earlier is None:
+        return measured  # the very gradients the wrap received: already measured
+    largest = measured if same else amax(latest)
+    if earlier is not None:
+        largest = jax.numpy.maximum(largest, earlier)
+    if axis_name is not None:
+        largest = jax.lax.pmax(largest, axis_name)
+    return largest

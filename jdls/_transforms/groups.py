@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jdls._numerics.handoff import backward_amax
 from jdls._numerics.norm import flatten_floats, tree_amax
 from jdls._numerics.scalars import one_kernel, pick
 from jdls._scales.scale import (
@@ -27,7 +28,7 @@ from jdls._scales.scale import (
     check_scale,
 )
 from jdls._transforms.stats import Stats, WrapState, the_wrap_state
-from jdls._transforms.wrap import backward_amax, wrap
+from jdls._transforms.wrap import wrap
 
 __all__ = ["GroupState", "group_stats", "wrap_groups"]
 
@@ -178,7 +179,7 @@ def wrap_groups(
 
         def largest() -> jax.Array:  # of the backward pass, as jdls.wrap measures it
             given = flatten_floats(dict(grads)).floats
-            return backward_amax(scale, given, tree_amax(dict(grads)), None)
+            return backward_amax(scale.loss_scale, given, tree_amax(dict(grads)), None)
 
         return updates, WrapState(adjust_observed(scale, finite, largest), inner, stats)
 

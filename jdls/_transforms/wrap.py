@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -27,7 +27,7 @@ import optax
 from jax import lax
 
 from jdls._numerics.checks import all_finite, check_int, check_limit
-from jdls._numerics.handoff import recall, recall_backward
+from jdls._numerics.handoff import backward_amax, recall
 from jdls._numerics.norm import (
     AxisName,
     FloatLeaves,
@@ -35,7 +35,6 @@ from jdls._numerics.norm import (
     check_sharded,
     clip_by_norm,
     flatten_floats,
-    tree_amax,
     tree_norm,
 )
 from jdls._numerics.scalars import one_kernel, pick
@@ -52,7 +51,7 @@ from jdls._transforms.retry import classify, first_attempt
 from jdls._transforms.skip import cond_branches, keep_dtypes, select
 from jdls._transforms.stats import Stats, WrapState, step_applied
 
-__all__ = ["backward_amax", "wrap"]
+__all__ = ["wrap"]
 
 _SKIP_WITH = ("cond", "select")
 
@@ -266,29 +265,6 @@ def wrap(
     return optax.GradientTransformationExtraArgs(init, update)
 
 
-def backward_amax(
-    scale: Any, received: Sequence[Any], measured: Any, axis_name: AxisName | None
-) -> Any:
-    """The largest magnitude of the gradients that ``scale.value_and_grad`` returned in this
-    trace, when a transformation in front of the wrap changed them (``optax``'s clip): the
-    backward pass the rule sets the scale for computes those, not the clipped ones
-    (jdls/_numerics/handoff.py). With several calls, the largest of them all. ``measured``
-    (the received gradients' own) where nothing else was recorded."""
-    found = recall_backward(scale.loss_scale)
-    if found is None:
-        return measured
-    latest, earlier = found
-    same = {id(x) for x in latest} == {id(x) for x in received}
-    if same and earlier is None:
-        return measured  # the very gradients the wrap received: already measured
-    largest = measured if same else tree_amax(list(latest))
-    if earlier is not None:
-        largest = jnp.maximum(largest, earlier)
-    if axis_name is not None:
-        largest = lax.pmax(largest, axis_name)
-    return largest
-
-
 def _measure(
     tree: FloatLeaves,
     scale: LossScale,
@@ -321,7 +297,7 @@ def _measure(
         )
         return seen, given
     if largest:
-        amax = backward_amax(scale, tree.floats, given.amax, axis_name)
+        amax = backward_amax(scale.loss_scale, tree.floats, given.amax, axis_name)
         return given._replace(amax=amax), given
     return given, given
 
