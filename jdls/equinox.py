@@ -27,13 +27,11 @@ from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
-import jax
-import jax.numpy as jnp
 
 from jdls._scales.grad import scaled_value_and_grad
 from jdls._scales.layer_scales import scale_layers
 from jdls._scales.scale import LossScale, check_scale
-from jdls._sites.site import is_site_update
+from jdls._sites.apart import apply_site_updates
 
 __all__ = ["apply_updates", "layer_scaled_value_and_grad", "value_and_grad"]
 
@@ -106,15 +104,7 @@ def apply_updates(model: Any, updates: Any) -> Any:
       dtype('float32')
     """
 
-    def apply(u: Any, p: Any) -> Any:
-        if u is None:
-            return p
-        if is_site_update(u):
-            return u.site
-        return jnp.asarray(p + u).astype(jnp.asarray(p).dtype)
-
-    stop = lambda x: x is None or is_site_update(x)  # noqa: E731
-    return jax.tree_util.tree_map(apply, updates, model, is_leaf=stop)
+    return apply_site_updates(model, updates)
 
 
 def layer_scaled_value_and_grad(

@@ -148,6 +148,21 @@ def varying_axes(x: Any) -> frozenset[Any]:
     return _varying_axes(jax.typeof(x))
 
 
+def bound_axes() -> tuple[Any, ...]:
+    """The named axes bound where this runs (``pmap``, ``shard_map``, a ``vmap`` with an
+    ``axis_name``): what a collective may reduce over. Empty under plain ``jit``, where a
+    sharded array's reductions are global already."""
+    try:  # jax >= 0.9
+        from jax.extend.core import (  # type: ignore[attr-defined]
+            unsafe_get_axis_names_DO_NOT_USE as names,
+        )
+    except ImportError:  # pragma: no cover - jax < 0.9
+        from jax.core import (  # type: ignore[attr-defined,no-redef]
+            unsafe_get_axis_names_DO_NOT_USE as names,
+        )
+    return tuple(names())
+
+
 def vary_like(x: Any, like: Any) -> Any:
     """``x`` marked as varying over the axes ``like`` varies over (a no-op outside shard_map)."""
     if not isinstance(like, jax.ShapeDtypeStruct):

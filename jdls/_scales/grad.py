@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from jdls._numerics.checks import is_float
 from jdls._numerics.handoff import remember_backward
+from jdls._sites.measured import measured
 from jdls._sites.site import is_site
 
 __all__ = ["Scaling", "reject_axis_name", "scaled_value_and_grad", "seed_scale", "with_loss_scale"]
@@ -94,6 +95,7 @@ def scaled_value_and_grad(
             remember_backward(
                 scale.loss_scale, [x for x in leaves if isinstance(x, jax.Array) and is_float(x)]
             )
+        grads = measured(grads)  # global over the devices, never taken for a gradient
         return ((loss, aux), grads) if has_aux else (loss, grads)
 
     return value_and_grad_fn

@@ -31,6 +31,7 @@ from jdls._floats.formats import finfo
 from jdls._numerics.scalars import one_kernel, pick
 from jdls._scales.filter import filtered_value_and_grad
 from jdls._scales.scale import DynamicScale, LossScale, check_scale, observes
+from jdls._sites.measured import measured as measured_sites
 from jdls._sites.site import Site, SiteKind, is_site
 
 __all__ = [
@@ -371,7 +372,7 @@ def scale_layers(
         return measured.get(tuple(_key(k) for k in path), g)
 
     grads = jax.tree_util.tree_map_with_path(measure, grads, is_leaf=is_site)
-    return ((loss, aux) if has_aux else loss), grads
+    return ((loss, aux) if has_aux else loss), measured_sites(grads)
 
 
 def layer_scaled_value_and_grad(

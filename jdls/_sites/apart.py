@@ -8,11 +8,12 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
-from jdls._sites.site import SiteUpdate, is_site
+from jdls._sites.site import SiteUpdate, is_site, is_site_update
 from jdls._sites.update import merge_sites, split_sites, update_sites
 
-__all__ = ["sites_apart"]
+__all__ = ["apply_site_updates", "sites_apart"]
 
 
 def sites_apart(
@@ -38,7 +39,12 @@ def sites_apart(
         if finite_of is None:
             return merge_sites(out, measured), new_state
         if params is None:
-            return out, new_state
+            raise ValueError(
+                "the gradients hold sites' measurements (probes, per-layer scales, FP8 "
+                "state), but tx.update got no params: jdls.wrap updates each site from its "
+                "current state, which is among the params. Pass them: "
+                "tx.update(grads, opt_state, params)"
+            )
         sites = split_sites(params)[1]
         new_sites = update_sites(sites, measured, finite_of(new_state))
         wrapped = jax.tree_util.tree_map(
@@ -47,3 +53,19 @@ def sites_apart(
         return merge_sites(out, wrapped), new_state
 
     return init, update
+
+
+def apply_site_updates(params: Any, updates: Any) -> Any:
+    """``optax.apply_updates(params, updates)`` where ``params`` may hold sites: a site takes
+    the new state of its :class:`SiteUpdate` (``jdls.wrap``'s update at a site); a ``None``
+    update keeps its leaf; every other leaf becomes ``(p + u)`` in ``p``'s dtype."""
+
+    def apply(u: Any, p: Any) -> Any:
+        if u is None:
+            return p
+        if is_site_update(u):
+            return u.site
+        return jnp.asarray(p + u).astype(jnp.asarray(p).dtype)
+
+    stop = lambda x: x is None or is_site_update(x)  # noqa: E731
+    return jax.tree_util.tree_map(apply, updates, params, is_leaf=stop)

@@ -10,6 +10,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jdls._sites.measured import Measured
 from jdls._sites.site import Site, SiteUpdate, is_site
 
 __all__ = ["merge_sites", "split_sites", "update_sites"]
@@ -65,7 +66,7 @@ def _update_one(
     for _ in site.kind.stack_shape(site.value):
         update = jax.vmap(update, in_axes=(0, 0, None))
     value = measured.value
-    if axis_name is not None:
+    if axis_name is not None and not isinstance(measured, Measured):  # global already
         value = site.kind.reduce(value, axis_name)
     # the measurement's integer leaves are None (held fixed) or float0: the kind ignores them
     return Site(site.kind, update(site.value, value, finite))

@@ -25,6 +25,7 @@ from jax import lax
 from jdls._numerics.checks import check_int
 from jdls._numerics.norm import FloatLeaves, GlobalNorm, flatten_floats, tree_norm
 from jdls._scales.scale import DynamicScale, LossScale, check_scale
+from jdls._sites.measured import measured, raw
 from jdls._sites.site import Site, is_site
 from jdls._transforms.retry import first_attempt, retry, value_and_grad_of
 
@@ -134,10 +135,11 @@ def accumulate(
         return loss_fn(p, batch)[0] if has_aux else loss_fn(p, batch)
 
     # zeros_like of the abstract gradients keeps their shardings (explicit meshes).
+    # The sites' measurements are added as floats (raw) and coded again at the end.
     zeros = jax.tree_util.tree_map(
         jnp.zeros_like,
         jax.eval_shape(
-            lambda s: s.value_and_grad(loss_only)(params, _first(micro_batches))[1], scale
+            lambda s: raw(s.value_and_grad(loss_only)(params, _first(micro_batches))[1]), scale
         ),
     )
 
@@ -147,6 +149,7 @@ def accumulate(
             (loss, aux), grads = s.value_and_grad(loss_fn, has_aux=True)(params, batch)
         else:
             (loss, grads), aux = s.value_and_grad(loss_only)(params, batch), None
+        grads = raw(grads)
         tree = flatten_floats(grads)
         n, finite = _measure(tree)
         loss_finite = jnp.all(jnp.isfinite(loss))
@@ -178,6 +181,7 @@ def accumulate(
         total,
         is_leaf=is_site,
     )
+    grads = measured(grads, reduce=False)  # each micro-batch's was global already
     loss = loss_sum / divisor
     info = AccumulateInfo(kept, dropped, tries, skip, mask, scale)
     return ((loss, auxes) if has_aux else loss), grads, info

@@ -22,6 +22,7 @@ from jax import lax
 from jdls._numerics.norm import FloatLeaves, GlobalNorm, sharded_flags
 from jdls._numerics.scalars import pick
 from jdls._scales.scale import DynamicScale, LossScale
+from jdls._sites.measured import raw
 
 __all__ = [
     "Attempt",
@@ -133,7 +134,8 @@ def value_and_grad_of(value_fn: Callable[..., Any], params: Any) -> Callable[[Lo
         return out[0] if isinstance(out, tuple) else out
 
     def recompute(scale: LossScale) -> tuple[jax.Array, Any]:
-        return scale.value_and_grad(loss_only)(params)
+        loss, grads = scale.value_and_grad(loss_only)(params)
+        return loss, raw(grads)  # measurements as floats, as the step's first attempt holds them
 
     return recompute
 

@@ -32,8 +32,17 @@ from jax import lax
 from jdls._numerics.checks import all_finite, check_int
 from jdls._numerics.norm import AxisName, vary_like, vary_over
 from jdls._scales.scale import DynamicScale, LossScale
+from jdls._sites.apart import apply_site_updates
+from jdls._sites.site import is_site
 from jdls._transforms.retry import SkipCause, mean_unsharded
-from jdls._transforms.stats import Stats, WrapState, get_scale, replace_scale, stats
+from jdls._transforms.stats import (
+    Stats,
+    WrapState,
+    get_scale,
+    replace_scale,
+    stats,
+    step_applied,
+)
 
 __all__ = ["retrying"]
 
@@ -206,9 +215,26 @@ def retrying(
             opt_state = replace_scale(opt_state, scale)
         loss = out[0] if has_aux else out
         before = stats(opt_state)
-        updates, opt_state = update(grads, opt_state, params, value=loss)
-        opt_state = _record(opt_state, before, tries)
-        return optax.apply_updates(params, updates), opt_state, out
+        updates, new_state = update(grads, opt_state, params, value=loss)
+        new_params = apply_site_updates(params, updates)
+        # A step the wrap skipped is a no-op through the whole chain: transformations after
+        # the wrap (weight decay, a schedule's count) and their states do not move either.
+        # Sites keep what their kinds made of the step (a probe records a skipped step too).
+        applied = step_applied(new_state)
+        new_params = jax.tree_util.tree_map(
+            lambda new, old: new if is_site(new) else jnp.where(applied, new, old),
+            new_params,
+            params,
+            is_leaf=is_site,
+        )
+        new_state = jax.tree_util.tree_map(
+            lambda new, old: new if isinstance(new, WrapState) else jnp.where(applied, new, old),
+            new_state,
+            opt_state,
+            is_leaf=lambda x: isinstance(x, WrapState),
+        )
+        opt_state = _record(new_state, before, tries)
+        return new_params, opt_state, out
 
     return step
 

@@ -1,0 +1,209 @@
+"""A measurement is never a gradient: what jdls's differentiation returns at a site.
+
+JAX returns a site's measurement as the cotangent of its value, so it arrives inside the
+gradient tree, where every tool that is not jdls's treats it as a gradient: a ``lax.pmean``
+averages it, an optax clip counts it in its norm and scales it, ``optax.MultiSteps`` averages
+it over micro-batches. jdls's entry points (every ``value_and_grad`` of jdls, the framework
+steps) therefore return each site's measurement as a :class:`Measured`:
+
+* **global**: reduced over every device by the kind's rule (:meth:`SiteKind.reduce`: the
+  largest amax, the conjunction of finite flags, counts summed) before the user's code sees
+  it, over the manual axes of ``shard_map`` and ``pmap`` (with ``check_vma``, only those the
+  measurement varies over); under ``jit`` with sharded arrays the compiler already computes
+  the global value;
+* **untouched by what treats it as a gradient**: each float32 leaf is held as the two
+  16-bit halves of its bits, each times ``2**-90``, beside a ``count`` of ``2**-90``. The
+  squares underflow, so a global norm (``optax.clip_by_global_norm`` in front of
+  ``jdls.wrap``) counts nothing of it; and any common factor applied to the whole tree (the
+  step's own ``lax.pmean`` or ``lax.psum``, a clip's factor, ``optax.scale``) cancels exactly
+  in ``half / count``, a small integer. A half that is not a whole number in ``[0, 2**16)``
+  (the measurement was added to, or averaged with different values) decodes to NaN; an
+  average that happens to be whole is not caught (``optax.MultiSteps`` goes inside the wrap).
+
+``Measured`` is a :class:`Site` (``jdls.is_site`` is true, ``.kind`` and ``.value`` read as
+a site's do: ``.value`` decodes the measurement), so ``jdls.update_sites``,
+``jdls.split_sites``, ``jdls.Telemetry.of`` and the framework steps take it as they take the
+raw measurement of ``jax.grad``. A raw measurement (``jax.grad`` with respect to sites, by
+hand) is per device; ``jdls.update_sites(..., axis_name=...)`` reduces it, and leaves a
+``Measured`` alone (it is global already).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jdls._numerics.norm import bound_axes, vary_over, varying_axes
+from jdls._sites.site import Site, SiteKind, is_site
+
+__all__ = ["Measured", "measured", "raw"]
+
+_F32 = jnp.float32
+# Each 16-bit half of a measurement's bits is held as ``half * _UNIT``: exact in float32, so
+# small that its square underflows (it counts for nothing in a global norm), and ``count`` is
+# ``_UNIT``: any common factor a transformation applies (a pmean, a psum, a clip's) cancels
+# in ``half / count``.
+_UNIT = 2.0**-90
+_PACKED = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+
+
+class Measured(Site):
+    """A site's measurement as jdls's differentiation returns it: global over the devices,
+    and coded so that a ``lax.pmean`` or ``lax.psum`` of the gradients, or a clip of their
+    global norm, leaves it exact and is not changed by it.
+
+    Read it as a :class:`jdls.Site`: ``.kind``, and ``.value`` (the decoded measurement).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jdls
+      >>> sites = {"h": jdls.Site(jdls.Probe())}
+      >>> loss = lambda x, s: jnp.sum(jdls.apply_site(x * 2.0, s["h"]))
+      >>> _, (_, measured) = jdls.StaticScale(1.0).value_and_grad(loss, (0, 1))(jnp.ones(4), sites)
+      >>> type(measured["h"]).__name__, jdls.is_site(measured["h"])
+      ('Measured', True)
+      >>> jdls.Telemetry.of(measured).amax.tolist()
+      [2.0]
+    """
+
+    kind: SiteKind
+    parts: Any  # per float leaf of the value: its bits as two int32 halves; else None
+    count: jax.Array  # float32, _UNIT: what the parts are divided by when decoded
+
+    def __init__(self, kind: SiteKind, parts: Any, count: Any) -> None:
+        object.__setattr__(self, "kind", kind)
+        object.__setattr__(self, "parts", parts)
+        object.__setattr__(self, "count", count)
+
+    @property  # type: ignore[override]
+    def value(self) -> Any:
+        """The measurement, decoded (float leaves in their dtypes; ``None`` elsewhere)."""
+        count = jnp.asarray(self.count, _F32)
+
+        def decode(part: Any) -> Any:
+            if not isinstance(part, _Halves):  # None, or a leaf jdls does not code (float64)
+                return part
+            c = jnp.reshape(
+                count, jnp.shape(count) + (1,) * (jnp.ndim(part.high) - jnp.ndim(count))
+            )
+            halves = [jnp.asarray(h, _F32) / c for h in (part.high, part.low)]
+            # a common factor (a pmean, a psum, a clip's) cancels; anything else is refused
+            # as NaN: a site's state never takes a measurement that was mixed with others
+            ok = (c != 0) & functools.reduce(
+                jnp.logical_and,
+                [(h >= 0) & (h <= 0xFFFF) & (jnp.abs(h - jnp.round(h)) < 0.25) for h in halves],
+            )
+            high, low = (jnp.round(h).astype(jnp.uint32) for h in halves)
+            bits = (high << 16) | low
+            if part.dtype.itemsize == 2:
+                value = lax.bitcast_convert_type(bits.astype(jnp.uint16), part.dtype)
+            else:
+                value = lax.bitcast_convert_type(bits, part.dtype)
+            return jnp.where(ok, value, jnp.array(jnp.nan, part.dtype))
+
+        return jax.tree_util.tree_map(decode, self.parts, is_leaf=lambda x: isinstance(x, _Halves))
+
+    def __repr__(self) -> str:
+        return f"Measured({self.kind!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+    __hash__ = object.__hash__
+
+
+class _Halves:
+    """A float leaf's bits as two int32 halves (``high << 16 | low``); its dtype is static."""
+
+    def __init__(self, high: Any, low: Any, dtype: Any) -> None:
+        self.high, self.low, self.dtype = high, low, jnp.dtype(dtype)
+
+
+jax.tree_util.register_pytree_with_keys(
+    _Halves,
+    lambda h: (
+        ((jax.tree_util.GetAttrKey("high"), h.high), (jax.tree_util.GetAttrKey("low"), h.low)),
+        h.dtype,
+    ),
+    lambda dtype, children: _Halves(*children, dtype),
+    lambda h: ((h.high, h.low), h.dtype),
+)
+
+
+def _flatten_with_keys(m: Measured) -> tuple[tuple[tuple[Any, Any], ...], SiteKind]:
+    return (
+        (jax.tree_util.GetAttrKey("parts"), m.parts),
+        (jax.tree_util.GetAttrKey("count"), m.count),
+    ), m.kind
+
+
+def _unflatten(kind: SiteKind, children: Any) -> Measured:
+    parts, count = children
+    return Measured(kind, parts, count)
+
+
+jax.tree_util.register_pytree_with_keys(
+    Measured, _flatten_with_keys, _unflatten, lambda m: ((m.parts, m.count), m.kind)
+)
+
+
+def _encode(leaf: Any) -> Any:
+    if leaf is None or not hasattr(leaf, "dtype"):
+        return None
+    dtype = jnp.dtype(leaf.dtype)
+    if dtype not in _PACKED:
+        return None if not jnp.issubdtype(dtype, jnp.inexact) else leaf
+    if dtype.itemsize == 2:
+        bits = lax.bitcast_convert_type(leaf, jnp.uint16).astype(jnp.uint32)
+    else:
+        bits = lax.bitcast_convert_type(leaf, jnp.uint32)
+    return _Halves((bits >> 16).astype(_F32) * _UNIT, (bits & 0xFFFF).astype(_F32) * _UNIT, dtype)
+
+
+def _global(site: Site) -> Site:
+    """The measurement reduced over the devices of the manual axes in scope: those it varies
+    over where JAX tracks it (``shard_map`` with ``check_vma``), every bound axis where JAX
+    does not (``pmap``, ``check_vma=False``)."""
+    axes = bound_axes()
+    if not axes:
+        return site
+    tracked = {a for a in axes if a in varying_axes(lax.axis_index(a))}
+    leaves = [x for x in jax.tree_util.tree_leaves(site.value) if hasattr(x, "dtype")]
+    varying = frozenset().union(*(varying_axes(x) for x in leaves))
+    over = tuple(a for a in axes if a in varying or a not in tracked)
+    if not over:
+        return site
+
+    def typed(x: Any) -> Any:  # every leaf varying over the tracked axes reduced
+        if not hasattr(x, "dtype"):
+            return x
+        return vary_over(x, tuple(a for a in over if a in tracked and a not in varying_axes(x)))
+
+    value = jax.tree_util.tree_map(typed, site.value)
+    return Site(site.kind, site.kind.reduce(value, over))
+
+
+def measured(grads: Any, *, reduce: bool = True) -> Any:
+    """Every site's measurement in ``grads`` (what ``jax.grad`` gave at the sites) made
+    global (unless ``reduce`` is False: global already) and coded as a :class:`Measured`;
+    other leaves unchanged."""
+
+    def one(x: Any) -> Any:
+        if not is_site(x) or isinstance(x, Measured):
+            return x
+        site = _global(x) if reduce else x
+        parts = jax.tree_util.tree_map(_encode, site.value)
+        return Measured(site.kind, parts, jnp.full((), _UNIT, _F32))
+
+    return jax.tree_util.tree_map(one, grads, is_leaf=is_site)
+
+
+def raw(grads: Any) -> Any:
+    """``grads`` with every :class:`Measured` decoded into a plain :class:`Site` (for code
+    that adds or carries measurements as floats: accumulation, retries)."""
+    return jax.tree_util.tree_map(
+        lambda x: Site(x.kind, x.value) if isinstance(x, Measured) else x, grads, is_leaf=is_site
+    )
