@@ -128,7 +128,7 @@ jax.tree_util.register_pytree_with_keys(
         ((jax.tree_util.GetAttrKey("high"), h.high), (jax.tree_util.GetAttrKey("low"), h.low)),
         h.dtype,
     ),
-    lambda dtype, children: _Halves(*children, dtype),
+    lambda dtype, children: _Halves(tuple(children)[0], tuple(children)[1], dtype),
     lambda h: ((h.high, h.low), h.dtype),
 )
 
