@@ -122,13 +122,18 @@ class _Halves:
         self.high, self.low, self.dtype = high, low, jnp.dtype(dtype)
 
 
+def _halves_of(dtype: Any, children: Any) -> _Halves:
+    high, low = children
+    return _Halves(high, low, dtype)
+
+
 jax.tree_util.register_pytree_with_keys(
     _Halves,
     lambda h: (
         ((jax.tree_util.GetAttrKey("high"), h.high), (jax.tree_util.GetAttrKey("low"), h.low)),
         h.dtype,
     ),
-    lambda dtype, children: _Halves(tuple(children)[0], tuple(children)[1], dtype),
+    _halves_of,
     lambda h: ((h.high, h.low), h.dtype),
 )
 
