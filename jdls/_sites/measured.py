@@ -65,8 +65,8 @@ class Measured(Site):
       >>> _, (_, measured) = jdls.StaticScale(1.0).value_and_grad(loss, (0, 1))(jnp.ones(4), sites)
       >>> type(measured["h"]).__name__, jdls.is_site(measured["h"])
       ('Measured', True)
-      >>> jdls.Telemetry.of(measured).amax.tolist()
-      [2.0]
+      >>> jdls.Telemetry.of(measured).amax.tolist()  # the cotangent of x * 2.0: ones
+      [1.0]
     """
 
     kind: SiteKind
