@@ -70,7 +70,7 @@ class Measured(Site):
     """
 
     kind: SiteKind
-    parts: Any  # per float leaf of the value: its bits as two int32 halves; else None
+    parts: Any  # per float leaf of the value: its bits as two halves (_Halves); else None
     count: jax.Array  # float32, _UNIT: what the parts are divided by when decoded
 
     def __init__(self, kind: SiteKind, parts: Any, count: Any) -> None:
@@ -116,7 +116,8 @@ class Measured(Site):
 
 
 class _Halves:
-    """A float leaf's bits as two int32 halves (``high << 16 | low``); its dtype is static."""
+    """A float leaf's bits as two 16-bit halves (``high << 16 | low``), each held as a float32
+    times ``_UNIT``; the leaf's dtype is static."""
 
     def __init__(self, high: Any, low: Any, dtype: Any) -> None:
         self.high, self.low, self.dtype = high, low, jnp.dtype(dtype)
@@ -168,14 +169,10 @@ def _encode(leaf: Any) -> Any:
     return _Halves((bits >> 16).astype(_F32) * _UNIT, (bits & 0xFFFF).astype(_F32) * _UNIT, dtype)
 
 
-def _global(site: Site) -> Site:
-    """The measurement reduced over the devices of the manual axes in scope: those it varies
-    over where JAX tracks it (``shard_map`` with ``check_vma``), every bound axis where JAX
-    does not (``pmap``, ``check_vma=False``)."""
-    axes = bound_axes()
-    if not axes:
-        return site
-    tracked = {a for a in axes if a in varying_axes(lax.axis_index(a))}
+def _global(site: Site, axes: tuple[Any, ...], tracked: frozenset[Any]) -> Site:
+    """The measurement reduced over the devices of the manual ``axes`` in scope: those it
+    varies over where JAX tracks it (``tracked``: ``shard_map`` with ``check_vma``), every
+    bound axis where JAX does not (``pmap``, ``check_vma=False``)."""
     leaves = [x for x in jax.tree_util.tree_leaves(site.value) if hasattr(x, "dtype")]
     varying = frozenset().union(*(varying_axes(x) for x in leaves))
     over = tuple(a for a in axes if a in varying or a not in tracked)
@@ -195,11 +192,17 @@ def measured(grads: Any, *, reduce: bool = True) -> Any:
     """Every site's measurement in ``grads`` (what ``jax.grad`` gave at the sites) made
     global (unless ``reduce`` is False: global already) and coded as a :class:`Measured`;
     other leaves unchanged."""
+    leaves = jax.tree_util.tree_leaves(grads, is_leaf=is_site)
+    if not any(is_site(x) and not isinstance(x, Measured) for x in leaves):
+        return grads  # no site: nothing to ask of the axes in scope
+    axes = bound_axes() if reduce else ()
+    # which axes JAX tracks, asked once per call (not once per site)
+    tracked = frozenset(a for a in axes if a in varying_axes(lax.axis_index(a)))
 
     def one(x: Any) -> Any:
         if not is_site(x) or isinstance(x, Measured):
             return x
-        site = _global(x) if reduce else x
+        site = _global(x, axes, tracked) if axes else x
         parts = jax.tree_util.tree_map(_encode, site.value)
         return Measured(site.kind, parts, jnp.full((), _UNIT, _F32))
 
