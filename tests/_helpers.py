@@ -221,3 +221,31 @@ def covering_sample(
         if c not in chosen:
             chosen.append(c)
     return sorted(chosen, key=list(cells).index)
+
+
+def decoded(tree: Any) -> Any:
+    """``tree`` with every site's measurement as its values (``.value``), not as the coded
+    arrays jdls returns: what a tolerance comparison of measurements should compare."""
+    return jax.tree_util.tree_map(
+        lambda x: jdls.Site(x.kind, x.value) if jdls.is_site(x) else x, tree, is_leaf=jdls.is_site
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Small models.
+# --------------------------------------------------------------------------------------------
+
+
+def fp8_mlp() -> Any:
+    """A two-layer linen MLP (8 -> 16 -> 2) whose dots are FP8 sites with delayed scaling
+    (a history of 4): the data-parallel and checkpoint tests' model."""
+    import flax.linen as nn
+
+    class Fp8Mlp(nn.Module):
+        @nn.compact
+        def __call__(self, x: Any) -> Any:
+            dot = functools.partial(jdls.fp8.linen.DotGeneral, recipe=jdls.fp8.DelayedScaling(4))
+            x = nn.relu(nn.Dense(16, dot_general_cls=dot)(x))
+            return nn.Dense(2, dot_general_cls=dot)(x)
+
+    return Fp8Mlp()

@@ -4,27 +4,19 @@ from __future__ import annotations
 
 import functools
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
-from _helpers import assert_bitwise_equal
+from _helpers import assert_bitwise_equal, fp8_mlp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jdls
-from jdls import fp8
 
-
-class _Mlp(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        dot = functools.partial(fp8.linen.DotGeneral, recipe=fp8.DelayedScaling(4))
-        x = nn.relu(nn.Dense(16, dot_general_cls=dot)(x))
-        return nn.Dense(2, dot_general_cls=dot)(x)
+_Mlp = fp8_mlp
 
 
 def _data(step, n=32):
