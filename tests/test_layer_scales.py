@@ -327,8 +327,8 @@ def test_under_shard_map_on_8_devices_the_scales_agree() -> None:
     saturated-tanh model is too ill-conditioned for rtol 1e-6 across batch splits). Each device differentiates a varying copy
     of the parameters (its own gradients), then pmean: the gradients equal the float32
     gradients of the full batch; the measurements reduced over the devices (largest
-    magnitude: pmax, finiteness: pmin) give every device the same scales (while the scales
-    adjusted from each device's own measurements differ). Without the copy, JAX sums the
+    magnitude: pmax, finiteness: pmin) give every device the same scales, with or without
+    ``axis_name`` (jdls's measurements are global already; one shard's alone differ). Without the copy, JAX sums the
     gradients of the replicated parameters over the devices by itself."""
     from jax.sharding import Mesh
     from jax.sharding import PartitionSpec as P
@@ -368,5 +368,13 @@ def test_under_shard_map_on_8_devices_the_scales_agree() -> None:
     for leaf in jax.tree_util.tree_leaves(per_device):
         assert leaf.shape[0] == 8 and np.all(np.asarray(leaf) == np.asarray(leaf)[:1])
     assert_bitwise_equal(jax.tree_util.tree_map(lambda a: a[0], per_device), new_scales)
-    own_levels = np.asarray(jnp.stack([s.loss_scale for s in own.values()]))
-    assert np.any(own_levels != own_levels[:, :1]), "the check above would catch disagreement"
+    # jdls's measurements are global already: without axis_name, every device agrees too
+    assert_bitwise_equal(jax.tree_util.tree_map(lambda a: a[0], own), new_scales)
+    for leaf in jax.tree_util.tree_leaves(own):
+        assert np.all(np.asarray(leaf) == np.asarray(leaf)[:1])
+    # and one shard's own measurements differ: the checks above would catch disagreement
+    _, (_, alone) = fn(params, sites, x[:8])
+    one = scales_of(jdls.update_sites(sites, alone, True))
+    levels = np.asarray(jnp.stack([s.loss_scale for s in one.values()]))
+    wanted = np.asarray(jnp.stack([s.loss_scale for s in new_scales.values()]))
+    assert np.any(levels != wanted), "the check above would catch disagreement"

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _helpers import jitted_in_quick_run, maybe_jit, with_and_without_jit
+from _helpers import decoded, jitted_in_quick_run, maybe_jit, with_and_without_jit
 
 import jdls
 
@@ -267,8 +267,8 @@ def test_layer_scales_of_blocks_each_in_nn_jit_are_exact(jit: bool) -> None:
     )
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
     for a, b in zip(
-        jax.tree_util.tree_leaves((grads, new.sites)),
-        jax.tree_util.tree_leaves((ref_grads, ref_new.sites)),
+        jax.tree_util.tree_leaves((decoded(grads), new.sites)),
+        jax.tree_util.tree_leaves((decoded(ref_grads), ref_new.sites)),
         strict=True,
     ):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7 * float(jnp.max(jnp.abs(b))))
