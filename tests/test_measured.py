@@ -56,6 +56,7 @@ def _fp8_step(state, x, t, collective=None):
 @pytest.mark.parametrize(
     "layout", ["pmap-pmean", "pmap-psum", "shard_map-pmean", "shard_map-no-vma-pmean"]
 )
+@pytest.mark.full(keep=1)  # the quick run keeps pmap with its pmean
 def test_fp8_sites_record_the_global_amax_through_the_steps_own_pmean(layout):
     """The documented linen step with a pmean (or psum) of the whole gradient tree records
     the whole batch's amax, bit for bit with one device on the whole batch."""
