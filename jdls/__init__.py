@@ -17,6 +17,7 @@ from jdls._sites.probe import Probe, Telemetry, plot_headroom
 from jdls._sites.site import Site, SiteKind, is_site
 from jdls._sites.update import merge_sites, split_sites, update_sites
 from jdls._transforms.accumulate import AccumulateInfo, accumulate
+from jdls._transforms.apply import apply_updates
 from jdls._transforms.clip import clip
 from jdls._transforms.groups import GroupState, group_stats, wrap_groups
 from jdls._transforms.retry import SkipCause
@@ -59,6 +60,7 @@ __all__ = [
     "adjust_loss_scales",
     "all_finite",
     "apply_site",
+    "apply_updates",
     "cbfloat16",
     "clip",
     "compress",

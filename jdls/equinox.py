@@ -31,7 +31,7 @@ import equinox as eqx
 from jdls._scales.grad import scaled_value_and_grad
 from jdls._scales.layer_scales import scale_layers
 from jdls._scales.scale import LossScale, check_scale
-from jdls._sites.apart import apply_site_updates
+from jdls._transforms.apply import apply_updates as _apply_updates
 
 __all__ = ["apply_updates", "layer_scaled_value_and_grad", "value_and_grad"]
 
@@ -75,13 +75,15 @@ def value_and_grad(
     )
 
 
-def apply_updates(model: Any, updates: Any) -> Any:
-    """``eqx.apply_updates(model, updates)`` with every parameter kept in its own dtype.
+def apply_updates(model: Any, updates: Any, opt_state: Any = None) -> Any:
+    """``eqx.apply_updates(model, updates)`` with every parameter kept in its own dtype, and
+    the model's sites put in place.
 
     Leaves whose update is ``None`` (the non-array leaves of an Equinox model, and the arrays
     that were not differentiated) are kept as they are; a :class:`jdls.Site` field takes its
-    new state from ``jdls.wrap``'s update (the site updated from its measurement, or kept on
-    a skipped step as its kind says); every other parameter becomes
+    new state from ``opt_state``, where ``jdls.wrap`` left it (the site updated from its
+    measurement, or kept on a skipped step as its kind says; the update at a site is
+    ``None``, so ``eqx.apply_updates`` would keep the old state); every other parameter becomes
     ``(p + u).astype(p.dtype)``, as in ``optax.apply_updates``. ``eqx.apply_updates`` computes
     ``p + u``, so float32 updates (what ``jdls.wrap`` returns for 16-bit gradients) would turn
     bfloat16 or float16 parameters into float32, and ``eqx.filter_jit`` would compile the step
@@ -90,6 +92,8 @@ def apply_updates(model: Any, updates: Any) -> Any:
     Args:
       model: the model (any pytree, non-array leaves included).
       updates: the updates from ``tx.update``, ``None`` where ``model`` has no update.
+      opt_state: the optimizer state ``tx.update`` returned with ``updates``; needed when
+        the model holds sites (see :func:`jdls.apply_updates`).
 
     Returns:
       The updated model, each array in its dtype before the update.
@@ -104,7 +108,7 @@ def apply_updates(model: Any, updates: Any) -> Any:
       dtype('float32')
     """
 
-    return apply_site_updates(model, updates)
+    return _apply_updates(model, updates, opt_state)
 
 
 def layer_scaled_value_and_grad(

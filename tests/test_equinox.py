@@ -378,7 +378,7 @@ def test_a_scanned_checkpointed_stack_has_a_site_per_layer():
     tx = jdls.wrap(optax.sgd(0.1), jdls.NoOpScale())
     opt_state = tx.init(eqx.filter(model, eqx.is_array))
     updates, opt_state = tx.update(grads, opt_state, eqx.filter(model, eqx.is_array))
-    new = jdls.equinox.apply_updates(model, updates)
+    new = jdls.equinox.apply_updates(model, updates, opt_state)
     np.testing.assert_allclose(jdls.Telemetry.of(new).amax, t.amax)
     assert new.blocks.scale.value["scale"].loss_scale.tolist() == LEVELS  # static scales
     np.testing.assert_allclose(
@@ -460,7 +460,7 @@ def make_step(tx, jit=True, loss=loss_fn):
         scale = jdls.get_scale(opt_state)
         loss_value, grads = scale.value_and_grad(loss)(model, x, y)
         updates, opt_state = tx.update(grads, opt_state, eqx.filter(model, eqx.is_array))
-        return jdls.equinox.apply_updates(model, updates), opt_state, loss_value
+        return jdls.equinox.apply_updates(model, updates, opt_state), opt_state, loss_value
 
     return maybe_filter_jit(train_step, jit)
 
@@ -480,7 +480,7 @@ def test_train_step_equals_the_hand_written_one(jit, dtype):
         _, grads = eqx.filter_value_and_grad(lambda m: scale.scale(loss_fn(m, x, y)))(model)
         grads = scale.unscale(grads)
         updates, opt_state = tx.update(grads, opt_state, eqx.filter(model, eqx.is_array))
-        return jdls.equinox.apply_updates(model, updates), opt_state
+        return jdls.equinox.apply_updates(model, updates, opt_state), opt_state
 
     a, sa = model, tx.init(eqx.filter(model, eqx.is_array))
     b, sb = a, sa
@@ -631,7 +631,7 @@ def test_shard_map_data_parallel_skips_everywhere():
         loss, grads = jdls.get_scale(opt_state).value_and_grad(loss_fn)(model, x, y)
         grads = jax.lax.pmean(eqx.filter(grads, eqx.is_array), "d")
         updates, opt_state = tx.update(grads, opt_state, params)
-        return jdls.equinox.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, "d")
+        return jdls.equinox.apply_updates(params, updates, opt_state), opt_state, jax.lax.pmean(loss, "d")
 
     step = jax.jit(
         jax.shard_map(

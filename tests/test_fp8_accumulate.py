@@ -145,20 +145,9 @@ def test_wrap_with_multisteps_updates_sites_in_params_once_per_applied_step():
         grads = jax.grad(_loss)(params, jax.tree.map(lambda b, i=i: b[i], batches))
         updates, opt_state = tx.update(grads, opt_state, params)
         assert bool(jdls.fp8.step_applied(opt_state)) == (i % 2 == 1)
-        params = _put_site_updates(params, updates)
+        params = jdls.apply_updates(params, updates, opt_state)
         counts.append(np.count_nonzero(np.asarray(params["site"].value.lhs.history)))
     assert counts == [0, 1, 1, 2]
     history = np.asarray(params["site"].value.lhs.history)
     assert sorted(history[history != 0].tolist()) == _expected_history(batches)
 
-
-def _put_site_updates(tree, updates):
-    """``tree`` with every site replaced by the ``SiteUpdate`` at its place in ``updates``:
-    what ``jdls.equinox.apply_updates`` does with a site, without Equinox."""
-    from jdls._sites.site import is_site, is_site_update
-
-    def put(x, u):
-        return u.site if is_site(x) and is_site_update(u) else x
-
-    stop = lambda x: is_site(x) or x is None or is_site_update(x)  # noqa: E731
-    return jax.tree_util.tree_map(put, tree, updates, is_leaf=stop)

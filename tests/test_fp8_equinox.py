@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import re
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
+import pytest
+from _helpers import assert_bitwise_equal
 
 import jdls
 import jdls.equinox
@@ -42,7 +47,7 @@ def test_equinox_step_updates_sites_and_trains():
         # them updated, jdls.equinox.apply_updates puts them in place
         loss, grads = jdls.get_scale(opt_state).value_and_grad(loss_fn)(model, x, y)
         updates, opt_state = tx.update(grads, opt_state, eqx.filter(model, eqx.is_array))
-        return jdls.equinox.apply_updates(model, updates), opt_state, loss
+        return jdls.equinox.apply_updates(model, updates, opt_state), opt_state, loss
 
     losses = []
     for _ in range(20):
@@ -54,3 +59,59 @@ def test_equinox_step_updates_sites_and_trains():
     assert int(jdls.stats(opt_state).skipped_steps) == 0
     rows = fp8.telemetry(model)
     assert set(rows) == {"a/site", "b/site"}
+
+
+def _train(tx, steps=6, jit=True):
+    model = _Mlp(jax.random.key(0))
+    opt_state = tx.init(eqx.filter(model, eqx.is_array))
+    x = jax.random.normal(jax.random.key(1), (32, 8)) * 5.0
+    y = jnp.sin(x[:, :2])
+
+    def step(model, opt_state, x):
+        loss_fn = lambda m: jnp.mean((m(x) - y) ** 2)  # noqa: E731
+        _, grads = jdls.get_scale(opt_state).value_and_grad(loss_fn)(model)
+        updates, opt_state = tx.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+        return jdls.equinox.apply_updates(model, updates, opt_state), opt_state
+
+    if jit:
+        step = eqx.filter_jit(step)
+    for i in range(steps):
+        model, opt_state = step(model, opt_state, x * (1.0 + i))
+    return model, opt_state
+
+
+@pytest.mark.parametrize("jit", [True, False])
+def test_transformations_after_the_wrap_leave_the_sites_alone(jit):
+    """AdamW written as a chain around the wrap (weight decay and the learning rate after it)
+    and optax's clip in front: the FP8 sites' histories and the weights are those of
+    jdls.wrap(optax.adamw(...)) bit for bit; nothing scales or decays a site's state."""
+    ref, _ = _train(jdls.wrap(optax.adamw(1e-2, weight_decay=0.1)), jit=jit)
+    got, _ = _train(
+        optax.chain(
+            optax.clip_by_global_norm(1e6),
+            jdls.wrap(optax.scale_by_adam()),
+            optax.add_decayed_weights(0.1),
+            optax.scale(-1e-2),
+        ),
+        jit=jit,
+    )
+    assert_bitwise_equal(got.a.site, ref.a.site)
+    assert_bitwise_equal(got.b.site, ref.b.site)
+    assert float(got.a.site.value.lhs.history[0]) == 6.0 * float(
+        jnp.max(jnp.abs(jax.random.normal(jax.random.key(1), (32, 8)) * 5.0))
+    )
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-6, atol=1e-7)
+
+
+def test_apply_updates_without_the_state_names_the_fix():
+    model = _Mlp(jax.random.key(0))
+    tx = jdls.wrap(optax.sgd(0.1))
+    opt_state = tx.init(eqx.filter(model, eqx.is_array))
+    grads = jax.grad(lambda m: jnp.sum(m(jnp.ones((2, 8)))))(model)
+    updates, opt_state = tx.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+    with pytest.raises(ValueError, match=re.escape("apply_updates(params, updates, opt_state)")):
+        jdls.equinox.apply_updates(model, updates)
+    other = jdls.wrap(optax.sgd(0.1)).init({"w": jnp.ones(2)})
+    with pytest.raises(ValueError, match="hold 2 sites and the optimizer state 0"):
+        jdls.apply_updates(model, updates, other)

@@ -2,7 +2,7 @@
 
 What flows through: a site's state into the forward pass as an argument of a ``custom_vjp``,
 and its measurement out of the backward pass as that argument's cotangent (``site``:
-``SiteKind``, ``Site``, ``SiteUpdate``; ``apply``: ``apply_site``; ``update``:
+``SiteKind``, ``Site``; ``apply``: ``apply_site``; ``update``:
 ``split_sites``, ``merge_sites``, ``update_sites``; ``apart``: ``sites_apart``, sites kept
 from an optimizer); the first kind of site, the probe, measures what a format would lose
 (``probe``: ``Probe``, ``Telemetry``, ``plot_headroom``). Per-layer scales, a site kind that

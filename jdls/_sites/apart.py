@@ -1,5 +1,6 @@
-"""Sites kept apart from an optimizer: an optax transformation never sees them, and its
-update at each site is a ``SiteUpdate`` of the site updated by its kind.
+"""Sites kept apart from an optimizer: an optax transformation never sees them. The update
+at a site is ``None``, which every optax transformation after the wrap passes on untouched;
+the sites' new state waits in the wrap's state until the parameters take it.
 """
 
 from __future__ import annotations
@@ -8,31 +9,45 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
-from jdls._sites.site import SiteUpdate, is_site, is_site_update
+from jdls._sites.site import is_site
 from jdls._sites.update import merge_sites, split_sites, update_sites
 
-__all__ = ["apply_site_updates", "sites_apart"]
+__all__ = ["site_leaves", "sites_apart"]
+
+
+def site_leaves(tree: Any) -> list[Any]:
+    """The sites of ``tree``, in its flattening order."""
+    return [x for x in jax.tree_util.tree_leaves(tree, is_leaf=is_site) if is_site(x)]
 
 
 def sites_apart(
     init_fn: Callable[..., Any],
     update_fn: Callable[..., Any],
     finite_of: Callable[[Any], jax.Array] | None,
+    hold: Callable[[Any, tuple[Any, ...]], Any] | None = None,
 ) -> tuple[Callable[..., Any], Callable[..., Any]]:
     """An optax transformation's functions with the sites of the parameters and of the
     gradients kept apart: the transformation never sees them (``None`` in their place: never
-    clipped, decayed or counted in a norm). With ``finite_of`` (``jdls.wrap``: the state's
-    skip decision), the update at each site is a :class:`SiteUpdate` of the site updated by
-    its kind from its measurement; without (``jdls.clip``), the measurement passes on."""
+    clipped, decayed or counted in a norm).
+
+    With ``finite_of`` (``jdls.wrap``: the state's skip decision), each site is updated by its
+    kind from its measurement, the update at the site is ``None`` (so that a transformation
+    after the wrap, ``optax.scale`` or ``optax.add_decayed_weights``, leaves it alone) and
+    ``hold(state, sites)`` puts the new sites (in the parameters' flattening order) in the
+    state, where ``jdls.apply_updates`` finds them. Without (``jdls.clip``), the measurement
+    passes on."""
 
     def init(params: Any) -> Any:
-        return init_fn(split_sites(params)[0])
+        state = init_fn(split_sites(params)[0])
+        sites = site_leaves(params)
+        if hold is not None and sites:
+            state = hold(state, tuple(sites))
+        return state
 
     def update(updates: Any, state: Any, params: Any = None, **extra: Any) -> Any:
         rest, measured = split_sites(updates)
-        if not any(map(is_site, jax.tree_util.tree_leaves(measured, is_leaf=is_site))):
+        if not site_leaves(measured):
             return update_fn(updates, state, params, **extra)
         held = None if params is None else split_sites(params)[0]
         out, new_state = update_fn(rest, state, held, **extra)
@@ -47,25 +62,8 @@ def sites_apart(
             )
         sites = split_sites(params)[1]
         new_sites = update_sites(sites, measured, finite_of(new_state))
-        wrapped = jax.tree_util.tree_map(
-            lambda s: SiteUpdate(s) if is_site(s) else s, new_sites, is_leaf=is_site
-        )
-        return merge_sites(out, wrapped), new_state
+        if hold is not None:
+            new_state = hold(new_state, tuple(site_leaves(new_sites)))
+        return out, new_state
 
     return init, update
-
-
-def apply_site_updates(params: Any, updates: Any) -> Any:
-    """``optax.apply_updates(params, updates)`` where ``params`` may hold sites: a site takes
-    the new state of its :class:`SiteUpdate` (``jdls.wrap``'s update at a site); a ``None``
-    update keeps its leaf; every other leaf becomes ``(p + u)`` in ``p``'s dtype."""
-
-    def apply(u: Any, p: Any) -> Any:
-        if u is None:
-            return p
-        if is_site_update(u):
-            return u.site
-        return jnp.asarray(p + u).astype(jnp.asarray(p).dtype)
-
-    stop = lambda x: x is None or is_site_update(x)  # noqa: E731
-    return jax.tree_util.tree_map(apply, updates, params, is_leaf=stop)

@@ -198,23 +198,3 @@ def _extra_axes(kind: SiteKind, value: Any) -> tuple[int, ...]:
                 f"{extra} and {tuple(shape[:n])}"
             )
     return extra or ()
-
-
-@dataclasses.dataclass(frozen=True)
-class SiteUpdate:
-    """The new state of a site, as an optimizer update: ``jdls.wrap`` returns one at every
-    site of the parameters, and the framework faces (``jdls.equinox.apply_updates``,
-    ``jdls.linen.TrainState``) put its ``site`` in place of the old one. A pytree of its own
-    kind, so that ``optax.apply_updates`` (which would add it to the old state) refuses it."""
-
-    site: Site
-
-
-jax.tree_util.register_pytree_node(
-    SiteUpdate, lambda u: ((u.site,), None), lambda _, children: SiteUpdate(*children)
-)
-
-
-def is_site_update(x: Any) -> bool:
-    """Whether ``x`` is a :class:`SiteUpdate`."""
-    return isinstance(x, SiteUpdate)

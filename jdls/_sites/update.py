@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from jdls._sites.measured import Measured
-from jdls._sites.site import Site, SiteUpdate, is_site
+from jdls._sites.site import Site, is_site
 
 __all__ = ["merge_sites", "split_sites", "update_sites"]
 
@@ -44,10 +44,10 @@ def merge_sites(rest: Any, sites: Any) -> Any:
     """
 
     def pick(s: Any, r: Any) -> Any:
-        return s if is_site(s) or isinstance(s, SiteUpdate) else r
+        return s if is_site(s) else r
 
     def stop(x: Any) -> bool:
-        return x is None or is_site(x) or isinstance(x, SiteUpdate)
+        return x is None or is_site(x)
 
     return jax.tree_util.tree_map(pick, sites, rest, is_leaf=stop)
 

@@ -32,8 +32,8 @@ from jax import lax
 from jdls._numerics.checks import all_finite, check_int
 from jdls._numerics.norm import AxisName, vary_like, vary_over
 from jdls._scales.scale import DynamicScale, LossScale
-from jdls._sites.apart import apply_site_updates
 from jdls._sites.site import is_site
+from jdls._transforms.apply import apply_updates
 from jdls._transforms.retry import SkipCause, mean_unsharded
 from jdls._transforms.stats import (
     Stats,
@@ -41,7 +41,6 @@ from jdls._transforms.stats import (
     get_scale,
     replace_scale,
     stats,
-    step_applied,
 )
 
 __all__ = ["retrying"]
@@ -216,11 +215,11 @@ def retrying(
         loss = out[0] if has_aux else out
         before = stats(opt_state)
         updates, new_state = update(grads, opt_state, params, value=loss)
-        new_params = apply_site_updates(params, updates)
+        new_params = apply_updates(params, updates, new_state)
         # A step the wrap skipped is a no-op through the whole chain: transformations after
         # the wrap (weight decay, a schedule's count) and their states do not move either.
         # Sites keep what their kinds made of the step (a probe records a skipped step too).
-        applied = step_applied(new_state)
+        applied = stats(new_state).finite
         new_params = jax.tree_util.tree_map(
             lambda new, old: new if is_site(new) else jnp.where(applied, new, old),
             new_params,

@@ -28,6 +28,7 @@ __all__ = [
     "snapshot",
     "stats",
     "step_applied",
+    "wrap_states",
 ]
 
 
@@ -84,18 +85,22 @@ class WrapState(NamedTuple):
       scale: the loss scale (a :class:`jdls.LossScale`) to use on the next step.
       inner_state: the state of the wrapped transformation, untouched by skipped steps.
       stats: a :class:`Stats` about the last step.
+      sites: the sites of the parameters, as the last step left them (``None`` when the
+        parameters hold none): the update at a site is ``None``, and
+        :func:`jdls.apply_updates` puts these in place.
     """
 
     scale: LossScale
     inner_state: Any
     stats: Stats
+    sites: Any = None
 
 
 def _is_wrap_state(x: Any) -> bool:
     return isinstance(x, WrapState)
 
 
-def _wrap_states(opt_state: Any) -> list[tuple[str, WrapState]]:
+def wrap_states(opt_state: Any) -> list[tuple[str, WrapState]]:
     found, _ = jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=_is_wrap_state)
     return [(jax.tree_util.keystr(path), x) for path, x in found if isinstance(x, WrapState)]
 
@@ -121,7 +126,7 @@ def snapshot(tree: Any) -> Any:
 
 
 def _the_wrap_state(opt_state: Any, what: str) -> WrapState:
-    found = _wrap_states(opt_state)
+    found = wrap_states(opt_state)
     if len(found) == 1:
         return snapshot(found[0][1])
     if not found:

@@ -256,13 +256,17 @@ def wrap(
         if max_consecutive_skips is not None:
             _fail_if_stuck(stats.consecutive_skips, max_consecutive_skips)
         scale = adjust_observed(step.scale, finite, lambda: n.amax)
-        return new_updates, WrapState(scale, inner_state, stats)
+        return new_updates, WrapState(scale, inner_state, stats, state.sites)
 
     # Sites among the parameters (per-layer scales, probes, FP8 state): never given to the
     # inner optimizer, never clipped or in the norm; each updated by its kind, skip-aware
     # (with optax.MultiSteps inside: once per applied step, not per micro-batch).
-    init, update = sites_apart(init_fn, update_fn, step_applied)
+    init, update = sites_apart(init_fn, update_fn, step_applied, _hold)
     return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _hold(state: WrapState, sites: tuple[Any, ...]) -> WrapState:
+    return state._replace(sites=sites)
 
 
 def _measure(

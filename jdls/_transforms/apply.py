@@ -1,0 +1,104 @@
+"""``jdls.apply_updates``: ``optax.apply_updates`` for parameters that hold sites, whose new
+state waits in the wrap's state (the update at a site is ``None``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jdls._sites.apart import site_leaves
+from jdls._sites.site import is_site
+from jdls._transforms.stats import snapshot, wrap_states
+
+__all__ = ["apply_updates"]
+
+
+def _pending(opt_state: Any, count: int) -> list[Any]:
+    if opt_state is None:
+        raise ValueError(
+            f"the parameters hold {count} sites (probes, per-layer scales, FP8 state), whose "
+            "new state jdls.wrap keeps in the optimizer state (their update is None): pass "
+            "it, apply_updates(params, updates, opt_state)"
+        )
+    held = [w.sites for _, w in wrap_states(snapshot(opt_state)) if w.sites is not None]
+    if len(held) > 1:
+        raise ValueError(
+            f"jdls.apply_updates: {len(held)} jdls.wrap states hold sites; keep the "
+            "parameters that hold sites under one jdls.wrap"
+        )
+    sites = list(held[0]) if held else []
+    if len(sites) != count:
+        raise ValueError(
+            f"jdls.apply_updates: the parameters hold {count} sites and the optimizer state "
+            f"{len(sites)}; pass the state that tx.update returned for these parameters "
+            "(made by tx.init of parameters with the same sites)"
+        )
+    return sites
+
+
+def apply_updates(params: Any, updates: Any, opt_state: Any = None) -> Any:
+    """``optax.apply_updates(params, updates)`` for parameters that may hold sites.
+
+    ``jdls.wrap`` keeps the sites of the parameters (probes, per-layer scales, FP8 state)
+    from the optimizer: the update at a site is ``None``, so that no transformation after the
+    wrap scales, decays or clips it, and the site's new state waits in ``opt_state``. This
+    puts it in place. Every other leaf becomes ``(p + u)`` in ``p``'s dtype, as in
+    ``optax.apply_updates`` (16-bit parameters stay 16-bit under float32 updates); a ``None``
+    update keeps its leaf.
+
+    Args:
+      params: the parameters (any pytree; non-array leaves are kept).
+      updates: what ``tx.update`` returned (``None`` where a leaf has no update).
+      opt_state: the optimizer state ``tx.update`` returned with them; needed only when
+        ``params`` holds sites.
+
+    Returns:
+      The updated parameters.
+
+    Raises:
+      ValueError: ``params`` holds sites and ``opt_state`` is missing or holds other sites.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, jdls
+      >>> params = {"w": jnp.ones(2), "probe": jdls.Site(jdls.Probe())}
+      >>> tx = jdls.wrap(optax.sgd(0.25), jdls.StaticScale(1.0))
+      >>> opt_state = tx.init(params)
+      >>> loss = lambda p: jnp.sum(jdls.apply_site(p["w"], p["probe"]) ** 2)
+      >>> updates, opt_state = tx.update(jax.grad(loss)(params), opt_state, params)
+      >>> updates["probe"] is None
+      True
+      >>> params = jdls.apply_updates(params, updates, opt_state)
+      >>> params["w"].tolist(), jdls.Telemetry.of(params).amax.tolist()
+      ([0.5, 0.5], [2.0])
+    """
+    sites = site_leaves(params)
+    pending = iter(_pending(opt_state, len(sites)) if sites else [])
+
+    def apply(p: Any, u: Any) -> Any:
+        if is_site(p):
+            new = next(pending)
+            if not is_site(new) or new.kind != p.kind:
+                raise ValueError(
+                    f"jdls.apply_updates: a {type(p.kind).__name__} site of the parameters "
+                    f"meets a {type(getattr(new, 'kind', new)).__name__} in the optimizer "
+                    "state; pass the state tx.update returned for these parameters"
+                )
+            return new
+        if u is None or p is None:
+            return p
+        return jnp.asarray(p + u).astype(jnp.asarray(p).dtype)
+
+    def stop(x: Any) -> bool:
+        return x is None or is_site(x)
+
+    flat_p, treedef = jax.tree_util.tree_flatten(params, is_leaf=stop)
+    try:
+        flat_u = treedef.flatten_up_to(updates)
+    except (ValueError, TypeError) as e:
+        raise ValueError(
+            "jdls.apply_updates: the updates are not shaped like the parameters (a site's "
+            f"update is None, or anything); {e}"
+        ) from None
+    return treedef.unflatten([apply(p, u) for p, u in zip(flat_p, flat_u, strict=True)])
