@@ -256,3 +256,50 @@ def test_nonfinite_paths_names_the_group_and_the_leaf(jit):
     without = jdls.wrap_groups({"gen": optax.sgd(0.1)}, jdls.DynamicScale())
     with pytest.raises(ValueError, match="track_nonfinite=True"):
         jdls.nonfinite_paths(without.init({"gen": {"w": jnp.zeros(1)}}))
+
+
+@with_and_without_jit
+def test_groups_with_sites_from_accumulate_move_as_one_wrap(jit):
+    """Sites among each group's parameters (a probe, an FP8 dot), the gradients from
+    jdls.accumulate: the measurements are never counted as gradients (the observing default
+    sets the scale as jdls.wrap does on the same gradients) and each group's sites take
+    their new state through jdls.apply_updates, as under one wrap."""
+
+    def group(w):
+        return {
+            "w": w,
+            "probe": jdls.Site(jdls.Probe()),
+            "dot": jdls.fp8.init(jdls.fp8.DelayedScaling(4)),
+        }
+
+    params = {"a": group(jnp.full((4, 3), 0.5)), "b": group(jnp.full((4, 3), -0.25))}
+
+    def loss(p, x):
+        total = 0.0
+        for name in ("a", "b"):
+            g = p[name]
+            h = jdls.fp8.dot_general(x, g["w"], (((1,), (0,)), ((), ())), site=g["dot"])
+            total = total + jnp.sum(jdls.apply_site(h, g["probe"]) ** 2)
+        return total * 2.0**-10
+
+    batches = jax.random.normal(jax.random.key(3), (3, 2, 4)) * 3.0
+
+    def run(tx):
+        p, state = params, tx.init(params)
+
+        def step(p, state):
+            _, grads, _ = jdls.accumulate(loss, jdls.get_scale(state), p, batches)
+            updates, state = tx.update(grads, state, p)
+            return jdls.apply_updates(p, updates, state), state
+
+        step = maybe_jit(step, jit)
+        for _ in range(3):
+            p, state = step(p, state)
+        return p, state
+
+    got, g_state = run(jdls.wrap_groups({"a": optax.sgd(0.1), "b": optax.sgd(0.1)}))
+    ref, s_state = run(jdls.wrap(optax.sgd(0.1)))
+    assert jdls.get_scale(g_state) == jdls.get_scale(s_state)
+    assert float(jdls.get_scale(g_state).loss_scale) > 2.0**10
+    assert_bitwise_equal(got, ref)
+    assert jdls.Telemetry.of(got).uses.tolist() == [3.0, 3.0]

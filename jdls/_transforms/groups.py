@@ -39,10 +39,13 @@ class GroupState(NamedTuple):
     Attributes:
       inner_state: the state of the group's optimizer, untouched by the group's skipped steps.
       stats: a :class:`jdls.Stats` about the group's last step.
+      sites: the sites of the group's parameters as its last step left them (``None``
+        without sites; see :class:`jdls.WrapState`).
     """
 
     inner_state: Any
     stats: Stats
+    sites: Any = None
 
 
 def wrap_groups(
@@ -125,8 +128,9 @@ def wrap_groups(
         first = next(iter(states.values()))
         return WrapState(
             scale=jax.tree_util.tree_map(jnp.array, scale0),
-            inner_state={n: GroupState(s.inner_state, s.stats) for n, s in states.items()},
+            inner_state={n: GroupState(*s[1:]) for n, s in states.items()},
             stats=first.stats._replace(nonfinite=_flags(states)),
+            sites=_sites(states),
         )
 
     def update_fn(
@@ -147,10 +151,10 @@ def wrap_groups(
         for name, g in grads.items():
             old = inner[name]
             p = None if params is None else params[name]
-            group_state = WrapState(NoOpScale(), old.inner_state, old.stats)
+            group_state = WrapState(NoOpScale(), *old)
             # Each group sees this step's scale (its gradients are already unscaled).
             updates[name], new = groups[name].update(g, group_state, p, **extra_args)
-            inner[name] = GroupState(new.inner_state, new.stats)
+            inner[name] = GroupState(*new[1:])
             finites.append(new.stats.finite)
             norms.append(new.stats.grad_norm)
             causes.append(new.stats.cause)
@@ -181,7 +185,8 @@ def wrap_groups(
             given = flatten_floats(dict(grads)).floats
             return backward_amax(scale.loss_scale, given, tree_amax(dict(grads)), None)
 
-        return updates, WrapState(adjust_observed(scale, finite, largest), inner, stats)
+        scale = adjust_observed(scale, finite, largest)
+        return updates, WrapState(scale, inner, stats, _sites(inner))
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -212,6 +217,13 @@ def group_stats(opt_state: Any) -> dict[str, Stats]:
             "jdls.wrap use jdls.stats(opt_state)"
         )
     return {name: g.stats for name, g in inner.items()}
+
+
+def _sites(states: Mapping[str, WrapState | GroupState]) -> tuple[Any, ...] | None:
+    """The groups' sites in the order the parameters' dict flattens (sorted names), where
+    ``jdls.apply_updates`` looks for them."""
+    held = [site for name in sorted(states) for site in states[name].sites or ()]
+    return tuple(held) if held else None
 
 
 def _flags(states: Mapping[str, WrapState]) -> dict[str, Any] | None:
