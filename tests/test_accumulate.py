@@ -306,3 +306,59 @@ def test_multisteps_with_retries_recomputes_the_micro_step():
     assert int(jdls.stats(state).skipped_steps) == 0
     # sgd(1.0) of the mean of the two micro-steps' gradients (exact in float16: c).
     assert params["w"].tolist() == [1.0 - 2.0, 0.0, 0.5]
+
+
+@with_and_without_jit
+def test_per_layer_scales_accumulate_through_the_state(jit):
+    """A linen model with per-layer scales: the wrap's scale is a NoOpScale that cannot apply
+    them, so accumulate refuses without ``value_and_grad`` and, given the state's, returns the
+    mean of what the state's own step gives for each micro-batch, bit for bit; every layer
+    measures its gradients (a layer measuring nothing would grow without bound)."""
+    import flax.linen as nn
+
+    model = jdls.linen.layer_scales(
+        nn.Sequential([nn.Dense(16), nn.tanh, nn.Dense(1)]), jdls.AdaptiveScale()
+    )
+    xs = jax.random.normal(jax.random.key(1), (3, 4, 3)).astype(jnp.float16)
+    variables = model.init(jax.random.key(0), xs[0])
+    state = jdls.linen.TrainState.create(
+        apply_fn=model.apply,
+        params=variables["params"],
+        sites=variables["jdls"],
+        tx=jdls.wrap(optax.sgd(0.1), jdls.NoOpScale()),
+    )
+
+    def loss(v, x):
+        return jnp.mean(model.apply(v, x) ** 2).astype(jnp.float32) * 2.0**-12
+
+    with pytest.raises(ValueError, match="value_and_grad=state.value_and_grad"):
+        jdls.accumulate(loss, state.scale, state.variables, xs)
+
+    def step(state):
+        _, grads, _ = jdls.accumulate(
+            loss, state.scale, state.variables, xs, value_and_grad=state.value_and_grad
+        )
+        return grads
+
+    grads = maybe_jit(step, jit)(state)
+
+    @jax.jit
+    def reference(state, n):  # the guide's plain lax.scan, a runtime divisor
+        def add(total, x):
+            grads = state.value_and_grad(loss)(state.variables, x)[1]["params"]
+            return jax.tree.map(jnp.add, total, grads), None
+
+        zeros = jax.tree.map(jnp.zeros_like, state.params)
+        return jax.tree.map(lambda t: t / n, jax.lax.scan(add, zeros, xs)[0])
+
+    total = reference(state, jnp.float32(3.0))
+    assert_bitwise_equal(grads["params"], total)
+    state = state.apply_gradients(grads=grads)
+    for name in ("layers_0", "layers_2"):
+        value = state.sites[name]["layer_scale"].value
+        assert float(value["amax"]) > 0.0 and float(value["finite"]) == 1.0
+        assert float(value["scale"].loss_scale) < 2.0**30
+    with pytest.raises(ValueError, match="retries=0"):
+        jdls.accumulate(
+            loss, state.scale, state.variables, xs, retries=1, value_and_grad=state.value_and_grad
+        )

@@ -24,6 +24,7 @@ from jax import lax
 
 from jdls._numerics.checks import check_int
 from jdls._numerics.norm import FloatLeaves, GlobalNorm, flatten_floats, tree_norm
+from jdls._scales.layer_scales import LayerScale
 from jdls._scales.scale import DynamicScale, LossScale, check_scale
 from jdls._sites.measured import measured, raw
 from jdls._sites.site import Site, is_site
@@ -64,6 +65,7 @@ def accumulate(
     has_aux: bool = False,
     retries: int = 0,
     max_dropped: int = 0,
+    value_and_grad: Callable[..., Callable[..., Any]] | None = None,
 ) -> tuple[Any, Any, AccumulateInfo]:
     """The mean loss and gradients over micro-batches, each checked (and retried) on its own.
 
@@ -92,6 +94,12 @@ def accumulate(
       retries: the most recomputations per micro-batch (needs a :class:`jdls.DynamicScale`).
       max_dropped: the most micro-batches that may be dropped before the step is skipped;
         0 (default) skips the step on any dropped micro-batch, as PyTorch does.
+      value_and_grad: how to differentiate one micro-batch, ``value_and_grad(fun,
+        has_aux=...)`` returning ``fn(params, micro_batch) -> (loss, grads)``: needed where
+        the parameters hold per-layer scales, which ``scale`` alone cannot apply (pass
+        ``state.value_and_grad`` of a ``jdls.linen.TrainState``, or
+        ``jdls.equinox.layer_scaled_value_and_grad``); default ``scale.value_and_grad``.
+        With it, a micro-batch that overflows is dropped, never retried.
 
     Returns:
       ``(loss, grads, info)`` (``((loss, aux), grads, info)`` with ``has_aux``): the mean
@@ -124,6 +132,13 @@ def accumulate(
     scale = check_scale(scale)
     retries = check_int("retries", retries, minimum=0)
     max_dropped = check_int("max_dropped", max_dropped, minimum=0)
+    if value_and_grad is None:
+        _refuse_layer_sites(params)
+    elif retries:
+        raise ValueError(
+            "accumulate: retries need the scale's own value_and_grad (a retry backs the "
+            "scale off); with value_and_grad given, pass retries=0"
+        )
     if retries and not isinstance(scale, DynamicScale):
         raise ValueError(
             f"retries={retries} needs a scale that backs off, a jdls.DynamicScale; "
@@ -139,16 +154,19 @@ def accumulate(
     zeros = jax.tree_util.tree_map(
         jnp.zeros_like,
         jax.eval_shape(
-            lambda s: raw(s.value_and_grad(loss_only)(params, _first(micro_batches))[1]), scale
+            lambda: raw(
+                (value_and_grad or _of_scale(scale))(loss_only)(params, _first(micro_batches))[1]
+            )
         ),
     )
 
     def body(carry: tuple[Any, ...], batch: Any) -> tuple[tuple[Any, ...], Any]:
         total, loss_sum, s, tries = carry
+        differentiate = value_and_grad or _of_scale(s)
         if has_aux:
-            (loss, aux), grads = s.value_and_grad(loss_fn, has_aux=True)(params, batch)
+            (loss, aux), grads = differentiate(loss_fn, has_aux=True)(params, batch)
         else:
-            (loss, grads), aux = s.value_and_grad(loss_only)(params, batch), None
+            (loss, grads), aux = differentiate(loss_only)(params, batch), None
         grads = raw(grads)
         tree = flatten_floats(grads)
         n, finite = _measure(tree)
@@ -185,6 +203,25 @@ def accumulate(
     loss = loss_sum / divisor
     info = AccumulateInfo(kept, dropped, tries, skip, mask, scale)
     return ((loss, auxes) if has_aux else loss), grads, info
+
+
+def _of_scale(scale: LossScale) -> Callable[..., Callable[..., Any]]:
+    return lambda fun, has_aux=False: scale.value_and_grad(fun, has_aux=has_aux)
+
+
+def _refuse_layer_sites(params: Any) -> None:
+    layered = any(
+        isinstance(site.kind, LayerScale)
+        for site in jax.tree_util.tree_leaves(params, is_leaf=is_site)
+        if is_site(site)
+    )
+    if layered:
+        raise ValueError(
+            "accumulate: the parameters hold per-layer scales, which the wrap's scale cannot "
+            "apply (it would differentiate at one scale and measure nothing per layer). "
+            "Pass how to differentiate them: value_and_grad=state.value_and_grad (a "
+            "jdls.linen.TrainState) or value_and_grad=jdls.equinox.layer_scaled_value_and_grad"
+        )
 
 
 def _add_kept(total: Any, grads: Any, ok: jax.Array) -> Any:
