@@ -7,7 +7,8 @@ global norm and the largest magnitude from one pass of squares, clipping by the 
 helpers that keep a value varying over the same mesh axes as another), and what a producer
 measured handed to the wrap behind it by the identity of its arrays (``handoff``: from
 ``jdls.clip`` and from the scale's own ``value_and_grad``), and the scalars a step decides
-from them, compiled as one kernel (``scalars``).
+from them, compiled as one kernel (``scalars``), and the plain keys of pytree paths
+(``paths``).
 
 Imports nothing from jdls. Private, as every folder whose name starts with an underscore:
 what users need is exported by ``jdls``.

@@ -27,10 +27,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jdls._floats.formats import finfo
+from jdls._numerics.paths import path_key
 from jdls._numerics.scalars import one_kernel, pick
 from jdls._scales.filter import filtered_value_and_grad
-from jdls._scales.scale import DynamicScale, LossScale, check_scale, observes
+from jdls._scales.grad import seed_scale
+from jdls._scales.scale import DynamicScale, LossScale, adjust_observed, check_scale
 from jdls._sites.measured import measured as measured_sites
 from jdls._sites.site import Site, SiteKind, is_site
 
@@ -135,30 +136,15 @@ class LayerScale(SiteKind):
     def update(self, value: Any, measurement: Any, finite: jax.Array) -> Any:
         scale = value["scale"]
         amax, own = measurement["amax"], measurement["finite"] > 0
-        # one adjustment: grown (measured) on a taken step, backed off where the layer itself
-        # overflowed on a skipped one (a rule backs off alike with or without a measurement),
-        # unchanged where only other layers did
-        if observes(scale):
-            adjusted = scale.adjust(finite, _flushed_as_tiny(scale, amax))
-        else:
-            adjusted = scale.adjust(finite)
+        # one adjustment, the global path's (jdls.wrap): grown (measured) on a taken step,
+        # backed off where the layer itself overflowed on a skipped one (a rule backs off
+        # alike with or without a measurement), unchanged where only other layers did. A
+        # layer whose gradients are all zero is left to the rule, as one global scale is.
+        adjusted = adjust_observed(scale, finite, lambda: amax)
         moved = finite | ~own
         new = jax.tree_util.tree_map(lambda a, s: pick(moved, a, s), adjusted, scale)
         # the scale, its counters and the statistics in one kernel, not one each
         return one_kernel({**value, "scale": new, "amax": amax, "finite": own.astype(_F32)})
-
-
-def _flushed_as_tiny(scale: DynamicScale, amax: jax.Array) -> jax.Array:
-    """A layer whose every gradient flushed to zero (``amax == 0``: at its scale the
-    cotangents were below half the compute format's smallest subnormal, which happens to a
-    deep layer whose neighbour's scale is far larger) is measured as that bound: the rule
-    then raises its scale by the whole usable range at once, rather than holding it where
-    it measures nothing."""
-    dtype = getattr(scale.rule, "compute_dtype", None)
-    if dtype is None:
-        return amax
-    bound = _F32(float(finfo(dtype).smallest_subnormal) / 2)
-    return pick(amax > 0, amax, bound / scale.loss_scale)
 
 
 def _value(scale: LossScale, ratio: Any) -> dict[str, Any]:
@@ -196,17 +182,10 @@ def layer_site(scale: LossScale, position: int) -> Site:
     return Site(LayerScale(int(position)), _value(scale, 1.0))
 
 
-def _key(key: Any) -> Any:
-    for attr in ("key", "idx", "name"):  # DictKey, SequenceKey / FlattenedIndexKey, GetAttrKey
-        if hasattr(key, attr):
-            return getattr(key, attr)
-    return key
-
-
 def _layer_sites(tree: Any) -> list[tuple[Path, Site]]:
     found = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_site)[0]
     return [
-        (tuple(_key(k) for k in path), site)
+        (tuple(path_key(k) for k in path), site)
         for path, site in found
         if isinstance(site, Site) and isinstance(site.kind, LayerScale)
     ]
@@ -315,7 +294,7 @@ def scale_layers(
 
     def put(tree: Any, prefix: Path) -> Any:
         def one(path: Any, x: Any) -> Any:
-            key = prefix + tuple(_key(k) for k in path)
+            key = prefix + tuple(path_key(k) for k in path)
             return by_path.get(key, x)
 
         return jax.tree_util.tree_map_with_path(one, tree, is_leaf=is_site)
@@ -328,20 +307,26 @@ def scale_layers(
     def scaled(*a: Any, **kw: Any) -> Any:
         out = fun(*a, **kw)
         loss, aux = out if has_aux else (out, None)
+        # what the global path multiplies a loss by (a 16-bit loss: at most its format's
+        # largest power of two, so that the backward pass starts finite)
+        seed = seed_scale(last_scale, loss)
+        level = last_scale if seed is None else seed
         wide = jnp.asarray(loss).astype(jnp.promote_types(jnp.result_type(loss), _F32))
-        return (wide * last_scale).astype(jnp.result_type(loss)), (loss, aux)
+        return (wide * level).astype(jnp.result_type(loss)), (loss, aux, seed)
 
-    (_, (loss, aux)), grads = filtered_value_and_grad(scaled, argnums, True, who)(
+    (_, (loss, aux, seed)), grads = filtered_value_and_grad(scaled, argnums, True, who)(
         *prepared, **kwargs
     )
     levels = [jnp.asarray(site.value["scale"].loss_scale, _F32) for site in linked]
+    if seed is not None:  # every layer computed at its scale times seed / last (ratios kept)
+        levels = [level * (seed / last_scale) for level in levels]
     members: list[list[jax.Array]] = [[] for _ in linked]
     outside: list[str] = []
 
     def unscale(path: Any, g: Any) -> Any:
         if g is None or is_site(g):
             return g
-        key = tuple(_key(k) for k in path)
+        key = tuple(path_key(k) for k in path)
         layer = _of_layer(param_path(key), layers)
         if layer is None:
             outside.append("/".join(map(str, key[1:])))
@@ -369,7 +354,7 @@ def scale_layers(
     def measure(path: Any, g: Any) -> Any:
         if not is_site(g):
             return g
-        return measured.get(tuple(_key(k) for k in path), g)
+        return measured.get(tuple(path_key(k) for k in path), g)
 
     grads = jax.tree_util.tree_map_with_path(measure, grads, is_leaf=is_site)
     return ((loss, aux) if has_aux else loss), measured_sites(grads)
@@ -388,7 +373,9 @@ def layer_scaled_value_and_grad(
     ``s[k] / s[k+1]``; the gradients of ``params[k]`` are unscaled by ``s[k]``. Exact (equal
     to float32 gradients) where no value underflows or overflows, provided each layer's
     parameters are used only between its input and its site. Other sites in ``sites`` (probes)
-    measure as usual.
+    measure as usual. A 16-bit loss is multiplied by at most its format's largest power of two
+    (``2**15`` for float16), as :meth:`jdls.LossScale.value_and_grad` does: every layer then
+    computes at its scale times that over the last layer's scale.
 
     Args:
       fun: the loss ``fun(params, sites, *args)``; returns a scalar, or ``(loss, aux)``.

@@ -28,6 +28,10 @@ atomic); every other higher-order primitive (``custom_jvp_call``, ``custom_vjp_c
 ``scan``, ``cond``, ``while``, ``remat``, ``shard_map``...) is one atomic equation: its inputs
 and outputs may carry several sets, and inside it the cotangent runs at the level of the union
 (coarser, still exact).
+
+A site's value (``jdls.Site``, ``jdls/_sites/``) among the inputs is *fixed*: its cotangent is
+the site's measurement, not a gradient, so no boundary converts it (nor measures it), and
+neither any value computed from site values alone.
 """
 
 from __future__ import annotations
@@ -84,12 +88,14 @@ def _sub_jaxpr(eqn: Any) -> jcore.ClosedJaxpr | None:
 class Scope:
     """The analysis of one jaxpr at one place of the trace (an inlined jaxpr called twice has
     two scopes): which variables depend on the differentiated inputs (``live``), their loss
-    sets, each atomic equation's set, and the scopes of its inlined equations."""
+    sets, each atomic equation's set, and the scopes of its inlined equations; the ``fixed``
+    variables (sites' values) carry measurements, never converted."""
 
     def __init__(self, closed: jcore.ClosedJaxpr) -> None:
         self.jaxpr = closed.jaxpr
         self.consts = closed.consts
         self.live: set[Any] = set()
+        self.fixed: set[Any] = set()
         self.sets: dict[Any, LossSet] = {}
         self.eqn_sets: dict[int, LossSet] = {}
         self.subs: dict[int, Scope] = {}
@@ -100,21 +106,27 @@ def var_set(scope: Scope, v: Any) -> LossSet:
     return scope.sets.get(v, EMPTY) if isinstance(v, jcore.Var) else EMPTY
 
 
-def _forward(closed: jcore.ClosedJaxpr, in_live: Sequence[bool]) -> Scope:
-    """Which variables depend on the live inputs (only they carry cotangents); the scopes of
-    the inlined equations."""
+def _forward(closed: jcore.ClosedJaxpr, in_live: Sequence[bool], in_fixed: Sequence[bool]) -> Scope:
+    """Which variables depend on the live inputs (only they carry cotangents), which are
+    computed from fixed inputs alone; the scopes of the inlined equations."""
     scope = Scope(closed)
-    live = scope.live
+    live, fixed = scope.live, scope.fixed
     live.update(v for v, on in zip(scope.jaxpr.invars, in_live, strict=True) if on)
+    fixed.update(v for v, on in zip(scope.jaxpr.invars, in_fixed, strict=True) if on)
     for k, eqn in enumerate(scope.jaxpr.eqns):
         eqn_in = [isinstance(v, jcore.Var) and v in live for v in eqn.invars]
+        eqn_fixed = [isinstance(v, jcore.Var) and v in fixed for v in eqn.invars]
         sub = _sub_jaxpr(eqn)
         if sub is not None:
-            inner = scope.subs[k] = _forward(sub, eqn_in)
+            inner = scope.subs[k] = _forward(sub, eqn_in, eqn_fixed)
             out_live = [isinstance(v, jcore.Var) and v in inner.live for v in sub.jaxpr.outvars]
+            out_fixed = [isinstance(v, jcore.Var) and v in inner.fixed for v in sub.jaxpr.outvars]
         else:
             out_live = [any(eqn_in)] * len(eqn.outvars)
+            from_live = [f for f, on in zip(eqn_fixed, eqn_in, strict=True) if on]
+            out_fixed = [bool(from_live) and all(from_live)] * len(eqn.outvars)
         live.update(v for v, on in zip(eqn.outvars, out_live, strict=True) if on)
+        fixed.update(v for v, on in zip(eqn.outvars, out_fixed, strict=True) if on)
     return scope
 
 
@@ -154,7 +166,10 @@ def all_sets(scope: Scope) -> list[LossSet]:
 
 
 def analyze(
-    closed: jcore.ClosedJaxpr, in_live: Sequence[bool], out_sets: Sequence[LossSet]
+    closed: jcore.ClosedJaxpr,
+    in_live: Sequence[bool],
+    out_sets: Sequence[LossSet],
+    in_fixed: Sequence[bool] | None = None,
 ) -> Scope:
     """The loss sets of every variable of ``closed``.
 
@@ -162,6 +177,8 @@ def analyze(
       closed: the traced function, from ``jax.make_jaxpr``.
       in_live: per input, whether it is differentiated (a float leaf of the argnums).
       out_sets: per output, the losses it is (``{i}`` for loss ``i``; empty for aux).
+      in_fixed: per input, whether it is a site's value, whose cotangent is a measurement
+        that no boundary converts (default: none).
 
     Returns:
       The top scope: ``var_set(scope, v)`` is the set of an input or output ``v``.
@@ -174,7 +191,8 @@ def analyze(
       >>> [sorted(var_set(scope, v)) for v in closed.jaxpr.invars]
       [[0], [0, 1]]
     """
-    scope = _forward(closed, in_live)
+    fixed = [False] * len(in_live) if in_fixed is None else in_fixed
+    scope = _forward(closed, in_live, fixed)
     _backward(scope, out_sets)
     return scope
 
@@ -343,6 +361,11 @@ def evaluate(scope: Scope, levels: Levels, consts: Sequence[Any], args: Sequence
     def read(v: Any) -> Any:
         return v.val if isinstance(v, jcore.Literal) else env[v]
 
+    def convert(x: Any, v: Any, producer: LossSet, consumer: LossSet) -> Any:
+        if isinstance(v, jcore.Var) and v in scope.fixed:  # a site's value: a measurement
+            return x
+        return levels.convert(x, producer, consumer)
+
     env.update(zip(jaxpr.constvars, consts, strict=True))
     env.update(zip(jaxpr.invars, args, strict=True))
     for k, eqn in enumerate(jaxpr.eqns):
@@ -351,25 +374,25 @@ def evaluate(scope: Scope, levels: Levels, consts: Sequence[Any], args: Sequence
         if inner is not None:
             ij = inner.jaxpr
             invals = [
-                levels.convert(x, var_set(scope, v), var_set(inner, iv))
+                convert(x, v, var_set(scope, v), var_set(inner, iv))
                 for x, v, iv in zip(invals, eqn.invars, ij.invars, strict=True)
             ]
             outs = evaluate(inner, levels, inner.consts, invals)
             outs = [
-                levels.convert(y, var_set(inner, iv), var_set(scope, v))
+                convert(y, v, var_set(inner, iv), var_set(scope, v))
                 for y, iv, v in zip(outs, ij.outvars, eqn.outvars, strict=True)
             ]
         else:
             s = scope.eqn_sets.get(k, EMPTY)
             if s:
                 invals = [
-                    levels.convert(x, var_set(scope, v), s)
+                    convert(x, v, var_set(scope, v), s)
                     for x, v in zip(invals, eqn.invars, strict=True)
                 ]
             outs = _bind(eqn, invals)
             if s:
                 outs = [
-                    levels.convert(y, s, var_set(scope, v))
+                    convert(y, v, s, var_set(scope, v))
                     for y, v in zip(outs, eqn.outvars, strict=True)
                 ]
         for v, y in zip(eqn.outvars, outs, strict=True):

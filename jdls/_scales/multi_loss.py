@@ -24,8 +24,11 @@ import jax.numpy as jnp
 from jdls._numerics.checks import all_finite, is_float
 from jdls._numerics.norm import tree_amax, vary_over
 from jdls._scales.filter import Split, is_jax_type, split_arguments
+from jdls._scales.grad import seed_scale, with_loss_scale
 from jdls._scales.loss_sets import EMPTY, Levels, all_sets, analyze, evaluate, var_set
-from jdls._scales.scale import LossScale, check_scale, observes
+from jdls._scales.scale import LossScale, adjust_observed, check_scale, observes
+from jdls._sites.measured import measured as measured_sites
+from jdls._sites.site import is_site
 
 __all__ = ["adjust_loss_scales", "multi_loss_value_and_grad"]
 
@@ -58,6 +61,22 @@ def _loss_order(losses: Any, keys: list[Any]) -> tuple[list[Any], list[int]]:
             f"fun must return one loss per scale, with the keys of scales {keys}; got {loss_keys}"
         )
     return loss_keys, [keys.index(k) for k in loss_keys]
+
+
+def _site_leaves(tree: Any) -> list[bool]:
+    """Per leaf of ``tree`` (flattened), whether it belongs to a site's value: its cotangent
+    is the site's measurement, never a gradient."""
+    out: list[bool] = []
+    for x in jax.tree_util.tree_leaves(tree, is_leaf=is_site):
+        out.extend([True] * len(jax.tree_util.tree_leaves(x)) if is_site(x) else [False])
+    return out
+
+
+def _seeded(scale: LossScale, loss: Any) -> LossScale:
+    """``scale`` as the global path applies it to ``loss`` (``jdls/_scales/grad.py``): a
+    16-bit loss is multiplied by at most its format's largest power of two."""
+    seed = seed_scale(scale.loss_scale, loss)
+    return scale if seed is None else with_loss_scale(scale, seed)
 
 
 def _unscale(g: Any, level: jax.Array) -> Any:
@@ -102,6 +121,13 @@ def multi_loss_value_and_grad(
       and added to the others'. Every parameter, shared ones included, gets each loss's share
       at that loss's own scale, for one backward pass per loss (about 1.7x one global scale's
       step for two losses).
+
+    As on the global path (:meth:`jdls.LossScale.value_and_grad`), a 16-bit loss is multiplied
+    by at most its format's largest power of two (``2**15`` for float16), and a site among the
+    differentiated arguments (a :class:`jdls.Probe`, FP8 state) gets its measurement coded as
+    that path returns it, never unscaled, weighted or summed like a gradient: with ``"one"``
+    the one backward pass's, with ``"per_loss"`` that of one more backward pass of the
+    weighted sum of the losses, each at its own scale.
 
     Args:
       fun: the loss function; returns the losses (``{"a": la, "b": lb}`` or ``(la, lb)``),
@@ -200,6 +226,7 @@ def multi_loss_value_and_grad(
         )
         if split is not None:
             total = split.grads(total)
+        total = measured_sites(total)  # as the global path returns a site's measurement
         grads = total[0] if isinstance(argnums, int) else tuple(total)
         value = (losses, aux) if has_aux else losses
         if with_amax:
@@ -224,8 +251,9 @@ def _weighted(grads: Any, weight: Any) -> Any:
 
 
 def _add(a: Any, b: Any) -> Any:
-    """``a + b``; an integer argument's ``float0`` gradient stays as it is."""
-    return a + b if is_float(a) else a
+    """``a + b``; an integer argument's ``float0`` gradient and a site's place (None) stay
+    as they are."""
+    return a + b if a is not None and is_float(a) else a
 
 
 def _dependence(
@@ -263,30 +291,55 @@ def _per_loss(
         (losses, vjp_fn), aux = jax.vjp(forward, *primals), None
     loss_keys, _ = _loss_order(losses, keys)
     depends = _dependence(forward, primals, keys, has_aux)
-    total: Any = None
+    sites = _site_leaves(primals)
+    seeded = [_seeded(scale, losses[k]) for scale, k in zip(scale_list, keys, strict=True)]
+
+    def seeds(i: int | None) -> Any:
+        """The losses' cotangents: loss ``i``'s scale, zeros for the others; with ``i``
+        None, every loss's scale times its weight (the weighted sum of the losses)."""
+        out = []
+        for k in loss_keys:
+            j = keys.index(k)
+            if i is None or j == i:
+                one = seeded[j].scale(jnp.ones_like(losses[k]))
+                out.append(_weighted(one, weight_list[j]) if i is None else one)
+            else:
+                out.append(jnp.zeros_like(losses[k]))
+        return _rebuild(losses, out)
+
+    total: list[Any] = []
+    tree: Any = None
     finite: list[jax.Array] = []
     amaxes: list[Any] = []
-    for i, scale in enumerate(scale_list):
-        cotangent = _rebuild(
-            losses,
-            [
-                scale.scale(jnp.ones_like(losses[k])) if k == keys[i] else jnp.zeros_like(losses[k])
-                for k in loss_keys
-            ],
-        )
-        leaves, tree = jax.tree_util.tree_flatten(scale.unscale(vjp_fn(cotangent)))
-        # A leaf loss ``i`` does not depend on gets zeros, as jax.grad's symbolic zero: not the
-        # zero cotangent times another loss's values (0 * inf is NaN).
-        leaves = [
-            g if i in on or not is_float(g) else jnp.zeros_like(g)
-            for g, on in zip(leaves, depends, strict=True)
-        ]
-        own = [g for g, on in zip(leaves, depends, strict=True) if i in on]
+    for i, scale in enumerate(seeded):
+        leaves, tree = jax.tree_util.tree_flatten(vjp_fn(seeds(i)))
+        grads: list[Any] = []
+        own: list[Any] = []
+        for g, on, site in zip(leaves, depends, sites, strict=True):
+            if site:  # a measurement: from the pass below, never unscaled, weighted or summed
+                grads.append(None)
+                continue
+            if is_float(g):
+                # A leaf loss ``i`` does not depend on gets zeros, as jax.grad's symbolic zero:
+                # not the zero cotangent times another loss's values (0 * inf is NaN).
+                g = _unscale(g, scale.loss_scale) if i in on else _zeros(g)
+            if i in on:
+                own.append(g)
+            grads.append(_weighted(g, weight_list[i]))
         finite.append(all_finite(own))
         amaxes.append(tree_amax(own) if measure else None)
-        grads = _weighted(jax.tree_util.tree_unflatten(tree, leaves), weight_list[i])
-        total = grads if total is None else jax.tree_util.tree_map(_add, total, grads)
-    return losses, aux, total, finite, amaxes
+        total = grads if not total else [_add(a, b) for a, b in zip(total, grads, strict=True)]
+    if any(sites):
+        # The sites measure one backward pass of the weighted sum of the losses, each at its
+        # own scale: where the scales are equal, what one global scale measures.
+        measurements = jax.tree_util.tree_leaves(vjp_fn(seeds(None)))
+        total = [m if site else g for g, m, site in zip(total, measurements, sites, strict=True)]
+    return losses, aux, jax.tree_util.tree_unflatten(tree, total), finite, amaxes
+
+
+def _zeros(g: jax.Array) -> jax.Array:
+    """The unscaled zeros of a float leaf (narrower floats promoted to float32)."""
+    return jnp.zeros(jnp.shape(g), jnp.promote_types(g.dtype, _F32))
 
 
 def _one_pass(
@@ -319,10 +372,13 @@ def _one_pass(
     order: list[int] = found["order"]
     n = len(order)
     live = [is_float(x) for x in flat]
+    sites = _site_leaves(primals)
     out_sets = [frozenset({i}) for i in order] + [EMPTY] * (len(closed.out_avals) - n)
-    scope = analyze(closed, live, out_sets)
+    scope = analyze(closed, live, out_sets, sites)
     weights = [None if w is None else jnp.asarray(w, _F32) for w in weight_list]
-    levels = Levels([s.loss_scale for s in scale_list], weights)
+    loss_avals = {i: aval for i, aval in zip(order, closed.out_avals[:n], strict=True)}
+    seeded = [_seeded(s, loss_avals[i]) for i, s in enumerate(scale_list)]
+    levels = Levels([s.loss_scale for s in seeded], weights)
     sets = all_sets(scope)
     levels.index = {s: k for k, s in enumerate(sets)}
 
@@ -346,8 +402,11 @@ def _one_pass(
 
     grads: list[Any] = []
     by_set: dict[frozenset[int], list[Any]] = {}
-    for g, v in zip(cotangents, closed.jaxpr.invars, strict=True):
+    for g, v, site in zip(cotangents, closed.jaxpr.invars, sites, strict=True):
         s = var_set(scope, v)
+        if site:  # a measurement: never unscaled, weighted or summed like a gradient
+            grads.append(g)
+            continue
         if not s:
             grads.append(
                 jnp.zeros(jnp.shape(g), jnp.promote_types(g.dtype, _F32)) if is_float(g) else g
@@ -409,7 +468,8 @@ def adjust_loss_scales(
 ) -> Any:
     """The next per-loss scales after a step: each loss's scale adjusted by its own flag.
 
-    Each scale moves as :func:`jdls.wrap` would move it fed that loss's gradients: backs off
+    Each scale moves as :func:`jdls.wrap` would move it fed that loss's gradients, by the same
+    code (``adjust_observed``), all-zero gradients included: backs off
     where ``finite[k]`` is False, follows its rule where it is True. A rule that observes
     (:func:`jdls.AdaptiveScale`, ``rule.observes``) gets ``grad_amax[k]``, the largest
     magnitude of loss ``k``'s unscaled gradients: ask
@@ -448,9 +508,7 @@ def adjust_loss_scales(
     out = []
     for i, (key, scale) in enumerate(zip(keys, scale_list, strict=True)):
         check_scale(scale, f"scales[{key!r}]")
-        if not observes(scale):
-            out.append(scale.adjust(flags[i]))
-        elif amaxes is None:
+        if observes(scale) and amaxes is None:
             raise ValueError(
                 f"scales[{key!r}]'s rule {type(scale.rule).__name__} sets the scale from the "
                 "largest magnitude of that loss's unscaled gradients, and grad_amax was not "
@@ -458,9 +516,15 @@ def adjust_loss_scales(
                 "with_amax=True) and pass its fourth output, "
                 "jdls.adjust_loss_scales(scales, finite, grad_amax)"
             )
-        else:
-            out.append(scale.adjust(flags[i], amaxes[i]))
+        # the global path's adjustment (jdls.wrap), fed this loss's flag and measurement
+        amax = None if amaxes is None else amaxes[i]
+        out.append(adjust_observed(scale, flags[i], functools.partial(_given, amax)))
     return _rebuild(scales, out)
+
+
+def _given(value: Any) -> Any:
+    """``value``: a measurement already made, as :func:`adjust_observed` asks for one."""
+    return value
 
 
 def _matching(tree: Any, keys: list[Any], what: str) -> list[Any]:

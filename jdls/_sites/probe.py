@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jdls._floats.formats import FloatFormat, canonical_format, finfo
+from jdls._numerics.paths import path_key
 from jdls._sites.site import Site, SiteKind, is_site
 
 __all__ = ["Probe", "Telemetry", "plot_headroom"]
@@ -165,13 +166,6 @@ class Probe(SiteKind):
         return measurement
 
 
-def _key(key: Any) -> str:
-    for attr in ("key", "idx", "name"):  # DictKey, SequenceKey / FlattenedIndexKey, GetAttrKey
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
-
-
 class Telemetry(NamedTuple):
     """What the probes measured on one backward pass (on-device arrays, one row per probe).
 
@@ -215,7 +209,7 @@ class Telemetry(NamedTuple):
         for path, site in found:
             if not isinstance(site, Site) or not isinstance(site.kind, Probe):
                 continue
-            keys = [_key(k) for k in path]
+            keys = [str(path_key(k)) for k in path]
             if keys[-1:] == ["value"]:  # an NNX Variable's value
                 keys = keys[:-1]
             if keys[-1:] in (["probe"], ["jdls_probe"]):  # a framework's probe: its module
