@@ -185,6 +185,7 @@ def test_measurement_counts_saturated_and_flushed_values():
     q, m = recipe.quantize(x, state, "lhs")
     assert float(m.amax) == 1000.0
     assert float(m.saturated) == 2 / 8
+    # over all 8 values, the zero included (not 3 / 7 of the non-zero ones, docs/fp8.md)
     assert float(m.flushed) == 3 / 8  # 2**-12, 2**-11 (a tie, to even: 0), -2**-20
     assert q.values.astype(jnp.float32).tolist()[:3] == [448.0, -448.0, 1.0]
 

@@ -95,10 +95,17 @@ def test_probes_in_a_scanned_stack_give_a_row_per_layer(remat: bool, jit: bool) 
     new, _, grads = maybe_jit(train_step, jit)(state, x)
     t = jdls.Telemetry.of(grads["jdls"])
     assert t.names == (
-        "blocks/dense[0]", "blocks/dense[1]", "blocks/dense[2]", "blocks/dense[3]",
-        "blocks[0]", "blocks[1]", "blocks[2]", "blocks[3]",
-        "embed", "head",
-    )  # fmt: skip
+        "embed",
+        "blocks/dense[0]",
+        "blocks[0]",
+        "blocks/dense[1]",
+        "blocks[1]",
+        "blocks/dense[2]",
+        "blocks[2]",
+        "blocks/dense[3]",
+        "blocks[3]",
+        "head",
+    )  # fmt: skip: the forward order, a stack's layers one after the other
     assert np.asarray(t.uses).tolist() == [1.0] * 10
     # the reference: the same blocks unrolled, the same parameters
     reference = jdls.linen.probes(Unrolled())
@@ -109,9 +116,11 @@ def test_probes_in_a_scanned_stack_give_a_row_per_layer(remat: bool, jit: bool) 
     )({"params": params, "jdls": ref_vars["jdls"]})
     ref = jdls.Telemetry.of(ref_grads["jdls"])
     by_name = dict(zip(ref.names, np.asarray(ref.amax), strict=True))
+    blocks = [name for i in range(DEPTH) for name in (f"block_{i}/dense", f"block_{i}")]
+    assert ref.names == ("embed", *blocks, "head")
     for i in range(DEPTH):
-        np.testing.assert_allclose(t.amax[i], by_name[f"block_{i}/dense"], rtol=2e-3)
-        np.testing.assert_allclose(t.amax[4 + i], by_name[f"block_{i}"], rtol=2e-3)
+        np.testing.assert_allclose(t.amax[1 + 2 * i], by_name[f"block_{i}/dense"], rtol=2e-3)
+        np.testing.assert_allclose(t.amax[2 + 2 * i], by_name[f"block_{i}"], rtol=2e-3)
     # the step recorded the measurement in the sites
     np.testing.assert_allclose(jdls.Telemetry.of(new.sites).amax, t.amax)
     for a, b in zip(
@@ -419,3 +428,62 @@ def test_layer_scales_of_nn_jit_blocks_with_a_positional_train_flag(jit: bool) -
     out = [model.apply(variables, x, t, rngs=rngs) for t in (True, False)]
     assert not np.allclose(out[0], out[1])
     np.testing.assert_array_equal(out[1], bare.apply({"params": variables["params"]}, x, False))
+
+
+class _Overflow(nn.Module):
+    """12 Dense layers (``layers_0`` to ``layers_11``); the loss overflows float16 at the
+    last layer's output cotangent, so the backward pass goes non-finite from there on."""
+
+    @nn.compact
+    def __call__(self, x):
+        for i in range(12):
+            x = nn.Dense(4, name=f"layers_{i}")(x)
+        return x.astype(jnp.float16) * jnp.float16(60000.0)
+
+
+@with_and_without_jit
+def test_probes_follow_the_forward_order_past_ten_layers(jit: bool) -> None:
+    model = jdls.linen.probes(_Overflow())
+    x = jnp.ones((2, 3))
+    variables = model.init(jax.random.key(0), x)
+    names = tuple(f"layers_{i}" for i in range(12))
+    positions = [variables["jdls"][n]["probe"].kind.position for n in names]
+    assert positions == list(range(12))
+
+    def loss(v):
+        return jnp.sum(model.apply(v, x)).astype(jnp.float32)
+
+    # the scaled cotangent 4 * 60000 overflows float16 at the model's output
+    _, grads = maybe_jit(jdls.StaticScale(4.0).value_and_grad(loss), jit)(variables)
+    t = jdls.Telemetry.of(grads["jdls"])
+    assert t.names == names  # "layers_10" sorts before "layers_9" in the tree
+    assert np.asarray(t.nonfinite).tolist() == [1.0] * 12
+    assert t.first_nonfinite() == "layers_11"
+
+
+class _JitBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(4)(x)
+        x = nn.LayerNorm()(x)
+        return nn.Dense(4)(x)
+
+
+class _JitBlocks(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        for i in range(3):
+            x = nn.jit(_JitBlock)(name=f"b{i}")(x)
+        return x
+
+
+def test_probes_inside_nn_jit_blocks_follow_the_forward_order() -> None:
+    # nn.jit reuses b1's trace for b2: b2's returns are never seen, its order is b1's
+    model = jdls.linen.probes(_JitBlocks())
+    x = jnp.ones((2, 3))
+    variables = model.init(jax.random.key(0), x)
+    _, grads = jax.jit(jax.value_and_grad(lambda v: jnp.sum(model.apply(v, x))))(variables)
+    inner = ("Dense_0", "LayerNorm_0", "Dense_1")
+    expected = tuple(n for b in ("b0", "b1", "b2") for n in (*(f"{b}/{i}" for i in inner), b))
+    assert jdls.Telemetry.of(grads["jdls"]).names == expected
+    assert jdls.Telemetry.of(variables["jdls"]).names == expected

@@ -80,8 +80,8 @@ def test_probes_in_a_vmapped_stack_run_by_scan_and_remat_give_a_row_per_layer() 
     scale = jdls.StaticScale(2.0**8)
     _, grads = nnx.jit(jdls.nnx.value_and_grad(loss_fn, scale))(model, x)
     t = jdls.Telemetry.of(nnx.state(grads, jdls.nnx.SiteVariable))
-    stack = [f"blocks[{i}]" for i in range(DEPTH)] + [f"blocks/linear[{i}]" for i in range(DEPTH)]
-    assert sorted(t.names) == sorted(["", "embed", "head", *stack])
+    layers = [n for i in range(DEPTH) for n in (f"blocks/linear[{i}]", f"blocks[{i}]")]
+    assert t.names == ("embed", *layers, "head", "Model")  # the forward order
     assert np.asarray(t.uses).tolist() == [1.0] * len(t.names)
     _, ref_grads = jdls.nnx.value_and_grad(lambda m, x: loss_fn(m, x, True), scale)(model, x)
     ref = jdls.Telemetry.of(nnx.state(ref_grads, jdls.nnx.SiteVariable))
@@ -155,3 +155,127 @@ def test_nnx_jit_traced_before_keeps_the_sites() -> None:
     _, grads = jdls.nnx.value_and_grad(forward, jdls.StaticScale(8.0))(model, x)
     t = jdls.Telemetry.of(nnx.state(grads, jdls.nnx.SiteVariable))
     assert np.asarray(t.uses).tolist() == [1.0] * len(t.names) and len(t.names) == 11
+
+
+class _Overflow(nnx.Module):
+    """12 layers; the model's output overflows float16 in the backward pass at layers/11's
+    output (the scaled cotangent 4 * 60000)."""
+
+    def __init__(self) -> None:
+        self.layers = nnx.List(
+            [nnx.Linear(3 if i == 0 else 4, 4, rngs=nnx.Rngs(i)) for i in range(12)]
+        )
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.astype(jnp.float16) * jnp.float16(60000.0)
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["nnx.jit", "eager"])
+def test_probes_follow_the_forward_order_through_split_and_merge(jit: bool) -> None:
+    model = jdls.nnx.probes(_Overflow())
+    model = nnx.merge(*nnx.split(model))  # attributes rebuilt in sorted order
+
+    def loss(m, x):
+        return jnp.sum(m(x)).astype(jnp.float32)
+
+    fn = jdls.nnx.value_and_grad(loss, jdls.StaticScale(4.0))
+    _, grads = (nnx.jit(fn) if jit else fn)(model, jnp.ones((2, 3)))
+    t = jdls.Telemetry.of(nnx.state(grads, jdls.nnx.SiteVariable))
+    layers = tuple(f"layers/{i}" for i in range(12))
+    assert t.names == (*layers, "_Overflow")  # the model's own probe: its class name
+    assert np.asarray(t.nonfinite).tolist() == [1.0] * 12 + [0.0]
+    assert t.first_nonfinite() == "layers/11"
+
+
+class _Named(nnx.Module):
+    """Two layers whose names sort against the forward order."""
+
+    def __init__(self, scale=None) -> None:
+        self.z_first = nnx.Linear(3, 4, rngs=nnx.Rngs(0))
+        self.a_second = nnx.Linear(4, 2, rngs=nnx.Rngs(1))
+        if scale is not None:
+            jdls.nnx.layer_scales(self, scale)
+
+    def __call__(self, x):
+        return self.a_second(jnp.tanh(self.z_first(x)))
+
+
+def _named_loss(m, x):
+    return jnp.sum(m(x) ** 2)
+
+
+def _set_scales(model: _Named) -> None:
+    # far apart: a layer unscaled by the other's scale is off by 2**18
+    model.z_first.jdls_layer_scale.set_value(jdls.layer_site(jdls.StaticScale(2.0**20), 0))
+    model.a_second.jdls_layer_scale.set_value(jdls.layer_site(jdls.StaticScale(4.0), 1))
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["nnx.jit", "eager"])
+def test_layer_positions_survive_split_merge_and_restore_bit_for_bit(jit: bool) -> None:
+    model = _Named(jdls.StaticScale(1.0))
+    _set_scales(model)
+    graphdef, state = nnx.split(model)
+    # a restore: an abstract model built the same way, its state replaced by the saved one
+    abstract = nnx.eval_shape(lambda: _Named(jdls.StaticScale(1.0)))
+    restored_def, restored = nnx.split(abstract)
+    restored = jax.tree_util.tree_map(lambda _, v: v, restored, state)
+    for m in (nnx.merge(graphdef, state), nnx.merge(restored_def, restored)):
+        assert list(vars(m))[-2:] == ["a_second", "z_first"]  # rebuilt sorted by name
+        assert m.z_first.jdls_layer_scale.get_value().kind.position == 0
+        fn = jdls.nnx.layer_scaled_value_and_grad(_named_loss)
+        _, grads = (nnx.jit(fn) if jit else fn)(m, jnp.ones((2, 3)))
+        g, params, rest = nnx.split(m, nnx.Param, ...)
+        bare = jax.grad(
+            lambda p, g=g, rest=rest: _named_loss(nnx.merge(g, p, rest), jnp.ones((2, 3)))
+        )
+        ref = (jax.jit(bare) if jit else bare)(params)
+        for a, b in zip(
+            jax.tree_util.tree_leaves(nnx.state(grads, nnx.Param)),
+            jax.tree_util.tree_leaves(ref),
+            strict=True,
+        ):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_layer_scales_on_a_rebuilt_model_keep_or_refuse_the_order() -> None:
+    model = _Named(jdls.StaticScale(1.0))
+    merged = nnx.merge(*nnx.split(model))
+    # called again on layers that hold sites: their positions stay
+    jdls.nnx.layer_scales(merged, jdls.StaticScale(2.0))
+    assert merged.z_first.jdls_layer_scale.get_value().kind.position == 0
+    # called first on a rebuilt model: numbered by sorted names, refused at the first step
+    bare = nnx.merge(*nnx.split(_Named()))
+    jdls.nnx.layer_scales(bare, jdls.StaticScale(2.0))
+    with pytest.raises(ValueError, match="call it where the model is built"):
+        jdls.nnx.layer_scaled_value_and_grad(_named_loss)(bare, jnp.ones((2, 3)))
+
+
+def test_one_dot_general_in_two_layers_is_refused() -> None:
+    dot = jdls.fp8.nnx.DotGeneral(jdls.fp8.DelayedScaling(16))
+    model = nnx.Sequential(
+        nnx.Linear(3, 4, dot_general=dot, rngs=nnx.Rngs(0)),
+        nnx.Linear(4, 4, dot_general=dot, rngs=nnx.Rngs(1)),
+    )
+    match = "layers/0/dot_general/site and at layers/1/dot_general/site.*one per layer"
+    with pytest.raises(ValueError, match=match):
+        jdls.nnx.Optimizer(model, jdls.wrap(optax.sgd(0.1)), wrt=nnx.Param)
+    with pytest.raises(ValueError, match=match):
+        jdls.nnx.probes(model)
+    with pytest.raises(ValueError, match="one per layer"):
+        jdls.nnx.layer_scales(model, jdls.StaticScale(2.0))
+    # one DotGeneral per layer: accepted
+    model = nnx.Sequential(
+        *(
+            nnx.Linear(3, 3, dot_general=jdls.fp8.nnx.DotGeneral(), rngs=nnx.Rngs(i))
+            for i in range(2)
+        )
+    )
+    jdls.nnx.Optimizer(jdls.nnx.probes(model), jdls.wrap(optax.sgd(0.1)), wrt=nnx.Param)
+
+
+def test_layer_scales_refuse_one_layer_at_two_places() -> None:
+    layer = nnx.Linear(3, 3, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="layers/2 is the one at layers/0"):
+        jdls.nnx.layer_scales(nnx.Sequential(layer, nnx.tanh, layer), jdls.StaticScale(2.0))

@@ -194,3 +194,44 @@ def test_a_format_spelled_any_way_makes_one_probe():
     for p in probes:
         grad(jdls.Site(p), jnp.ones(3, jnp.float16))
     assert len(traces) == 1
+
+
+def _measured(amax: float, nonfinite: float = 0.0, stack: int = 0) -> jax.Array:
+    row = jnp.array([amax, 4.0, 4.0, 0.0, nonfinite, 1.0], jnp.float32)
+    return (
+        jnp.broadcast_to(row, (stack, 6)) + jnp.arange(stack)[:, None] * jnp.eye(6)[0]
+        if stack
+        else row
+    )
+
+
+@with_and_without_jit
+def test_rows_follow_the_probes_positions_not_the_tree_order(jit: bool) -> None:
+    def probe(position, amax, nonfinite=0.0, stack=0, name=None):
+        return jdls.Site(
+            jdls.Probe(position=position, name=name), _measured(amax, nonfinite, stack)
+        )
+
+    tree = {
+        "layers_10": {"probe": probe(2, 10.0, 1.0)},
+        "layers_9": {"probe": probe(1, 9.0, 1.0)},
+        "blocks": {"probe": probe(4, 100.0, stack=2), "inner": {"probe": probe(3, 50.0, stack=2)}},
+        "probe": probe(5, 1.0, name="Net"),
+        "hand": jdls.Site(jdls.Probe(), _measured(7.0)),  # no position: after the others
+        "first": {"probe": probe(0, 3.0, 1.0)},
+    }
+    t = maybe_jit(jdls.Telemetry.of, jit)(tree)
+    assert t.names == (
+        "first", "layers_9", "layers_10",
+        "blocks/inner[0]", "blocks[0]", "blocks/inner[1]", "blocks[1]",  # layer by layer
+        "Net", "hand",
+    )  # fmt: skip
+    assert np.asarray(t.amax).tolist() == [3.0, 9.0, 10.0, 50.0, 100.0, 51.0, 101.0, 1.0, 7.0]
+    assert t.first_nonfinite() == "layers_10"
+
+
+def test_a_probe_at_the_root_of_the_tree_has_a_name() -> None:
+    assert jdls.Telemetry.of(jdls.Site(jdls.Probe())).names == ("(root)",)
+    assert jdls.Telemetry.of(jdls.Site(jdls.Probe(name="Net"))).names == ("Net",)
+    with pytest.raises(TypeError, match="takes an int"):
+        jdls.Probe(position=1.5)

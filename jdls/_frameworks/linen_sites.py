@@ -14,6 +14,8 @@ state outside it.
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -28,7 +30,7 @@ from jdls._sites.apply import apply_site
 from jdls._sites.probe import Probe
 from jdls._sites.site import Site
 
-__all__ = ["LAYER_SCALE", "PROBE", "SITES", "layer_scales_linen", "probes_linen"]
+__all__ = ["LAYER_SCALE", "PROBE", "SITES", "forward_order", "layer_scales_linen", "probes_linen"]
 
 #: The variable collection that holds the sites of a linen model.
 SITES = "jdls"
@@ -49,6 +51,11 @@ class _Sites(nn.Module):
         nn.share_scope(self, self.jdls_wrapped)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # init (the sites not made yet): the modules' paths in the order they return, which
+        # gives the sites their forward positions when the call returns (_place_probes)
+        making = self.is_mutable_collection(SITES) and not self.variables.get(SITES)
+        returned: dict[tuple[str, ...], int] = {}
+
         def interceptor(next_fun: Callable[..., Any], a: Any, kw: Any, context: Any) -> Any:
             out = next_fun(*a, **kw)
             module = context.module
@@ -58,6 +65,8 @@ class _Sites(nn.Module):
             # submodules made in the model's setup see the wrapper's field name first
             path = tuple(str(p) for p in module.scope.path)
             path = path[1:] if path[:1] == ("jdls_wrapped",) else path
+            if making:
+                returned.setdefault(path, len(returned))
             for name, site in self.make(path):
                 # the module's scope, not module.variable: a module without @compact (nn.Embed,
                 # setup-style modules) may not make variables in its __call__
@@ -65,11 +74,6 @@ class _Sites(nn.Module):
                 out = apply_site(out, value)
             return out
 
-        making = (
-            self.place is not None
-            and self.is_mutable_collection(SITES)
-            and not self.variables.get(SITES)
-        )
         # A lifted nn.jit inside the model reuses a trace by the module's fingerprint, which
         # holds its scope's flags, not the interceptor: a flag naming these sites keeps a trace
         # made without them (the bare model's, or another wrapper's) from standing in for one
@@ -83,8 +87,10 @@ class _Sites(nn.Module):
                 out = self.jdls_wrapped(*args, **kwargs)
         finally:
             scope.flags = flags
-        if making:
+        if making and self.place is not None:
             self._place_layer_sites()
+        if making:
+            self._place_probes(returned)
         return out
 
     def _place_layer_sites(self) -> None:
@@ -97,8 +103,110 @@ class _Sites(nn.Module):
         for name, made in list(self.variables.get(SITES, {}).items()):
             site = made.get(LAYER_SCALE) if isinstance(made, Mapping) else None
             if isinstance(site, Site) and isinstance(site.kind, LayerScale):
-                self.put_variable(SITES, name, {LAYER_SCALE: self.place(position, site)})
+                made = {**made, LAYER_SCALE: self.place(position, site)}
+                self.put_variable(SITES, name, made)
                 position += 1
+
+    def _place_probes(self, returned: dict[tuple[str, ...], int]) -> None:
+        """Give the probes just made their forward positions (:class:`jdls.Probe`), here,
+        outside every lifted transformation: the order in which the modules returned
+        (``returned``), where a trace that ``nn.jit`` reused hid a module's return the order
+        of its twin's (see :func:`forward_order`)."""
+        made = self.variables.get(SITES, {})
+        order = forward_order(made, returned)
+        if not order:
+            return
+        positions = {path: k for k, path in enumerate(order)}
+
+        def placed(node: Mapping[str, Any], path: tuple[str, ...]) -> dict[str, Any]:
+            out: dict[str, Any] = {}
+            for key, value in node.items():
+                if isinstance(value, Mapping):
+                    out[key] = placed(value, (*path, key))
+                elif key == PROBE and _is_probe(value):
+                    kind = dataclasses.replace(value.kind, position=positions[path])
+                    out[key] = Site(kind, value.value)
+                else:
+                    out[key] = value
+            return out
+
+        for name, subtree in list(made.items()):
+            if isinstance(subtree, Mapping):
+                self.put_variable(SITES, name, placed(subtree, (name,)))
+
+
+def _is_probe(value: Any) -> bool:
+    return isinstance(value, Site) and isinstance(value.kind, Probe)
+
+
+def _natural(name: str) -> tuple[tuple[int, int, str], ...]:
+    """``"layers_10"`` after ``"layers_9"``: the digits compared as numbers."""
+    return tuple(
+        (0, int(part), "") if part.isdigit() else (1, 0, part)
+        for part in re.split(r"(\d+)", name)
+        if part
+    )
+
+
+def forward_order(
+    tree: Mapping[str, Any], returned: Mapping[tuple[str, ...], int]
+) -> list[tuple[str, ...]]:
+    """The paths of the modules holding a probe in ``tree`` (the ``"jdls"`` variables),
+    in forward order: the order in which the modules returned (``returned``: path -> rank).
+
+    A module's probe comes after its submodules' (a module returns after them). Where
+    ``nn.jit`` reused another module's trace the interceptor saw none of the returns inside
+    it: such a subtree takes the order of a twin (a module whose returns were seen, with the
+    same probes at the same relative paths: the trace it reused), and its place among its
+    siblings is where its variables came back to the parent's scope. Without a twin, a
+    subtree's modules follow their names' natural order (``"layers_9"`` before
+    ``"layers_10"``), each module's own probe last.
+    """
+    relative: dict[tuple[str, ...], frozenset[tuple[str, ...]]] = {}
+
+    def collect(node: Mapping[str, Any], path: tuple[str, ...]) -> frozenset[tuple[str, ...]]:
+        found: set[tuple[str, ...]] = {()} if _is_probe(node.get(PROBE)) else set()
+        for key, value in node.items():
+            if isinstance(value, Mapping):
+                found |= {(key, *rel) for rel in collect(value, (*path, key))}
+        relative[path] = frozenset(found)
+        return relative[path]
+
+    collect(tree, ())
+
+    def twin(path: tuple[str, ...]) -> list[tuple[str, ...]] | None:
+        rels = relative[path]
+        for other, others in relative.items():
+            if other != path and others == rels and all((*other, *r) in returned for r in rels):
+                return [(*path, *r) for r in sorted(rels, key=lambda r: returned[(*other, *r)])]
+        return None
+
+    def order(node: Mapping[str, Any], path: tuple[str, ...]) -> list[tuple[str, ...]]:
+        rels = relative[path]
+        if path and rels and not any((*path, *r) in returned for r in rels):
+            copied = twin(path)
+            if copied is not None:
+                return copied
+        entries: list[tuple[list[tuple[str, ...]], int | None, tuple[Any, ...]]] = []
+        for key, value in node.items():
+            if isinstance(value, Mapping) and relative[(*path, key)]:
+                seq = order(value, (*path, key))
+                ranks = [returned[p] for p in seq if p in returned]
+                entries.append((seq, min(ranks) if ranks else None, _natural(key)))
+        if not any(rank is not None for _, rank, _ in entries):  # nothing seen: by name
+            entries.sort(key=lambda e: e[2])
+        # an entry not seen keeps its place after the one before it (its variables came
+        # back to this scope after that one's)
+        keyed, carry = [], -1.0
+        for i, (seq, rank, _) in enumerate(entries):
+            carry = float(rank) if rank is not None else carry
+            keyed.append(((carry, i), seq))
+        if () in rels:
+            own = returned.get(path)
+            keyed.append(((float(own) if own is not None else float("inf"), len(keyed)), [path]))
+        return [p for _, seq in sorted(keyed, key=lambda e: e[0]) for p in seq]
+
+    return order(tree, ())
 
 
 def _fresh(site: Site) -> Site:

@@ -12,14 +12,16 @@ the sites, skip-aware) and :func:`nnx_layer_scaled_value_and_grad` complete a tr
 
 from __future__ import annotations
 
+import contextvars
+import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import jax
 from flax import nnx
 
-from jdls._scales.layer_scales import layer_site, scale_layers
+from jdls._scales.layer_scales import LayerScale, layer_site, scale_layers
 from jdls._scales.scale import LossScale, check_scale
 from jdls._sites.apply import apply_site
 from jdls._sites.probe import Probe
@@ -39,6 +41,11 @@ __all__ = [
 PROBE = "jdls_probe"
 LAYER_SCALE = "jdls_layer_scale"
 _ORIGINAL = "_jdls_sites_of"
+# while jdls.nnx.layer_scaled_value_and_grad traces the loss: the positions of the per-layer
+# sites in the order the layers apply them (checked against the positions, never used)
+_APPLIED: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar(
+    "jdls_nnx_applied", default=None
+)
 
 
 class SiteVariable(nnx.Variable):  # type: ignore[type-arg]
@@ -67,7 +74,11 @@ def _with_sites(cls: type) -> type:
         for name in (PROBE, LAYER_SCALE):  # the probe sees the layer's own scale
             variable = vars(self).get(name)
             if isinstance(variable, SiteVariable):
-                out = apply_site(out, variable.get_value())
+                site = variable.get_value()
+                applied = _APPLIED.get()
+                if applied is not None and isinstance(site.kind, LayerScale):
+                    applied.append(site.kind.position)
+                out = apply_site(out, site)
         return out
 
     namespace = {"__call__": __call__, "__module__": cls.__module__, _ORIGINAL: cls}
@@ -81,6 +92,72 @@ def _attach(module: Any, name: str, site: Site) -> None:
     setattr(module, name, SiteVariable(site))
 
 
+def _children(value: Any, path: tuple[Any, ...]) -> Iterator[tuple[tuple[Any, ...], Any]]:
+    """The nodes under an attribute ``value`` at ``path``: a module, or the entries of a
+    list or dict (in order)."""
+    if isinstance(value, nnx.Module):
+        yield path, value
+    elif isinstance(value, list | tuple):
+        for i, v in enumerate(value):
+            yield from _children(v, (*path, i))
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _children(v, (*path, k))
+
+
+def _attributes(node: Any) -> Iterator[tuple[Any, Any]]:
+    """A module's attributes in the order they were assigned (an ``nnx.List``'s entries in
+    list order, an ``nnx.Dict``'s in insertion order)."""
+    if isinstance(node, nnx.List):
+        yield from enumerate(node)
+    elif isinstance(node, nnx.Dict):
+        yield from node.items()
+    else:
+        for name, value in vars(node).items():
+            if not name.startswith("_pytree__"):
+                yield name, value
+
+
+def modules_in_order(model: Any, who: str) -> list[tuple[tuple[Any, ...], Any]]:
+    """Every module of ``model`` once, as ``(path, module)``: each module after its
+    submodules (the order in which they return), siblings in the order their attributes
+    were assigned. Refuses a site other than a probe reachable under two paths (one
+    ``jdls.fp8.nnx.DotGeneral`` passed to several layers): JAX sums its uses' measurements,
+    so it would never measure one use."""
+    found: list[tuple[tuple[Any, ...], Any]] = []
+    placed: set[int] = set()
+    sites: dict[int, tuple[Any, ...]] = {}
+
+    def visit(node: Any, path: tuple[Any, ...], stack: tuple[int, ...]) -> None:
+        for name, value in _attributes(node):
+            if isinstance(value, SiteVariable):
+                _once(value, (*path, name), sites, who)
+                continue
+            for child_path, child in _children(value, (*path, name)):
+                if id(child) not in stack:  # a cycle back to an enclosing module
+                    visit(child, child_path, (*stack, id(child)))
+        if id(node) not in placed:
+            placed.add(id(node))
+            found.append((path, node))
+
+    visit(model, (), (id(model),))
+    return found
+
+
+def _once(variable: SiteVariable, path: tuple[Any, ...], sites: dict[int, Any], who: str) -> None:
+    first = sites.setdefault(id(variable), path)
+    if first == path or isinstance(variable.get_value().kind, Probe):
+        return  # a shared module's probe counts its uses (Telemetry: uses, NaN amax)
+    at = "/".join(map(str, first)), "/".join(map(str, path))
+    raise ValueError(
+        f"{who}: one site is at {at[0]} and at {at[1]}: a module holding a site (a "
+        "jdls.fp8.nnx.DotGeneral, a per-layer scale) is shared by several layers, so JAX "
+        "sums their measurements and the site never records one (its FP8 scales never "
+        "move). Make one per layer: nnx.Linear(..., dot_general=jdls.fp8.nnx.DotGeneral("
+        "recipe)) in each layer, not one DotGeneral passed to all."
+    )
+
+
 def probes_nnx(model: Any, compute_dtype: Any = "float16") -> Any:
     """Give every module of the NNX ``model`` (the model included) that has a ``__call__`` a
     :class:`jdls.Probe` on its output, in place; returns ``model``.
@@ -91,6 +168,17 @@ def probes_nnx(model: Any, compute_dtype: Any = "float16") -> Any:
     stack made by ``nnx.vmap``, call it inside the vmapped constructor: the probes are then
     stacked with the layers, one per layer.
 
+    Each probe's ``position`` (the forward order of :meth:`jdls.Telemetry.of`'s rows) is
+    set here, from the order the modules' attributes were assigned: each module after its
+    submodules, siblings in assignment order (``nnx.Sequential``: its list order). Call it
+    where the model is built, before ``nnx.split`` / ``nnx.merge``, ``nnx.jit`` or a
+    checkpoint's restore rebuild the modules with their attributes sorted by name; the
+    positions then travel with the sites. The model's own probe is named after its class.
+
+    Raises:
+      ValueError: a site other than a probe is reachable under two paths (one
+        ``jdls.fp8.nnx.DotGeneral`` passed to several layers).
+
     Example:
       >>> import jax.numpy as jnp, jdls
       >>> from flax import nnx
@@ -98,37 +186,55 @@ def probes_nnx(model: Any, compute_dtype: Any = "float16") -> Any:
       ...                                        nnx.Linear(4, 1, rngs=nnx.Rngs(1))))
       >>> loss = lambda m, x: jnp.sum(m(x))
       >>> _, grads = jdls.nnx.value_and_grad(loss, jdls.StaticScale(8.0))(model, jnp.ones((2, 3)))
-      >>> jdls.Telemetry.of(grads).names  # the model, then its layers
-      ('', 'layers/0', 'layers/1')
+      >>> jdls.Telemetry.of(grads).names  # forward order: the layers, then the model
+      ('layers/0', 'layers/1', 'Sequential')
     """
-    kind = Probe(compute_dtype)
-    for _, module in list(nnx.iter_modules(model)):
-        if PROBE in vars(module):  # probed already (a stack probed in its constructor)
+    modules = modules_in_order(model, "jdls.nnx.probes")
+    position = 0
+    for path, module in modules:
+        name = None if path else type(module).__name__
+        held = vars(module).get(PROBE)
+        if isinstance(held, SiteVariable):  # probed already (a stack probed in its constructor)
+            site = held.get_value()
+            kind = dataclasses.replace(site.kind, position=position, name=name)
+            held.set_value(Site(kind, site.value))
+        elif _has_call(type(module)) and not isinstance(module, nnx.List | nnx.Dict):
+            _attach(module, PROBE, Site(Probe(compute_dtype, position, name)))
+        else:
             continue
-        if _has_call(type(module)) and not isinstance(module, nnx.List | nnx.Dict):
-            _attach(module, PROBE, Site(kind))
+        position += 1
     return model
 
 
 def _layers(model: Any) -> list[Any]:
     """The direct children of ``model`` holding parameters, in the order they were assigned
-    (``vars`` order; list and dict entries in order): the forward order of a chain."""
-    found: list[Any] = []
+    (``vars`` order; list and dict entries in order): the forward order of a chain. One
+    module at two places of the chain is refused (it would hold one site for both)."""
+    found: dict[int, tuple[Any, ...]] = {}
+    layers: list[Any] = []
 
-    def visit(value: Any) -> None:
+    def visit(value: Any, path: tuple[Any, ...]) -> None:
         if isinstance(value, nnx.List | list | tuple):
-            for v in value:
-                visit(v)
+            for i, v in enumerate(value):
+                visit(v, (*path, i))
         elif isinstance(value, nnx.Dict | dict):
-            for v in value.values():
-                visit(v)
+            for k, v in value.items():
+                visit(v, (*path, k))
         elif isinstance(value, nnx.Module) and len(nnx.state(value, nnx.Param)):
-            found.append(value)
+            if id(value) in found:
+                raise ValueError(
+                    f"jdls.nnx.layer_scales: the layer at {'/'.join(map(str, path))} is the "
+                    f"one at {'/'.join(map(str, found[id(value)]))}: one module at two places "
+                    "of the chain would hold one per-layer site for both. Give each place its "
+                    "own module, or set the scales by hand (jdls.nnx.layer_scale)"
+                )
+            found[id(value)] = path
+            layers.append(value)
 
     for name, value in vars(model).items():
         if not name.startswith("_"):
-            visit(value)
-    return found
+            visit(value, (name,))
+    return layers
 
 
 def layer_scales_nnx(model: Any, scale: LossScale) -> Any:
@@ -136,7 +242,14 @@ def layer_scales_nnx(model: Any, scale: LossScale) -> Any:
     scale (:func:`jdls.layer_site`, ``scale`` each) on its output, in place; returns ``model``.
 
     The layers' forward order is the order their attributes were assigned (``nnx.Sequential``:
-    its list order); they must form a chain. A child made by ``nnx.vmap`` (a stack) gets one
+    its list order); they must form a chain. Each site's kind holds its layer's position
+    (:class:`jdls.LayerScale`), so the order travels with the sites through ``nnx.split`` /
+    ``nnx.merge``, ``nnx.jit``, ``nnx.grad`` and a checkpoint's restore, which rebuild the
+    modules with their attributes sorted by name: call this where the model is built (in
+    the function that ``nnx.eval_shape`` or a sharded ``nnx.jit`` init runs), not on a
+    model rebuilt since. Called again on layers that hold per-layer sites, it keeps their
+    positions. :func:`jdls.nnx.layer_scaled_value_and_grad` refuses layers that apply
+    their sites out of the positions' order. A child made by ``nnx.vmap`` (a stack) gets one
     site for the whole stack; for a site per layer, call :func:`jdls.nnx.layer_scale` on
     each block inside the vmapped constructor (with the stack's position in the chain).
     Differentiate with
@@ -152,9 +265,25 @@ def layer_scales_nnx(model: Any, scale: LossScale) -> Any:
       LayerScale(position=0)
     """
     check_scale(scale, "scale")
-    for position, layer in enumerate(_layers(model)):
-        _attach(layer, LAYER_SCALE, layer_site(scale, position))
+    modules_in_order(model, "jdls.nnx.layer_scales")  # refuses a shared site
+    layers = _layers(model)
+    held = [_position(layer) for layer in layers]
+    placed = all(p is not None for p in held)  # called again: the positions stay
+    for k, (layer, position) in enumerate(zip(layers, held, strict=True)):
+        _attach(
+            layer,
+            LAYER_SCALE,
+            layer_site(scale, position if position is not None and placed else k),
+        )
     return model
+
+
+def _position(layer: Any) -> int | None:
+    """The position of the per-layer site ``layer`` holds, or None."""
+    variable = vars(layer).get(LAYER_SCALE)
+    if isinstance(variable, SiteVariable) and isinstance(variable.get_value().kind, LayerScale):
+        return int(variable.get_value().kind.position)
+    return None
 
 
 def layer_scale_nnx(module: Any, scale: LossScale, position: int) -> Any:
@@ -191,6 +320,10 @@ class Optimizer(nnx.Optimizer):  # type: ignore[type-arg]
       1.0
     """
 
+    def __init__(self, model: Any, *args: Any, **kwargs: Any) -> None:
+        modules_in_order(model, "jdls.nnx.Optimizer")  # refuses a shared site
+        super().__init__(model, *args, **kwargs)
+
     def update(self, model: Any, grads: Any, /, **kwargs: Any) -> Any:
         updates = super().update(model, grads, **kwargs)
         measured = nnx.state(grads, SiteVariable)
@@ -199,6 +332,20 @@ class Optimizer(nnx.Optimizer):  # type: ignore[type-arg]
             finite = step_applied(self.opt_state)  # reads the Variables' values
             nnx.update(model, update_sites(sites, measured, finite))
         return updates
+
+
+def _check_order(applied: list[int] | None) -> None:
+    """Refuse per-layer sites applied out of their positions' order (the layers numbered in
+    an order that is not the forward one): each layer would be unscaled by another's scale."""
+    if applied and applied != sorted(applied):
+        raise ValueError(
+            "jdls.nnx.layer_scaled_value_and_grad: the layers applied their per-layer sites in "
+            f"the order of positions {applied}, but the positions must follow the forward "
+            "order. jdls.nnx.layer_scales numbers the layers in the order their attributes "
+            "were assigned, which nnx.split / nnx.merge, nnx.jit and a restore rebuild sorted "
+            "by name: call it where the model is built (before any of those), or number the "
+            "layers with jdls.nnx.layer_scale(module, scale, position)"
+        )
 
 
 def nnx_layer_scaled_value_and_grad(
@@ -236,7 +383,13 @@ def nnx_layer_scaled_value_and_grad(
             nnx.replace_by_pure_dict(params_now, p)
             nnx.replace_by_pure_dict(sites_now, s)
             copy = nnx.merge(graphdef, params_now, sites_now, rest, copy=True)
-            out = loss_fn(copy, *a, **kw)
+            token = _APPLIED.set([])
+            try:
+                out = loss_fn(copy, *a, **kw)
+                applied = _APPLIED.get()
+            finally:
+                _APPLIED.reset(token)
+            _check_order(applied)
             loss, aux = out if has_aux else (out, None)
             return loss, (aux, nnx.state(copy, nnx.Not(nnx.Any(nnx.Param, SiteVariable))))
 

@@ -127,6 +127,15 @@ class Probe(SiteKind):
     Args:
       compute_dtype: the format whose flushing to zero the probe counts (``"float16"``,
         ``"bfloat16"``, a :class:`jdls.FloatFormat`, ...).
+      position: the probe's place in the model's forward order (the order in which the
+        probed modules return), or None. :meth:`Telemetry.of` orders its rows by it, so that
+        the rows follow the forward pass whatever order the tree's keys sort in
+        (``"layers_10"`` before ``"layers_9"``). ``jdls.linen.probes`` and
+        ``jdls.nnx.probes`` set it when the model is initialised or built; it is
+        configuration, kept by ``jit``, ``nnx.split`` / ``nnx.merge`` and a checkpoint's
+        restore alike.
+      name: what :class:`Telemetry` calls a probe whose path in the tree is empty (the
+        root module's probe in NNX: its class name).
 
     Example:
       >>> import jax, jax.numpy as jnp, jdls
@@ -141,9 +150,18 @@ class Probe(SiteKind):
     """
 
     compute_dtype: Any = "float16"
+    position: int | None = None
+    name: str | None = None
 
     def __post_init__(self) -> None:
         finfo(self.compute_dtype)  # a clear error for a bad format
+        if self.position is not None and (
+            not isinstance(self.position, int | np.integer) or isinstance(self.position, bool)
+        ):
+            raise TypeError(
+                f"Probe(position=...) takes an int (the place in the forward order) or None, "
+                f"got {self.position!r}"
+            )
         # one spelling per format, so that equal probes compare, hash and key jit's cache alike
         object.__setattr__(self, "compute_dtype", canonical_format(self.compute_dtype))
 
@@ -166,6 +184,37 @@ class Probe(SiteKind):
         return measurement
 
 
+class _Entry(NamedTuple):
+    keys: tuple[str, ...]  # the module's path
+    kind: Probe
+    value: jax.Array
+    stack: tuple[int, ...]  # the leading axes of a stack of sites
+
+
+def _base(entries: Sequence[_Entry], n: int) -> tuple[int, int, int]:
+    """The order of the ``n``-th probe (tree order) alone: its position, then the probes
+    without one in tree order."""
+    position = entries[n].kind.position
+    return (0, int(position), n) if position is not None else (1, 0, n)
+
+
+def _group(entries: Sequence[_Entry], n: int) -> _Entry:
+    """The stack the ``n``-th probe is part of: the probe of the outermost module around it
+    (or itself) stacked along the same leading axes (a scanned block, whose submodules'
+    probes are stacked with it); the probe itself where there is none."""
+    mine = entries[n]
+    if not mine.stack:
+        return mine
+    for other in sorted(entries, key=lambda e: len(e.keys)):
+        if (
+            other.stack
+            and other.keys == mine.keys[: len(other.keys)]
+            and mine.stack[: len(other.stack)] == other.stack
+        ):
+            return other
+    return mine
+
+
 class Telemetry(NamedTuple):
     """What the probes measured on one backward pass (on-device arrays, one row per probe).
 
@@ -173,11 +222,15 @@ class Telemetry(NamedTuple):
     Build it with :meth:`of`.
 
     Attributes:
-      names: the probes' paths in the tree (static), ``"blocks/probe[3]"`` for the fourth
-        site of a stack.
+      names: the probes' paths in the tree (static), ``"blocks[3]"`` for the fourth site
+        of a stack; a probe at the root of the tree takes its kind's ``name`` (``jdls.nnx``:
+        the model's class name), else ``"(root)"``. The rows are in forward order: by each
+        probe's ``position`` (:class:`Probe`), a stack's sites in index order; probes
+        without a position follow, in tree order.
       amax: largest magnitude; NaN where the site was not passed through exactly once (not
         reached, or one site shared by several uses, where JAX adds up the measurements).
-      flushed: fraction of the nonzero values that become zero in the compute format.
+      flushed: fraction of the nonzero values that become zero in the compute format (0.0
+        where none is nonzero).
       zeros: fraction of values exactly zero.
       nonfinite: 1.0 where the cotangent held an inf or NaN, else 0.0.
       uses: how many times each site was passed through (None when built by hand).
@@ -192,40 +245,57 @@ class Telemetry(NamedTuple):
 
     @classmethod
     def of(cls, tree: Any) -> Telemetry:
-        """The telemetry of every :class:`Probe` site in ``tree``, in tree order.
+        """The telemetry of every :class:`Probe` site in ``tree``, in forward order.
 
         ``tree`` holds the measurements of a step (the sites' gradients) or the sites after
         :func:`jdls.update_sites`. A stack of sites (a scanned stack of layers) gives a row
-        per site.
+        per site. The rows follow the probes' ``position`` (set by ``jdls.linen.probes`` and
+        ``jdls.nnx.probes``), then, for probes without one, the tree's order; read one
+        model's probes at a time (their positions count from 0 in each model).
 
         Example:
           >>> import jdls
           >>> jdls.Telemetry.of({"blocks": jdls.Site(jdls.Probe()).stacked(2)}).names
           ('blocks[0]', 'blocks[1]')
+          >>> late, early = jdls.Site(jdls.Probe(position=1)), jdls.Site(jdls.Probe(position=0))
+          >>> jdls.Telemetry.of({"layers_10": late, "layers_9": early}).names
+          ('layers_9', 'layers_10')
         """
         found = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_site)[0]
-        names: list[str] = []
-        rows = []
+        entries = []
         for path, site in found:
-            if not isinstance(site, Site) or not isinstance(site.kind, Probe):
-                continue
-            keys = [str(path_key(k)) for k in path]
-            if keys[-1:] == ["value"]:  # an NNX Variable's value
-                keys = keys[:-1]
-            if keys[-1:] in (["probe"], ["jdls_probe"]):  # a framework's probe: its module
-                keys = keys[:-1]
-            name = "/".join(keys)
-            value = jnp.asarray(site.value, _F32)
-            stack = value.shape[:-1]
-            rows.append(value.reshape(-1, len(FIELDS)))
-            if stack:
-                names.extend(f"{name}[{','.join(map(str, i))}]" for i in np.ndindex(*stack))
-            else:
-                names.append(name)
+            if isinstance(site, Site) and isinstance(site.kind, Probe):
+                keys = [str(path_key(k)) for k in path]
+                if keys[-1:] == ["value"]:  # an NNX Variable's value
+                    keys = keys[:-1]
+                if keys[-1:] in (["probe"], ["jdls_probe"]):  # a framework's probe: its module
+                    keys = keys[:-1]
+                value = jnp.asarray(site.value, _F32)
+                entries.append(_Entry(tuple(keys), site.kind, value, value.shape[:-1]))
+        names: list[str] = []
+        keys_of_rows: list[tuple[Any, ...]] = []
+        groups = [_group(entries, n) for n in range(len(entries))]
+        # a stack's place: that of its first probe
+        first: dict[tuple[str, ...], tuple[int, int, int]] = {}
+        for n, group in enumerate(groups):
+            first[group.keys] = min(first.get(group.keys, _base(entries, n)), _base(entries, n))
+        for n, (module, kind, _, stack) in enumerate(entries):
+            name = "/".join(module) or kind.name or "(root)"
+            outer = len(groups[n].stack)
+            for index in np.ndindex(*stack):
+                names.append(f"{name}[{','.join(map(str, index))}]" if stack else name)
+                # a stack's layers one after the other, each layer's probes in their order
+                place = (first[groups[n].keys], index[:outer], _base(entries, n), index[outer:])
+                keys_of_rows.append(place)
+        order = sorted(range(len(names)), key=keys_of_rows.__getitem__)
+        rows = [e.value.reshape(-1, len(FIELDS)) for e in entries]
         table = jnp.concatenate(rows) if rows else jnp.zeros((0, len(FIELDS)), _F32)
+        if order != list(range(len(order))):
+            table = table[np.asarray(order, np.int32)]
+        ordered = tuple(names[i] for i in order)
         amax, count, nonzero, flushed, nonfinite, uses = (table[:, i] for i in range(6))
         return cls(
-            tuple(names),
+            ordered,
             jnp.where(uses == 1, amax, jnp.nan),
             flushed / jnp.maximum(nonzero, 1),
             jnp.where(count > 0, 1 - nonzero / jnp.maximum(count, 1), 0.0),
@@ -246,8 +316,9 @@ class Telemetry(NamedTuple):
         return jnp.log2(_F32(finfo(compute_dtype).max)) - jnp.log2(self.amax)
 
     def first_nonfinite(self) -> str | None:
-        """The last probe in tree order whose cotangent went non-finite (host side), or None:
-        with the probes in forward order, the first one the backward pass reached.
+        """The last row (in forward order, :meth:`of`) whose cotangent went non-finite (host
+        side), or None: the first probe the backward pass reached with an inf or a NaN, the
+        output of the layer where the overflow started.
 
         Example:
           >>> import jax.numpy as jnp, jdls
@@ -329,7 +400,7 @@ def plot_headroom(
     x = np.arange(len(history)) if steps is None else np.asarray(steps)
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for i, name in enumerate(names):
-        ax.plot(x, bits[:, i], label=name or "(model)", linewidth=1.2)
+        ax.plot(x, bits[:, i], label=name or "(root)", linewidth=1.2)
     ax.axhline(0, color="k", linewidth=0.8)
     ax.set_xlabel("step")
     ax.set_ylabel(f"headroom (bits below the {finfo(compute_dtype).dtype} maximum)")

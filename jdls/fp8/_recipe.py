@@ -54,7 +54,8 @@ class Measurement:
       amax: the largest magnitude of the tensor before scaling; ``inf`` when the tensor held
         an inf or a NaN.
       saturated: fraction of values clipped to the format's largest finite value.
-      flushed: fraction of non-zero values that became zero.
+      flushed: the non-zero values that became zero, as a fraction of all the tensor's
+        values (zeros included).
     """
 
     amax: jax.Array
