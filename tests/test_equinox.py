@@ -631,7 +631,11 @@ def test_shard_map_data_parallel_skips_everywhere():
         loss, grads = jdls.get_scale(opt_state).value_and_grad(loss_fn)(model, x, y)
         grads = jax.lax.pmean(eqx.filter(grads, eqx.is_array), "d")
         updates, opt_state = tx.update(grads, opt_state, params)
-        return jdls.equinox.apply_updates(params, updates, opt_state), opt_state, jax.lax.pmean(loss, "d")
+        return (
+            jdls.equinox.apply_updates(params, updates, opt_state),
+            opt_state,
+            jax.lax.pmean(loss, "d"),
+        )
 
     step = jax.jit(
         jax.shard_map(

@@ -150,4 +150,3 @@ def test_wrap_with_multisteps_updates_sites_in_params_once_per_applied_step():
     assert counts == [0, 1, 1, 2]
     history = np.asarray(params["site"].value.lhs.history)
     assert sorted(history[history != 0].tolist()) == _expected_history(batches)
-

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jdls._numerics.axes import vary_like
 from jdls._numerics.checks import is_float
 
 __all__ = [
@@ -46,11 +47,8 @@ __all__ = [
     "flatten_floats",
     "global_norm",
     "sharded_flags",
-    "sum_like",
     "tree_amax",
     "tree_norm",
-    "vary_like",
-    "vary_over",
     "wide",
 ]
 
@@ -134,62 +132,6 @@ def sharded_flags(sharded: Any, grads: Any) -> list[bool] | None:
             f"subtree: {e}"
         ) from None
     return [bool(f) for f in jax.tree_util.tree_leaves(full)]
-
-
-def _varying_axes(t: Any) -> frozenset[Any]:
-    """The manual mesh axes a value varies over, inside ``shard_map`` (empty elsewhere)."""
-    mat = getattr(t, "manual_axis_type", None)  # jax >= 0.9; ``vma`` before
-    varying = getattr(mat, "varying", None) if mat is not None else getattr(t, "vma", None)
-    return frozenset(varying or ())
-
-
-def varying_axes(x: Any) -> frozenset[Any]:
-    """The manual mesh axes the value ``x`` varies over (inside ``shard_map``; empty elsewhere)."""
-    return _varying_axes(jax.typeof(x))
-
-
-def bound_axes() -> tuple[Any, ...]:
-    """The named axes bound where this runs (``pmap``, ``shard_map``, a ``vmap`` with an
-    ``axis_name``): what a collective may reduce over. Empty under plain ``jit``, where a
-    sharded array's reductions are global already."""
-    try:  # jax >= 0.9
-        from jax.extend.core import (  # type: ignore[attr-defined]
-            unsafe_get_axis_names_DO_NOT_USE as names,
-        )
-    except ImportError:  # pragma: no cover - jax < 0.9
-        from jax.core import (  # type: ignore[attr-defined,no-redef]
-            unsafe_get_axis_names_DO_NOT_USE as names,
-        )
-    return tuple(names())
-
-
-def vary_like(x: Any, like: Any) -> Any:
-    """``x`` marked as varying over the axes ``like`` varies over (a no-op outside shard_map)."""
-    if not isinstance(like, jax.ShapeDtypeStruct):
-        like = jax.typeof(like)
-    missing = tuple(sorted(_varying_axes(like) - _varying_axes(jax.typeof(x)), key=str))
-    if not missing:
-        return x
-    return vary_over(x, missing)
-
-
-def vary_over(x: Any, axes: tuple[Any, ...]) -> Any:
-    """``x`` marked as varying over the manual mesh ``axes`` (``lax.pcast``; ``lax.pvary``
-    before jax 0.8.2)."""
-    if not axes:
-        return x
-    if hasattr(lax, "pcast"):
-        return lax.pcast(x, axes, to="varying")
-    return lax.pvary(x, axes)  # type: ignore[attr-defined]  # pragma: no cover - jax < 0.8.2
-
-
-def sum_like(x: Any, like: Any) -> Any:
-    """``x`` summed over the manual axes it varies over and ``like`` does not (inside
-    ``shard_map``; a no-op elsewhere): the cotangent JAX gives a value replicated over them."""
-    if not isinstance(like, jax.ShapeDtypeStruct):
-        like = jax.typeof(like)
-    extra = tuple(sorted(_varying_axes(jax.typeof(x)) - _varying_axes(like), key=str))
-    return lax.psum(x, extra) if extra else x
 
 
 # --------------------------------------------------------------------------------------------

@@ -44,8 +44,8 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
+from jdls._numerics.axes import vary_like
 from jdls._numerics.checks import is_float
-from jdls._numerics.norm import vary_like
 
 __all__ = ["EMPTY", "Levels", "Scope", "all_sets", "analyze", "evaluate", "var_set"]
 

@@ -21,8 +21,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jdls._numerics.axes import vary_over
 from jdls._numerics.checks import all_finite, is_float
-from jdls._numerics.norm import tree_amax, vary_over
+from jdls._numerics.norm import tree_amax
 from jdls._scales.filter import Split, is_jax_type, split_arguments
 from jdls._scales.grad import seed_scale, with_loss_scale
 from jdls._scales.loss_sets import EMPTY, Levels, all_sets, analyze, evaluate, var_set

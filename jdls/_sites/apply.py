@@ -24,7 +24,7 @@ def _is_float(x: Any) -> bool:
 def _cotangent(measurement: Any, value: Any) -> Any:
     """The measurement as a cotangent of ``value``: each float leaf in its leaf's dtype and
     shape (a shape mismatch is the kind's error), ``float0`` zeros for integer leaves."""
-    from jdls._numerics.norm import sum_like, vary_like
+    from jdls._numerics.axes import sum_like, vary_like
 
     def leaf(m: Any, v: Any) -> Any:
         if m is None:  # no measurement for this part of the value: zeros
@@ -57,7 +57,22 @@ def _site_fwd(kind: SiteKind, x: Any, value: Any) -> tuple[Any, Any]:
 def _site_bwd(kind: SiteKind, saved: Any, g: Any) -> tuple[Any, Any]:
     residuals, value = saved
     g_x, measurement = kind.backward(residuals, g)
-    return g_x, _cotangent(measurement, value)
+    return g_x, _cotangent(_global(kind, measurement, value), value)
+
+
+def _global(kind: SiteKind, measurement: Any, value: Any) -> Any:
+    """Inside ``shard_map`` with ``check_vma``: a measurement that varies over axes the
+    site's value does not (a replicated site, a sharded batch) combined over them by the
+    kind's own rule (``SiteKind.reduce``: an amax the largest, a count the sum), before JAX's
+    transpose would sum it as the cotangent of a replicated input."""
+    from jdls._numerics.axes import varying_axes
+
+    def axes(tree: Any) -> frozenset[Any]:
+        leaves = [x for x in jax.tree_util.tree_leaves(tree) if _is_float(x)]
+        return frozenset().union(*map(varying_axes, leaves)) if leaves else frozenset()
+
+    extra = tuple(sorted(axes(measurement) - axes(value), key=str))
+    return kind.reduce(measurement, extra) if extra else measurement
 
 
 _site_op.defvjp(_site_fwd, _site_bwd)

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jdls._numerics.norm import bound_axes, vary_over, varying_axes
+from jdls._numerics.axes import bound_axes, tracked_axes, vary_over, varying_axes
 from jdls._sites.site import Site, SiteKind, is_site
 
 __all__ = ["Measured", "measured", "raw"]
@@ -197,7 +197,7 @@ def measured(grads: Any, *, reduce: bool = True) -> Any:
         return grads  # no site: nothing to ask of the axes in scope
     axes = bound_axes() if reduce else ()
     # which axes JAX tracks, asked once per call (not once per site)
-    tracked = frozenset(a for a in axes if a in varying_axes(lax.axis_index(a)))
+    tracked = tracked_axes(axes)
 
     def one(x: Any) -> Any:
         if not is_site(x) or isinstance(x, Measured):

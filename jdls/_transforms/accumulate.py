@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jdls._numerics.axes import agree, vary_like
 from jdls._numerics.checks import check_int
 from jdls._numerics.norm import FloatLeaves, GlobalNorm, flatten_floats, tree_norm
 from jdls._scales.layer_scales import LayerScale
@@ -151,11 +152,12 @@ def accumulate(
 
     # zeros_like of the abstract gradients keeps their shardings (explicit meshes).
     # The sites' measurements are added as floats (raw) and coded again at the end.
-    zeros = jax.tree_util.tree_map(
-        jnp.zeros_like,
+    # Under shard_map with check_vma, zeros vary as the gradients do (the scan's carry type).
+    first_loss, zeros = jax.tree_util.tree_map(
+        lambda t: vary_like(jnp.zeros_like(t), t),
         jax.eval_shape(
             lambda: raw(
-                (value_and_grad or _of_scale(scale))(loss_only)(params, _first(micro_batches))[1]
+                (value_and_grad or _of_scale(scale))(loss_only)(params, _first(micro_batches))
             )
         ),
     )
@@ -170,7 +172,8 @@ def accumulate(
         grads = raw(grads)
         tree = flatten_floats(grads)
         n, finite = _measure(tree)
-        loss_finite = jnp.all(jnp.isfinite(loss))
+        # across devices (pmap, shard_map), one decision: as one device on the whole batch
+        finite, loss_finite = agree(finite), agree(jnp.all(jnp.isfinite(loss)))
         a = first_attempt(s, tree, n, finite & loss_finite, loss_finite)
         if retries:
             recompute = value_and_grad_of(lambda p: loss_only(p, batch), params)
@@ -184,7 +187,8 @@ def accumulate(
         s = jax.tree_util.tree_map(lambda old, new: jnp.where(ok, old, new), a.scale, new_scale)
         return (total, loss_sum, s, tries + a.tries), (ok, aux)
 
-    init = (zeros, jnp.zeros((), jnp.float32), scale, jnp.zeros((), jnp.int32))
+    loss_sum = vary_like(jnp.zeros((), jnp.float32), first_loss)
+    init = (zeros, loss_sum, scale, jnp.zeros((), jnp.int32))
     (total, loss_sum, scale, tries), (mask, auxes) = lax.scan(body, init, micro_batches)
     kept = jnp.sum(mask.astype(jnp.int32))
     dropped = jnp.int32(count) - kept

@@ -93,12 +93,12 @@ def apply_updates(params: Any, updates: Any, opt_state: Any = None) -> Any:
     def stop(x: Any) -> bool:
         return x is None or is_site(x)
 
-    flat_p, treedef = jax.tree_util.tree_flatten(params, is_leaf=stop)
     try:
-        flat_u = treedef.flatten_up_to(updates)
+        return jax.tree_util.tree_map(apply, params, updates, is_leaf=stop)
     except (ValueError, TypeError) as e:
+        if "jdls.apply_updates" in str(e):
+            raise
         raise ValueError(
-            "jdls.apply_updates: the updates are not shaped like the parameters (a site's "
-            f"update is None, or anything); {e}"
+            "jdls.apply_updates: the updates are not shaped like the parameters (each "
+            f"parameter needs its update, None where it has none); {e}"
         ) from None
-    return treedef.unflatten([apply(p, u) for p, u in zip(flat_p, flat_u, strict=True)])

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jdls._numerics.norm import vary_like
+from jdls._numerics.axes import vary_like
 
 __all__ = ["cond_branches", "keep_dtypes", "select", "skip_value"]
 

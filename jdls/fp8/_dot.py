@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jdls._numerics.norm import sum_like, varying_axes
+from jdls._numerics.axes import sum_like, varying_axes
 from jdls._sites.site import Site
 from jdls.fp8._recipe import Quantized
 from jdls.fp8._state import DotState, Fp8, Meter

@@ -774,8 +774,9 @@ def _check_scanned_framework_probes(cap, dtype, leaves):
     actual, _, (params, x) = _build(cap, "scan", dtype, leaves)
     (_, _, table), names = _outer(actual, "scan", params, x)
     stacked = [n for n in names if "[" in n]
-    assert len(stacked) >= DEPTH and all(
-        n.endswith(f"[{i % DEPTH}]") for i, n in enumerate(stacked)
-    )
+    layers = [int(n.rsplit("[", 1)[1].rstrip("]")) for n in stacked]
+    per_layer = len(stacked) // DEPTH
+    # in forward order: layer 0's rows, then layer 1's, as many each
+    assert len(stacked) >= DEPTH and layers == [i // per_layer for i in range(len(stacked))]
     table = np.asarray(table)
     assert np.all(table[:, 4] == 1.0) and np.all(table[:, 0] > 0)
