@@ -362,3 +362,46 @@ def test_per_layer_scales_accumulate_through_the_state(jit):
         jdls.accumulate(
             loss, state.scale, state.variables, xs, retries=1, value_and_grad=state.value_and_grad
         )
+
+
+def test_a_layer_that_overflowed_in_a_dropped_micro_batch_backs_off():
+    """Per-layer scales with jdls.accumulate and max_dropped=1: the micro-batch whose layers
+    overflowed is dropped from the mean and the step is taken, but the layers saw the
+    overflow (their measurements are of every micro-batch): each backs off, as the global
+    scale backs off for a dropped micro-batch, instead of overflowing again next step."""
+    import flax.linen as nn
+
+    layers = [nn.Dense(16, dtype=jnp.float16), nn.tanh, nn.Dense(1, dtype=jnp.float16)]
+    model = jdls.linen.layer_scales(nn.Sequential(layers), jdls.DynamicScale(2.0**12))
+    xs = jax.random.normal(jax.random.key(1), (3, 4, 3)).astype(jnp.float16)
+    weights = jnp.array([1.0, 1000.0, 1.0])  # the second micro-batch overflows float16
+    variables = model.init(jax.random.key(0), xs[0])
+    state = jdls.linen.TrainState.create(
+        apply_fn=model.apply,
+        params=variables["params"],
+        sites=variables["jdls"],
+        tx=jdls.wrap(optax.sgd(0.1), jdls.NoOpScale()),
+    )
+
+    def loss(v, batch):
+        x, weight = batch
+        return jnp.mean(model.apply(v, x).astype(jnp.float32) ** 2) * weight
+
+    @jax.jit
+    def step(state):
+        _, grads, info = jdls.accumulate(
+            loss,
+            state.scale,
+            state.variables,
+            (xs, weights),
+            value_and_grad=state.value_and_grad,
+            max_dropped=1,
+        )
+        return state.apply_gradients(grads=grads), info
+
+    new, info = step(state)
+    assert int(info.dropped) == 1 and bool(new.stats.finite)  # the step was taken
+    for name in ("layers_0", "layers_2"):
+        value = new.sites[name]["layer_scale"].value
+        assert float(value["finite"]) == 0.0
+        assert float(value["scale"].loss_scale) == 2.0**11

@@ -133,14 +133,24 @@ class LayerScale(SiteKind):
             "finite": jax.lax.pmin(measurement["finite"], axis_name),
         }
 
+    def accumulate(self, a: Any, b: Any) -> Any:
+        """Two micro-batches' measurements (``jdls.accumulate``): the largest amax (each
+        micro-batch's backward pass ran at the layer's scale) and the least finite flag."""
+        return {
+            **a,
+            "amax": jnp.maximum(a["amax"], b["amax"]),
+            "finite": jnp.minimum(a["finite"], b["finite"]),
+        }
+
     def update(self, value: Any, measurement: Any, finite: jax.Array) -> Any:
         scale = value["scale"]
         amax, own = measurement["amax"], measurement["finite"] > 0
         # one adjustment, the global path's (jdls.wrap): grown (measured) on a taken step,
-        # backed off where the layer itself overflowed on a skipped one (a rule backs off
-        # alike with or without a measurement), unchanged where only other layers did. A
+        # backed off where the layer itself overflowed (a rule backs off alike with or
+        # without a measurement): on a skipped step, or on a taken one whose overflowing
+        # micro-batch jdls.accumulate dropped; unchanged where only other layers did. A
         # layer whose gradients are all zero is left to the rule, as one global scale is.
-        adjusted = adjust_observed(scale, finite, lambda: amax)
+        adjusted = adjust_observed(scale, finite & own, lambda: amax)
         moved = finite | ~own
         new = jax.tree_util.tree_map(lambda a, s: pick(moved, a, s), adjusted, scale)
         # the scale, its counters and the statistics in one kernel, not one each

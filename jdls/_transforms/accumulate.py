@@ -163,7 +163,7 @@ def accumulate(
     )
 
     def body(carry: tuple[Any, ...], batch: Any) -> tuple[tuple[Any, ...], Any]:
-        total, loss_sum, s, tries = carry
+        total, loss_sum, s, tries, first = carry
         differentiate = value_and_grad or _of_scale(s)
         if has_aux:
             (loss, aux), grads = differentiate(loss_fn, has_aux=True)(params, batch)
@@ -181,15 +181,15 @@ def accumulate(
         ok = a.finite
         grads = jax.tree_util.tree_unflatten(tree.treedef, a.leaves)
         # A dropped micro-batch never enters the sum: ``where``, not a multiplication (0 * inf).
-        total = _add_kept(total, grads, ok)
+        total = _add_kept(total, grads, ok, first)
         loss_sum = jnp.where(ok, loss_sum + loss.astype(jnp.float32), loss_sum)
         new_scale = a.scale.adjust(False)  # the dropped micro-batch's own overflow
         s = jax.tree_util.tree_map(lambda old, new: jnp.where(ok, old, new), a.scale, new_scale)
-        return (total, loss_sum, s, tries + a.tries), (ok, aux)
+        return (total, loss_sum, s, tries + a.tries, jnp.array(False)), (ok, aux)
 
     loss_sum = vary_like(jnp.zeros((), jnp.float32), first_loss)
-    init = (zeros, loss_sum, scale, jnp.zeros((), jnp.int32))
-    (total, loss_sum, scale, tries), (mask, auxes) = lax.scan(body, init, micro_batches)
+    init = (zeros, loss_sum, scale, jnp.zeros((), jnp.int32), jnp.array(True))
+    (total, loss_sum, scale, tries, _), (mask, auxes) = lax.scan(body, init, micro_batches)
     kept = jnp.sum(mask.astype(jnp.int32))
     dropped = jnp.int32(count) - kept
     skip = dropped > max_dropped
@@ -228,10 +228,12 @@ def _refuse_layer_sites(params: Any) -> None:
         )
 
 
-def _add_kept(total: Any, grads: Any, ok: jax.Array) -> Any:
-    """``total + grads`` where ``ok``. A site's measurements combine by its kind's
-    ``accumulate(a, b)`` when it has one (an FP8 amax: the maximum), else add; they are never
-    divided by the number of micro-batches."""
+def _add_kept(total: Any, grads: Any, ok: jax.Array, first: jax.Array) -> Any:
+    """``total + grads`` where ``ok``. A site's measurements are what the backward passes saw,
+    of every micro-batch, kept or dropped (a layer that overflowed must back off): they
+    combine by the kind's ``accumulate(a, b)`` when it has one (an FP8 amax, a per-layer
+    amax: the maximum), else add (a probe's counts), the first micro-batch's taking the place
+    of the zeros; they are never divided by the number of micro-batches."""
 
     def add(t: Any, g: Any) -> Any:
         if is_site(t):
@@ -241,10 +243,10 @@ def _add_kept(total: Any, grads: Any, ok: jax.Array) -> Any:
                 if combine is not None
                 else jax.tree_util.tree_map(jnp.add, t.value, g.value)
             )
-            kept = jax.tree_util.tree_map(
-                lambda a, b: jnp.where(ok, a, b).astype(b.dtype), value, t.value
+            value = jax.tree_util.tree_map(
+                lambda a, b: jnp.where(first, b, a).astype(b.dtype), value, g.value
             )
-            return Site(t.kind, kept)
+            return Site(t.kind, value)
         return jnp.where(ok, t + g, t).astype(t.dtype)
 
     return jax.tree_util.tree_map(add, total, grads, is_leaf=is_site)
