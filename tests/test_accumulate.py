@@ -405,3 +405,19 @@ def test_a_layer_that_overflowed_in_a_dropped_micro_batch_backs_off():
         value = new.sites[name]["layer_scale"].value
         assert float(value["finite"]) == 0.0
         assert float(value["scale"].loss_scale) == 2.0**11
+
+
+def test_a_probe_over_micro_batches_reads_as_the_step():
+    """A probe used once per micro-batch: one use, the step's largest magnitude, the counts
+    of every micro-batch (not a NaN amax over 3 uses)."""
+    sites = {"h": jdls.Site(jdls.Probe())}
+    xs = jnp.array([[1.0, -2.0], [0.5, 4.0], [3.0, 0.0]])
+
+    def loss(p, x):
+        return jnp.sum(jdls.apply_site(p["w"] * x, p["h"]) ** 2)
+
+    params = {"w": jnp.ones(2), **sites}
+    _, grads, _ = jax.jit(lambda p: jdls.accumulate(loss, jdls.StaticScale(1.0), p, xs))(params)
+    t = jdls.Telemetry.of({"h": grads["h"]})
+    assert t.uses.tolist() == [1.0] and t.amax.tolist() == [8.0]  # 2 * 4.0
+    np.testing.assert_allclose(t.zeros, [1.0 / 6.0], rtol=1e-6)  # one zero of the 6 values

@@ -303,3 +303,32 @@ def test_groups_with_sites_from_accumulate_move_as_one_wrap(jit):
     assert float(jdls.get_scale(g_state).loss_scale) > 2.0**10
     assert_bitwise_equal(got, ref)
     assert jdls.Telemetry.of(got).uses.tolist() == [3.0, 3.0]
+
+
+def test_groups_stepped_in_turn_with_sites_and_sites_kept_from_the_wrap():
+    """The GAN pattern with a probe in each group: the updates of the group stepped are
+    applied with the whole parameters (the other group keeps its own); sites that no wrap
+    saw (masked out of it) are refused with the fix named."""
+    params = {
+        "gen": {"w": jnp.ones(2), "probe": jdls.Site(jdls.Probe())},
+        "disc": {"w": jnp.ones(2), "probe": jdls.Site(jdls.Probe())},
+    }
+    tx = jdls.wrap_groups({"gen": optax.sgd(0.5), "disc": optax.sgd(0.5)}, jdls.StaticScale(1.0))
+    state = tx.init(params)
+
+    def loss(p):
+        return jnp.sum(jdls.apply_site(p["w"] * 3.0, p["probe"]) ** 2)
+
+    grads = {"gen": jax.grad(loss)(params["gen"])}
+    updates, state = tx.update(grads, state, params)
+    new = jdls.apply_updates(params, updates, state)
+    assert jdls.Telemetry.of(new["gen"]).amax.tolist() == [6.0]
+    assert_bitwise_equal(new["disc"], params["disc"])
+    assert new["gen"]["w"].tolist() == [-8.0, -8.0]  # 1 - 0.5 * 18
+
+    sites_out = optax.masked(jdls.wrap(optax.sgd(0.5)), {"w": True, "probe": False})
+    p = params["gen"]
+    s = sites_out.init(p)
+    u, s = sites_out.update(jax.grad(loss)(p), s, p)
+    with pytest.raises(ValueError, match=r"no jdls.wrap in the optimizer state saw them"):
+        jdls.apply_updates(p, u, s)

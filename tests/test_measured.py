@@ -227,3 +227,40 @@ def test_retrying_takes_a_micro_step_as_the_chain_does(jit):
         b, sb, _ = retried(b, sb, x)
         assert_bitwise_equal(b, a)
     assert_bitwise_equal(sb, sa)
+
+
+def test_a_bfloat16_all_reduce_keeps_the_measurement_and_a_mix_is_refused():
+    """The step's all-reduce in bfloat16 (the whole tree cast, pmeaned, cast back) keeps a
+    measurement exact; float16 (its count flushed), a sum with another measurement, or
+    values rounded off its bytes decode to NaN, never to another measurement."""
+    sites = {"h": jdls.Site(jdls.Probe())}
+
+    def loss(x, s):
+        return jnp.sum(jdls.apply_site(x, s["h"]) ** 2)
+
+    grad = jdls.StaticScale(1.0).value_and_grad(loss, (0, 1))
+    _, (_, m) = grad(jnp.array([1.5, -3.0, 0.25, 0.0]), sites)
+    _, (_, other) = grad(jnp.array([7.0, 1.0, 2.0, 5.0]), sites)
+    expected = np.asarray(m["h"].value)
+    assert expected[0] == 6.0  # the largest cotangent magnitude, 2 * 3.0
+
+    def all_reduce(t):
+        t = jax.tree.map(lambda a: a.astype(jnp.bfloat16), t)
+        t = jax.pmap(lambda t: lax.pmean(t, "d"), "d")(
+            jax.tree.map(lambda a: jnp.stack([a] * N_DEV), t)
+        )
+        return jax.tree.map(lambda a: a[0].astype(jnp.float32), t)
+
+    assert np.asarray(all_reduce(m)["h"].value).tolist() == expected.tolist()
+    flushed = jax.tree.map(lambda a: a.astype(jnp.float16).astype(jnp.float32), m)
+    assert np.all(np.isnan(np.asarray(flushed["h"].value)))
+    mixed = np.asarray(jax.tree.map(jnp.add, m, other)["h"].value)  # an average, in effect
+    differ = expected != np.asarray(other["h"].value)
+    assert differ.sum() == 2 and np.all(np.isnan(mixed[differ]))  # amax, non-zero count
+    assert mixed[~differ].tolist() == expected[~differ].tolist()  # equal fields stay
+
+    def off(path, a):  # every part moved a little, but not the count: not a common factor
+        return a if "count" in jax.tree_util.keystr(path) else a * (1.0 + 2.0**-4)
+
+    rounded = jax.tree_util.tree_map_with_path(off, m)
+    assert np.all(np.isnan(np.asarray(rounded["h"].value))[expected != 0])

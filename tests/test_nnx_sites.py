@@ -279,3 +279,10 @@ def test_layer_scales_refuse_one_layer_at_two_places() -> None:
     layer = nnx.Linear(3, 3, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="layers/2 is the one at layers/0"):
         jdls.nnx.layer_scales(nnx.Sequential(layer, nnx.tanh, layer), jdls.StaticScale(2.0))
+
+
+def test_an_optimizer_over_every_variable_is_refused_with_the_fix():
+    model = jdls.nnx.probes(nnx.Linear(2, 1, rngs=nnx.Rngs(0)))
+    with pytest.raises(ValueError, match=r"wrt=nnx\.Param"):
+        jdls.nnx.Optimizer(model, jdls.wrap(optax.sgd(0.1)), wrt=nnx.Variable)
+    jdls.nnx.Optimizer(model, jdls.wrap(optax.sgd(0.1)), wrt=nnx.Param)

@@ -322,6 +322,16 @@ class Optimizer(nnx.Optimizer):  # type: ignore[type-arg]
 
     def __init__(self, model: Any, *args: Any, **kwargs: Any) -> None:
         modules_in_order(model, "jdls.nnx.Optimizer")  # refuses a shared site
+        wrt = kwargs.get("wrt", args[1] if len(args) > 1 else None)
+        if wrt is not None:
+            chosen = nnx.filterlib.to_predicate(wrt)
+            for path, variable in nnx.to_flat_state(nnx.state(model, SiteVariable)):
+                if chosen(path, variable):
+                    raise ValueError(
+                        f"jdls.nnx.Optimizer: wrt={wrt!r} selects the model's sites (at "
+                        f"{'/'.join(map(str, path))}), which are not parameters: the optimizer "
+                        "would step them as weights. Select the parameters, wrt=nnx.Param"
+                    )
         super().__init__(model, *args, **kwargs)
 
     def update(self, model: Any, grads: Any, /, **kwargs: Any) -> Any:

@@ -11,14 +11,16 @@ steps) therefore return each site's measurement as a :class:`Measured`:
   it, over the manual axes of ``shard_map`` and ``pmap`` (with ``check_vma``, only those the
   measurement varies over); under ``jit`` with sharded arrays the compiler already computes
   the global value;
-* **untouched by what treats it as a gradient**: each float32 leaf is held as the two
-  16-bit halves of its bits, each times ``2**-90``, beside a ``count`` of ``2**-90``. The
-  squares underflow, so a global norm (``optax.clip_by_global_norm`` in front of
-  ``jdls.wrap``) counts nothing of it; and any common factor applied to the whole tree (the
-  step's own ``lax.pmean`` or ``lax.psum``, a clip's factor, ``optax.scale``) cancels exactly
-  in ``half / count``, a small integer. A half that is not a whole number in ``[0, 2**16)``
-  (the measurement was added to, or averaged with different values) decodes to NaN; an
-  average that happens to be whole is not caught (``optax.MultiSteps`` goes inside the wrap).
+* **untouched by what treats it as a gradient**: each float leaf is held as the bytes of its
+  bits, each times ``2**-90``, with a check byte (not linear in the bytes, modulo 251),
+  beside a ``count`` of ``2**-90``. The squares underflow, so a global norm
+  (``optax.clip_by_global_norm`` in front of ``jdls.wrap``) counts nothing of it; any common
+  factor applied to the whole tree (the step's own ``lax.pmean`` or ``lax.psum``, a clip's
+  factor, ``optax.scale``) cancels exactly in ``byte / count``, a whole number below 256; and
+  a cast of the whole tree to bfloat16 (an all-reduce in 16 bits) keeps every byte exact. A
+  byte that is not a whole number in ``[0, 256)``, or a check byte that does not match (the
+  measurement was added to, averaged with different values, or rounded), decodes to NaN, as
+  does a ``count`` flushed to zero (a cast to float16).
 
 ``Measured`` is a :class:`Site` (``jdls.is_site`` is true, ``.kind`` and ``.value`` read as
 a site's do: ``.value`` decodes the measurement), so ``jdls.update_sites``,
@@ -43,11 +45,12 @@ from jdls._sites.site import Site, SiteKind, is_site
 __all__ = ["Measured", "measured", "raw"]
 
 _F32 = jnp.float32
-# Each 16-bit half of a measurement's bits is held as ``half * _UNIT``: exact in float32, so
-# small that its square underflows (it counts for nothing in a global norm), and ``count`` is
-# ``_UNIT``: any common factor a transformation applies (a pmean, a psum, a clip's) cancels
-# in ``half / count``.
+# Each byte of a measurement's bits is held as ``byte * _UNIT``: exact in float32 and in
+# bfloat16, so small that its square underflows (it counts for nothing in a global norm), and
+# ``count`` is ``_UNIT``: any common factor a transformation applies (a pmean, a psum, a
+# clip's) cancels in ``byte / count``. A check byte catches what is not a common factor.
 _UNIT = 2.0**-90
+_CHECK = 251  # a prime below 256: the check byte is exact in bfloat16 too
 _PACKED = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 
 
@@ -70,7 +73,7 @@ class Measured(Site):
     """
 
     kind: SiteKind
-    parts: Any  # per float leaf of the value: its bits as two halves (_Halves); else None
+    parts: Any  # per float leaf of the value: its bits as bytes with a check (_Bytes); else None
     count: jax.Array  # float32, _UNIT: what the parts are divided by when decoded
 
     def __init__(self, kind: SiteKind, parts: Any, count: Any) -> None:
@@ -84,27 +87,26 @@ class Measured(Site):
         count = jnp.asarray(self.count, _F32)
 
         def decode(part: Any) -> Any:
-            if not isinstance(part, _Halves):  # None, or a leaf jdls does not code (float64)
+            if not isinstance(part, _Bytes):  # None, or a leaf jdls does not code (float64)
                 return part
             c = jnp.reshape(
-                count, jnp.shape(count) + (1,) * (jnp.ndim(part.high) - jnp.ndim(count))
+                count, jnp.shape(count) + (1,) * (jnp.ndim(part.check) - jnp.ndim(count))
             )
-            halves = [jnp.asarray(h, _F32) / c for h in (part.high, part.low)]
+            parts = [jnp.asarray(b, _F32) / c for b in (*part.data, part.check)]
             # a common factor (a pmean, a psum, a clip's) cancels; anything else is refused
-            # as NaN: a site's state never takes a measurement that was mixed with others
-            ok = (c != 0) & functools.reduce(
-                jnp.logical_and,
-                [(h >= 0) & (h <= 0xFFFF) & (jnp.abs(h - jnp.round(h)) < 0.25) for h in halves],
-            )
-            high, low = (jnp.round(h).astype(jnp.uint32) for h in halves)
-            bits = (high << 16) | low
+            # as NaN: a site's state never takes a measurement mixed with others, or rounded
+            whole = [(b >= 0) & (b <= 0xFF) & (jnp.abs(b - jnp.round(b)) < 0.25) for b in parts]
+            data = [jnp.round(b).astype(jnp.uint32) for b in parts[:-1]]
+            ok = (c != 0) & functools.reduce(jnp.logical_and, whole)
+            ok = ok & (_check_of(data) == jnp.round(parts[-1]).astype(jnp.uint32))
+            bits = functools.reduce(lambda acc, b: (acc << 8) | b, data)
             if part.dtype.itemsize == 2:
                 value = lax.bitcast_convert_type(bits.astype(jnp.uint16), part.dtype)
             else:
                 value = lax.bitcast_convert_type(bits, part.dtype)
             return jnp.where(ok, value, jnp.array(jnp.nan, part.dtype))
 
-        return jax.tree_util.tree_map(decode, self.parts, is_leaf=lambda x: isinstance(x, _Halves))
+        return jax.tree_util.tree_map(decode, self.parts, is_leaf=lambda x: isinstance(x, _Bytes))
 
     def __repr__(self) -> str:
         return f"Measured({self.kind!r})"
@@ -115,28 +117,35 @@ class Measured(Site):
     __hash__ = object.__hash__
 
 
-class _Halves:
-    """A float leaf's bits as two 16-bit halves (``high << 16 | low``), each held as a float32
-    times ``_UNIT``; the leaf's dtype is static."""
+class _Bytes:
+    """A float leaf's bits as bytes, the most significant first, and a check byte, each held
+    as a float32 times ``_UNIT``; the leaf's dtype is static."""
 
-    def __init__(self, high: Any, low: Any, dtype: Any) -> None:
-        self.high, self.low, self.dtype = high, low, jnp.dtype(dtype)
+    def __init__(self, data: tuple[Any, ...], check: Any, dtype: Any) -> None:
+        self.data, self.check, self.dtype = tuple(data), check, jnp.dtype(dtype)
 
 
-def _halves_of(dtype: Any, children: Any) -> _Halves:
-    high, low = children
-    return _Halves(high, low, dtype)
+def _bytes_of(dtype: Any, children: Any) -> _Bytes:
+    *data, check = children
+    return _Bytes(tuple(data), check, dtype)
+
+
+def _keyed(b: _Bytes) -> tuple[tuple[tuple[Any, Any], ...], Any]:
+    keys = [jax.tree_util.SequenceKey(i) for i in range(len(b.data))]
+    return (*zip(keys, b.data, strict=True), (jax.tree_util.GetAttrKey("check"), b.check)), b.dtype
 
 
 jax.tree_util.register_pytree_with_keys(
-    _Halves,
-    lambda h: (
-        ((jax.tree_util.GetAttrKey("high"), h.high), (jax.tree_util.GetAttrKey("low"), h.low)),
-        h.dtype,
-    ),
-    _halves_of,
-    lambda h: ((h.high, h.low), h.dtype),
+    _Bytes, _keyed, _bytes_of, lambda b: ((*b.data, b.check), b.dtype)
 )
+
+
+def _check_of(data: list[Any]) -> Any:
+    """The check byte of the bytes ``data`` (uint32): a weighted sum of ``b + b*b`` modulo a
+    prime. Not linear, so an average of two measurements (their sum over two counts) does
+    not carry a matching check; a byte changed alone, or two swapped, changes it."""
+    terms = [(2 * i + 1) * (b + b * b) for i, b in enumerate(data)]
+    return functools.reduce(lambda a, b: a + b, terms) % _CHECK
 
 
 def _flatten_with_keys(m: Measured) -> tuple[tuple[tuple[Any, Any], ...], SiteKind]:
@@ -166,7 +175,10 @@ def _encode(leaf: Any) -> Any:
         bits = lax.bitcast_convert_type(leaf, jnp.uint16).astype(jnp.uint32)
     else:
         bits = lax.bitcast_convert_type(leaf, jnp.uint32)
-    return _Halves((bits >> 16).astype(_F32) * _UNIT, (bits & 0xFFFF).astype(_F32) * _UNIT, dtype)
+    shifts = range(8 * (dtype.itemsize - 1), -1, -8)
+    data = [(bits >> k) & 0xFF for k in shifts]
+    unit = lambda b: b.astype(_F32) * _UNIT  # noqa: E731
+    return _Bytes(tuple(unit(b) for b in data), unit(_check_of(data)), dtype)
 
 
 def _global(site: Site, axes: tuple[Any, ...], tracked: frozenset[Any]) -> Site:

@@ -172,6 +172,13 @@ class Probe(SiteKind):
         del residuals
         return g, statistics(g, self.compute_dtype)
 
+    def accumulate(self, a: jax.Array, b: jax.Array) -> jax.Array:
+        """Two micro-batches' measurements (``jdls.accumulate``): as two devices' (the largest
+        magnitude and the uses by max, the counts summed), so a probe used once per
+        micro-batch reads as one use with the step's largest magnitude."""
+        by_max = jnp.array([f in ("amax", "uses") for f in FIELDS])
+        return jnp.where(by_max, jnp.maximum(a, b), a + b)
+
     def reduce(self, measurement: jax.Array, axis_name: Any) -> jax.Array:
         # the largest magnitude and the uses (1 on each device) by max, the counts by sum
         largest = jax.lax.pmax(measurement, axis_name)

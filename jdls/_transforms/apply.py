@@ -3,6 +3,7 @@ state waits in the wrap's state (the update at a site is ``None``)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -29,11 +30,20 @@ def _pending(opt_state: Any, count: int) -> list[Any]:
             "parameters that hold sites under one jdls.wrap"
         )
     sites = list(held[0]) if held else []
+    if not sites:
+        raise ValueError(
+            f"jdls.apply_updates: the parameters hold {count} sites, but no jdls.wrap in the "
+            "optimizer state saw them: keep the parameters that hold sites under the wrap "
+            "(not masked out by optax.masked, nor labelled to another transformation by "
+            "optax.multi_transform: mask inside it, jdls.wrap(optax.masked(...))), and pass "
+            "the state that tx.update returned"
+        )
     if len(sites) != count:
         raise ValueError(
             f"jdls.apply_updates: the parameters hold {count} sites and the optimizer state "
-            f"{len(sites)}; pass the state that tx.update returned for these parameters "
-            "(made by tx.init of parameters with the same sites)"
+            f"{len(sites)}; pass the whole parameters that tx.update got (with "
+            "jdls.wrap_groups: every group, and the updates of the groups stepped) and the "
+            "state it returned"
         )
     return sites
 
@@ -50,7 +60,9 @@ def apply_updates(params: Any, updates: Any, opt_state: Any = None) -> Any:
 
     Args:
       params: the parameters (any pytree; non-array leaves are kept).
-      updates: what ``tx.update`` returned (``None`` where a leaf has no update).
+      updates: what ``tx.update`` returned (``None`` where a leaf has no update). For a
+        dict of parameter groups, the updates may hold some of them (``jdls.wrap_groups``
+        stepping some groups): the others keep their parameters.
       opt_state: the optimizer state ``tx.update`` returned with them; needed only when
         ``params`` holds sites.
 
@@ -73,6 +85,16 @@ def apply_updates(params: Any, updates: Any, opt_state: Any = None) -> Any:
       >>> params["w"].tolist(), jdls.Telemetry.of(params).amax.tolist()
       ([0.5, 0.5], [2.0])
     """
+    if (
+        isinstance(params, Mapping)
+        and isinstance(updates, Mapping)
+        and updates.keys() < params.keys()
+    ):
+        # jdls.wrap_groups stepping some groups: the others keep their parameters
+        def nothing(tree: Any) -> Any:
+            return jax.tree_util.tree_map(lambda _: None, tree, is_leaf=is_site)
+
+        updates = {k: updates[k] if k in updates else nothing(params[k]) for k in params}
     sites = site_leaves(params)
     pending = iter(_pending(opt_state, len(sites)) if sites else [])
 
