@@ -342,7 +342,6 @@ def test_per_layer_scales_accumulate_through_the_state(jit):
 
     grads = maybe_jit(step, jit)(state)
 
-    @jax.jit
     def reference(state, n):  # the guide's plain lax.scan, a runtime divisor
         def add(total, x):
             grads = state.value_and_grad(loss)(state.variables, x)[1]["params"]
@@ -351,7 +350,7 @@ def test_per_layer_scales_accumulate_through_the_state(jit):
         zeros = jax.tree.map(jnp.zeros_like, state.params)
         return jax.tree.map(lambda t: t / n, jax.lax.scan(add, zeros, xs)[0])
 
-    total = reference(state, jnp.float32(3.0))
+    total = maybe_jit(reference, jit)(state, jnp.float32(3.0))
     assert_bitwise_equal(grads["params"], total)
     state = state.apply_gradients(grads=grads)
     for name in ("layers_0", "layers_2"):
