@@ -24,8 +24,8 @@ the block of a stack scanned over its layers (``nn.scan``, ``nnx.scan``), in flo
   (a bias before a normalization over the batch) is then that rounding's size. Each layer's
   measurement is its own gradients' largest magnitude.
 
-``nn.SelfAttention`` fails both (an expected failure, strict): its ``__call__`` calls
-``super().__call__``, and jdls passes the output through its site at each.
+``nn.SelfAttention``'s ``__call__`` calls ``super().__call__``: one call of the module, one
+row and one per-layer ratio (the inner call is not a second use).
 """
 
 from __future__ import annotations
@@ -365,23 +365,9 @@ def _linen_rows(layer: Layer, scanned: bool, variables: dict, x: jax.Array) -> t
     return ("dense_0", *stack, "dense_1")
 
 
-#: jdls bugs: the probe of a module whose ``__call__`` calls ``super().__call__``
-#: (``nn.SelfAttention``) is applied at each of the two intercepted calls (uses 2), and its
-#: per-layer ratio twice (the layers before it off by that ratio). Reproducer:
-#: ``Sub(Base)`` with ``def __call__(self, x): return super().__call__(x)`` under
-#: ``jdls.linen.probes``: ``Telemetry.uses`` of ``sub`` is 2.
-_SUPER_CALL = (
-    "jdls bug: a linen module calling super().__call__ (nn.SelfAttention) passes its output "
-    "through its site twice (probe uses 2; per-layer ratio applied twice)"
-)
-LINEN_PROBES_XFAIL = {("SelfAttention", False): _SUPER_CALL, ("SelfAttention", True): _SUPER_CALL}
-#: in a stack the layer is the scanned block, whose __call__ is called once
-LINEN_SCALES_XFAIL = {("SelfAttention", False): _SUPER_CALL}
-
-
 @pytest.mark.parametrize(
     "name, scanned, jit",
-    _cases(LINEN, nn, {("MultiHeadDotProductAttention", False)}, LINEN_PROBES_XFAIL),
+    _cases(LINEN, nn, {("MultiHeadDotProductAttention", False), ("SelfAttention", False)}),
 )
 def test_linen_probes_give_one_finite_row_per_module_call(
     name: str, scanned: bool, jit: bool
@@ -430,9 +416,7 @@ def _is_layer_site(site: Any) -> bool:
     return jdls.is_site(site) and isinstance(site.kind, jdls.LayerScale)
 
 
-@pytest.mark.parametrize(
-    "name, scanned, jit", _cases(LINEN, nn, {("LayerNorm", True)}, LINEN_SCALES_XFAIL)
-)
+@pytest.mark.parametrize("name, scanned, jit", _cases(LINEN, nn, {("LayerNorm", True)}))
 def test_linen_layer_scales_give_the_bare_models_gradients(
     name: str, scanned: bool, jit: bool
 ) -> None:

@@ -130,3 +130,53 @@ def test_train_state_with_sites_takes_gradients_of_its_variables() -> None:
     assert bool(new.stats.finite)
     with pytest.raises(ValueError, match="state.variables"):
         state.apply_gradients(grads=state.params)
+
+
+class _Base(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(2, name="dense")(x)
+
+
+class _Sub(_Base):
+    def __call__(self, x):  # one call of the module, through its parent class's __call__
+        return super().__call__(x)
+
+
+class _WithSub(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(2, name="last")(_Sub(name="sub")(x))
+
+
+@with_and_without_jit
+def test_a_module_calling_super_call_passes_its_site_once(jit: bool) -> None:
+    """A subclass whose ``__call__`` calls ``super().__call__`` (``nn.SelfAttention``): one
+    probe use, and one per-layer ratio, so the layer's gradients are ``jax.grad``'s."""
+    x = jnp.array([[1.0, -2.0], [0.5, 3.0]])
+    model = jdls.linen.probes(_WithSub())
+    variables = model.init(jax.random.key(0), x)
+    loss = lambda v: jnp.sum(model.apply(v, x) ** 2)  # noqa: E731
+    _, grads = maybe_jit(jdls.StaticScale(1.0).value_and_grad(loss), jit)(variables)
+    t = jdls.Telemetry.of(grads["jdls"])
+    assert t.names == ("sub/dense", "sub", "last") and t.uses.tolist() == [1.0, 1.0, 1.0]
+
+    scaled = jdls.linen.layer_scales(_WithSub(), jdls.StaticScale(1.0))
+    v = scaled.init(jax.random.key(0), x)
+    sites = jax.tree_util.tree_map(lambda s: s, v["jdls"], is_leaf=jdls.is_site)
+    value = dict(sites["last"]["layer_scale"].value)
+    value["scale"] = jdls.StaticScale(2.0**9)
+    sites["last"]["layer_scale"] = jdls.Site(sites["last"]["layer_scale"].kind, value)
+    state = jdls.linen.TrainState.create(
+        apply_fn=scaled.apply,
+        params=v["params"],
+        sites=sites,
+        tx=jdls.wrap(optax.sgd(0.1), jdls.NoOpScale()),
+    )
+    fn = state.value_and_grad(lambda w: jnp.sum(scaled.apply(w, x) ** 2))
+    _, got = maybe_jit(fn, jit)(state.variables)
+    bare = _WithSub().apply
+    expected = maybe_jit(jax.grad(lambda p: jnp.sum(bare({"params": p}, x) ** 2)), jit)(v["params"])
+    np.testing.assert_allclose(
+        got["params"]["sub"]["dense"]["kernel"], expected["sub"]["dense"]["kernel"], rtol=1e-6
+    )

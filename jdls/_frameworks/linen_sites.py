@@ -56,15 +56,23 @@ class _Sites(nn.Module):
         making = self.is_mutable_collection(SITES) and not self.variables.get(SITES)
         returned: dict[tuple[str, ...], int] = {}
 
+        calling: list[tuple[str, ...]] = []  # the modules inside their own __call__
+
         def interceptor(next_fun: Callable[..., Any], a: Any, kw: Any, context: Any) -> Any:
-            out = next_fun(*a, **kw)
             module = context.module
             if context.method_name != "__call__" or module is self or module is self.jdls_wrapped:
-                return out
+                return next_fun(*a, **kw)
             # the path in the model: the wrapper shares its scope (the variables' paths), but
             # submodules made in the model's setup see the wrapper's field name first
             path = tuple(str(p) for p in module.scope.path)
             path = path[1:] if path[:1] == ("jdls_wrapped",) else path
+            if path in calling:  # super().__call__ of a subclass: one call, one site
+                return next_fun(*a, **kw)
+            calling.append(path)
+            try:
+                out = next_fun(*a, **kw)
+            finally:
+                calling.pop()
             if making:
                 returned.setdefault(path, len(returned))
             for name, site in self.make(path):
