@@ -258,6 +258,7 @@ def test_nonfinite_paths_names_the_group_and_the_leaf(jit):
         jdls.nonfinite_paths(without.init({"gen": {"w": jnp.zeros(1)}}))
 
 
+@pytest.mark.full  # about 25 s; the quick run keeps the groups stepped in turn with sites
 @with_and_without_jit
 def test_groups_with_sites_from_accumulate_move_as_one_wrap(jit):
     """Sites among each group's parameters (a probe, an FP8 dot), the gradients from
@@ -302,7 +303,7 @@ def test_groups_with_sites_from_accumulate_move_as_one_wrap(jit):
     assert jdls.get_scale(g_state) == jdls.get_scale(s_state)
     assert float(jdls.get_scale(g_state).loss_scale) > 2.0**10
     assert_bitwise_equal(got, ref)
-    assert jdls.Telemetry.of(got).uses.tolist() == [3.0, 3.0]
+    assert jdls.Telemetry.of(got).uses.tolist() == [1.0, 1.0]  # one use per micro-batch
 
 
 def test_groups_stepped_in_turn_with_sites_and_sites_kept_from_the_wrap():
