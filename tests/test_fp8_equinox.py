@@ -113,5 +113,7 @@ def test_apply_updates_without_the_state_names_the_fix():
     with pytest.raises(ValueError, match=re.escape("apply_updates(params, updates, opt_state)")):
         jdls.equinox.apply_updates(model, updates)
     other = jdls.wrap(optax.sgd(0.1)).init({"w": jnp.ones(2)})
-    with pytest.raises(ValueError, match="hold 2 sites, but no jdls.wrap in the optimizer state saw them"):
+    with pytest.raises(
+        ValueError, match="hold 2 sites, but no jdls.wrap in the optimizer state saw them"
+    ):
         jdls.apply_updates(model, updates, other)
