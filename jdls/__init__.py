@@ -1,8 +1,10 @@
 """jdls: dynamic loss scaling for mixed-precision training in JAX and optax."""
 
 from jdls import fp8, linen, nnx, presets, rules
-from jdls._floats.formats import FloatFormat, FormatInfo, cbfloat16, compress, decompress, finfo
+from jdls._floats.formats import FloatFormat, FormatInfo, cbfloat16
+from jdls._floats.lookup import finfo
 from jdls._floats.policy import Policy, get_policy
+from jdls._floats.storage import compress, decompress
 from jdls._numerics.checks import all_finite
 from jdls._scales.layer_scales import (
     LayerScale,

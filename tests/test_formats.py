@@ -1,4 +1,4 @@
-"""Tests of jdls._floats.formats: bit-exact emulation of IEEE-style float formats.
+"""Tests of jdls._floats (formats, lookup, storage): bit-exact emulation of IEEE-style float formats.
 
 References: ml_dtypes/numpy conversions for the formats they have (float16, bfloat16,
 float8_e5m2, float8_e4m3, float8_e3m4, all IEEE-style with inf/NaN), and, for the others
@@ -21,7 +21,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jdls
-from jdls._floats.formats import FloatFormat, FormatInfo, cbfloat16, compress, decompress, finfo
+from jdls._floats.formats import FloatFormat, FormatInfo, cbfloat16
+from jdls._floats.lookup import finfo
+from jdls._floats.storage import compress, decompress
 
 # name -> (format, numpy dtype); only the IEEE-style ml_dtypes types (inf and NaN encoded
 # with the all-ones exponent, as FloatFormat does). float8_e4m3fn/fnuz/b11fnuz, e5m2fnuz,
@@ -605,10 +607,21 @@ def test_from_bits_reads_only_the_low_bits():
 
 
 @pytest.mark.parametrize(
-    "name", ["FloatFormat", "FormatInfo", "cbfloat16", "compress", "decompress", "finfo"]
+    "name, module",
+    [
+        ("FloatFormat", "formats"),
+        ("FormatInfo", "formats"),
+        ("cbfloat16", "formats"),
+        ("compress", "storage"),
+        ("decompress", "storage"),
+        ("finfo", "lookup"),
+    ],
 )
-def test_exported(name):
-    assert name in jdls.__all__ and getattr(jdls, name) is getattr(jdls._floats.formats, name)
+def test_exported(name, module):
+    import importlib
+
+    private = importlib.import_module(f"jdls._floats.{module}")
+    assert name in jdls.__all__ and getattr(jdls, name) is getattr(private, name)
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
-"""Emulated float formats: :class:`FloatFormat`, :data:`cbfloat16`, their machine limits
-(:class:`FormatInfo`, finfo) and 16-bit storage.
+"""Emulated float formats: :class:`FloatFormat`, :data:`cbfloat16` and their machine limits
+(:class:`FormatInfo`). Looking a format up by name or dtype is in ``lookup``, 16-bit storage
+of a tree in ``storage``.
 
 A :class:`FloatFormat` is an IEEE-754 style binary format (sign, exponent, mantissa bits;
 subnormals, signed zeros, inf and NaN) whose values live in float32 arrays; the rounding,
@@ -16,22 +17,12 @@ from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 
 from jdls._floats.bits import from_bits_fn, round_float64, round_fn, storage_dtype, to_bits_fn
-from jdls._numerics.checks import I32_MAX, check_int, is_float_array
+from jdls._numerics.checks import I32_MAX, check_int
 
-__all__ = [
-    "FloatFormat",
-    "FormatInfo",
-    "canonical_format",
-    "cbfloat16",
-    "compress",
-    "decompress",
-    "finfo",
-    "format_info",
-]
+__all__ = ["FloatFormat", "FormatInfo", "cbfloat16", "format_info"]
 
 T = TypeVar("T")
 
@@ -391,142 +382,3 @@ Cerebras documents the bit widths only; jdls assumes the IEEE-754 reading (bias 
 subnormals, inf/NaN): docs/formats.md, "cbfloat16 and its bias". For another bias use
 ``jdls.FloatFormat(6, 9, bias=..., name=...)``.
 """
-
-_NAMED_FORMATS = {"cbfloat16": cbfloat16}
-
-
-def finfo(dtype: Any) -> FormatInfo | np.finfo:
-    """Machine limits of a float format: emulated formats here, others from ml_dtypes.
-
-    Args:
-      dtype: a :class:`FloatFormat`, the string ``"cbfloat16"``, or anything
-        ``ml_dtypes.finfo`` accepts (``"float16"``, ``jnp.bfloat16``,
-        ``np.dtype("float32")``, ``"float8_e4m3"``, ...).
-
-    Returns:
-      A :class:`FormatInfo` for emulated formats, else ``ml_dtypes.finfo(dtype)``.
-
-    Raises:
-      TypeError: ``dtype`` is not a floating-point type or format.
-
-    Example:
-      >>> import jdls
-      >>> float(jdls.finfo("cbfloat16").max) == (2 - 2**-9) * 2.0**31
-      True
-      >>> float(jdls.finfo("float16").max)
-      65504.0
-    """
-    if isinstance(dtype, FloatFormat):
-        return dtype.finfo
-    if isinstance(dtype, str) and dtype in _NAMED_FORMATS:
-        return _NAMED_FORMATS[dtype].finfo
-    try:
-        return ml_dtypes.finfo(dtype)
-    except (TypeError, ValueError) as err:
-        raise TypeError(
-            f"finfo expects a floating-point dtype, a jdls.FloatFormat or one of "
-            f"{sorted(_NAMED_FORMATS)}, got {dtype!r} ({err})"
-        ) from None
-
-
-def canonical_format(dtype: Any) -> np.dtype | FloatFormat:
-    """The one spelling of a float format that static configuration keeps.
-
-    Equal formats spelled differently (``jnp.float16``, ``np.dtype("float16")``,
-    ``"float16"``; ``"cbfloat16"`` and ``jdls.cbfloat16``) become one value, so that the
-    objects holding them compare, hash and key ``jax.jit``'s cache alike: a
-    :class:`FloatFormat` for an emulated format (given as one, or by the name
-    ``"cbfloat16"``), else numpy's dtype object.
-
-    Args:
-      dtype: anything :func:`finfo` accepts.
-
-    Returns:
-      ``dtype`` as a :class:`FloatFormat` or a ``numpy.dtype``.
-
-    Raises:
-      TypeError: ``dtype`` is not a floating-point type or format.
-
-    Example:
-      >>> import jax.numpy as jnp, numpy as np, jdls
-      >>> from jdls._floats.formats import canonical_format
-      >>> canonical_format(jnp.float16) == canonical_format("float16") == np.dtype("float16")
-      True
-      >>> canonical_format("cbfloat16") is jdls.cbfloat16
-      True
-    """
-    if isinstance(dtype, FloatFormat):
-        return dtype
-    info = finfo(dtype)  # a clear error for anything else
-    if isinstance(info, FormatInfo):  # a name: "cbfloat16"
-        return info.dtype
-    return np.dtype(info.dtype)
-
-
-# --------------------------------------------------------------------------------------------
-# 16-bit storage.
-# --------------------------------------------------------------------------------------------
-
-
-def compress(tree: T, fmt: FloatFormat = cbfloat16) -> T:
-    """Encodes the floating-point leaves of a pytree in a format's bits (e.g. uint16).
-
-    Each float array leaf becomes ``fmt.to_bits(leaf)`` (rounded to the format, then
-    encoded), halving the memory of float32 leaves for 16-bit formats. Other leaves (integer
-    arrays, Python scalars, strings) are returned unchanged and ``None`` stays ``None``.
-    Works under ``jax.jit``.
-
-    Args:
-      tree: a pytree; its float array leaves must be float32, float16 or bfloat16.
-      fmt: the format to store in; defaults to :data:`cbfloat16`.
-
-    Returns:
-      A pytree of the same structure with float leaves replaced by arrays of
-      ``fmt.storage_dtype``.
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> import jdls
-      >>> packed = jdls.compress({"w": jnp.ones((2, 3)), "step": jnp.array(3)})
-      >>> packed["w"].dtype, packed["step"].dtype
-      (dtype('uint16'), dtype('int32'))
-    """
-    if not isinstance(fmt, FloatFormat):
-        raise TypeError(f"fmt must be a jdls.FloatFormat (e.g. jdls.cbfloat16), got {fmt!r}")
-    return jax.tree_util.tree_map(lambda x: fmt.to_bits(x) if is_float_array(x) else x, tree)
-
-
-def decompress(tree: T, fmt: FloatFormat = cbfloat16) -> T:
-    """Decodes the leaves that :func:`compress` produced back to float32.
-
-    Every array leaf whose dtype is ``fmt.storage_dtype`` is decoded with ``fmt.from_bits``;
-    all other leaves are returned unchanged. A tree that had its own integer leaves of that
-    dtype (e.g. uint16 token ids with a 16-bit format) would have them decoded too: keep such
-    leaves out of the tree you compress. ``decompress(compress(t, f), f)`` equals
-    ``fmt.round`` on every float leaf, bit for bit.
-
-    Args:
-      tree: a pytree produced by :func:`compress` with the same ``fmt``.
-      fmt: the format the tree was stored in; defaults to :data:`cbfloat16`.
-
-    Returns:
-      A pytree of the same structure with encoded leaves replaced by float32 arrays.
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> import jdls
-      >>> tree = {"w": jnp.array([0.1, 1e-12])}
-      >>> back = jdls.decompress(jdls.compress(tree))
-      >>> bool((back["w"] == jdls.cbfloat16.round(tree["w"])).all())
-      True
-    """
-    if not isinstance(fmt, FloatFormat):
-        raise TypeError(f"fmt must be a jdls.FloatFormat (e.g. jdls.cbfloat16), got {fmt!r}")
-    storage = fmt.storage_dtype
-
-    def leaf(x: Any) -> Any:
-        if isinstance(x, np.ndarray | jax.Array) and x.dtype == storage:
-            return fmt.from_bits(x)
-        return x
-
-    return jax.tree_util.tree_map(leaf, tree)

@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jdls._floats.formats import FloatFormat, canonical_format, finfo
+from jdls._floats.formats import FloatFormat
+from jdls._floats.lookup import canonical_format, finfo
 from jdls._numerics.paths import path_key
 from jdls._sites.site import Site, SiteKind, is_site
 

@@ -29,7 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jdls._floats.formats import FloatFormat, canonical_format
+from jdls._floats.formats import FloatFormat
+from jdls._floats.lookup import canonical_format
 from jdls.fp8._formats import cast, format_max
 
 __all__ = [
@@ -194,7 +195,7 @@ def element_format(formats: Any, role: Role) -> Any:
 
 
 def canonical_compute_dtype(compute_dtype: Any) -> np.dtype | None:
-    """A recipe's ``compute_dtype`` in its one spelling (:func:`jdls._floats.formats.canonical_format`):
+    """A recipe's ``compute_dtype`` in its one spelling (:func:`jdls._floats.lookup.canonical_format`):
     ``jnp.bfloat16``, ``"bfloat16"`` and ``np.dtype("bfloat16")`` become one numpy dtype, so
     that equal recipes compare and hash equal and ``jax.jit`` compiles once. ``None`` (the
     operands' dtype) stays ``None``.

@@ -7,7 +7,7 @@ from typing import Any
 
 import optax
 
-from jdls._floats.formats import canonical_format
+from jdls._floats.lookup import canonical_format
 from jdls._numerics.checks import check_limit, check_positive_finite
 from jdls._scales.scale import DynamicScale, NoOpScale, StaticScale
 from jdls._transforms.wrap import wrap
@@ -108,7 +108,7 @@ def cerebras(
 
 def _half_dtype_name(half_dtype: Any) -> str:
     """The name (``"float16"``, ``"bfloat16"``, ``"cbfloat16"``) of ``half_dtype``, however
-    it is spelled (:func:`jdls._floats.formats.canonical_format`)."""
+    it is spelled (:func:`jdls._floats.lookup.canonical_format`)."""
     names = {canonical_format(name): name for name in _CEREBRAS_MAX_LOSS_SCALE}
     try:
         name = names.get(canonical_format(half_dtype))

@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jdls._floats.formats import FloatFormat, canonical_format, finfo
+from jdls._floats.formats import FloatFormat
+from jdls._floats.lookup import canonical_format, finfo
 from jdls._numerics.checks import check_int
 from jdls._numerics.scalars import clamp, one_kernel, pick
 from jdls.rules._rule import Rule, check_bounds, check_within
