@@ -32,11 +32,11 @@ hand) is per device; ``jdls.update_sites(..., axis_name=...)`` reduces it, and l
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jdls._numerics.axes import bound_axes, tracked_axes, vary_over, varying_axes
@@ -83,30 +83,18 @@ class Measured(Site):
 
     @property  # type: ignore[override]
     def value(self) -> Any:
-        """The measurement, decoded (float leaves in their dtypes; ``None`` elsewhere)."""
-        count = jnp.asarray(self.count, _F32)
-
-        def decode(part: Any) -> Any:
-            if not isinstance(part, _Bytes):  # None, or a leaf jdls does not code (float64)
-                return part
-            c = jnp.reshape(
-                count, jnp.shape(count) + (1,) * (jnp.ndim(part.check) - jnp.ndim(count))
+        """The measurement, decoded (float leaves in their dtypes; ``None`` elsewhere).
+        Decoded once per object: its arrays never change."""
+        decoded = self.__dict__.get("_decoded")
+        if decoded is None:
+            count = jnp.asarray(self.count, _F32)
+            decoded = jax.tree_util.tree_map(
+                lambda part: _decode(part, count) if isinstance(part, _Bytes) else part,
+                self.parts,
+                is_leaf=lambda x: isinstance(x, _Bytes),
             )
-            parts = [jnp.asarray(b, _F32) / c for b in (*part.data, part.check)]
-            # a common factor (a pmean, a psum, a clip's) cancels; anything else is refused
-            # as NaN: a site's state never takes a measurement mixed with others, or rounded
-            whole = [(b >= 0) & (b <= 0xFF) & (jnp.abs(b - jnp.round(b)) < 0.25) for b in parts]
-            data = [jnp.round(b).astype(jnp.uint32) for b in parts[:-1]]
-            ok = (c != 0) & functools.reduce(jnp.logical_and, whole)
-            ok = ok & (_check_of(data) == jnp.round(parts[-1]).astype(jnp.uint32))
-            bits = functools.reduce(lambda acc, b: (acc << 8) | b, data)
-            if part.dtype.itemsize == 2:
-                value = lax.bitcast_convert_type(bits.astype(jnp.uint16), part.dtype)
-            else:
-                value = lax.bitcast_convert_type(bits, part.dtype)
-            return jnp.where(ok, value, jnp.array(jnp.nan, part.dtype))
-
-        return jax.tree_util.tree_map(decode, self.parts, is_leaf=lambda x: isinstance(x, _Bytes))
+            object.__setattr__(self, "_decoded", decoded)
+        return decoded
 
     def __repr__(self) -> str:
         return f"Measured({self.kind!r})"
@@ -118,34 +106,61 @@ class Measured(Site):
 
 
 class _Bytes:
-    """A float leaf's bits as bytes, the most significant first, and a check byte, each held
-    as a float32 times ``_UNIT``; the leaf's dtype is static."""
+    """A float leaf's bits as bytes (the most significant first) and a check byte, stacked on
+    a leading axis, each held as a float32 times ``_UNIT``; the leaf's dtype is static."""
 
-    def __init__(self, data: tuple[Any, ...], check: Any, dtype: Any) -> None:
-        self.data, self.check, self.dtype = tuple(data), check, jnp.dtype(dtype)
+    def __init__(self, coded: Any, dtype: Any) -> None:
+        self.coded, self.dtype = coded, jnp.dtype(dtype)
 
 
 def _bytes_of(dtype: Any, children: Any) -> _Bytes:
-    *data, check = children
-    return _Bytes(tuple(data), check, dtype)
-
-
-def _keyed(b: _Bytes) -> tuple[tuple[tuple[Any, Any], ...], Any]:
-    keys = [jax.tree_util.SequenceKey(i) for i in range(len(b.data))]
-    return (*zip(keys, b.data, strict=True), (jax.tree_util.GetAttrKey("check"), b.check)), b.dtype
+    (coded,) = children
+    return _Bytes(coded, dtype)
 
 
 jax.tree_util.register_pytree_with_keys(
-    _Bytes, _keyed, _bytes_of, lambda b: ((*b.data, b.check), b.dtype)
+    _Bytes,
+    lambda b: (((jax.tree_util.GetAttrKey("coded"), b.coded),), b.dtype),
+    _bytes_of,
+    lambda b: ((b.coded,), b.dtype),
 )
 
 
-def _check_of(data: list[Any]) -> Any:
-    """The check byte of the bytes ``data`` (uint32): a weighted sum of ``b + b*b`` modulo a
-    prime. Not linear, so an average of two measurements (their sum over two counts) does
-    not carry a matching check; a byte changed alone, or two swapped, changes it."""
-    terms = [(2 * i + 1) * (b + b * b) for i, b in enumerate(data)]
-    return functools.reduce(lambda a, b: a + b, terms) % _CHECK
+def _along(v: Any, ndim: int) -> Any:
+    """The vector ``v`` on the leading axis of an array of ``ndim`` dimensions."""
+    return jnp.reshape(jnp.asarray(v), (-1,) + (1,) * (ndim - 1))
+
+
+def _check_of(data: Any) -> Any:
+    """The check byte of the bytes ``data`` (uint32, bytes on the leading axis): a weighted
+    sum of ``b + b*b`` modulo a prime. Not linear, so an average of two measurements (their
+    sum over two counts) does not carry a matching check; a byte changed alone, or two
+    swapped, changes it."""
+    weights = _along(np.arange(1, 2 * data.shape[0], 2, dtype=np.uint32), data.ndim)
+    return jnp.sum(weights * (data + data * data), axis=0) % _CHECK
+
+
+def _shifts(dtype: Any, ndim: int) -> Any:
+    return _along(np.arange(8 * (dtype.itemsize - 1), -1, -8, dtype=np.uint32), ndim)
+
+
+def _decode(part: _Bytes, count: jax.Array) -> jax.Array:
+    coded = jnp.asarray(part.coded, _F32)
+    c = jnp.reshape(count, jnp.shape(count) + (1,) * (coded.ndim - jnp.ndim(count)))
+    parts = coded / c
+    # a common factor (a pmean, a psum, a clip's) cancels; anything else is refused as NaN:
+    # a site's state never takes a measurement mixed with others, or rounded
+    rounded = jnp.round(parts)
+    whole = (parts >= 0) & (parts <= 0xFF) & (jnp.abs(parts - rounded) < 0.25)
+    data = rounded[:-1].astype(jnp.uint32)
+    ok = (c[0] != 0) & jnp.all(whole, axis=0)
+    ok = ok & (_check_of(data) == rounded[-1].astype(jnp.uint32))
+    bits = jnp.sum(data << _shifts(part.dtype, data.ndim), axis=0, dtype=jnp.uint32)
+    if part.dtype.itemsize == 2:
+        value = lax.bitcast_convert_type(bits.astype(jnp.uint16), part.dtype)
+    else:
+        value = lax.bitcast_convert_type(bits, part.dtype)
+    return jnp.where(ok, value, jnp.array(jnp.nan, part.dtype))
 
 
 def _flatten_with_keys(m: Measured) -> tuple[tuple[tuple[Any, Any], ...], SiteKind]:
@@ -175,10 +190,9 @@ def _encode(leaf: Any) -> Any:
         bits = lax.bitcast_convert_type(leaf, jnp.uint16).astype(jnp.uint32)
     else:
         bits = lax.bitcast_convert_type(leaf, jnp.uint32)
-    shifts = range(8 * (dtype.itemsize - 1), -1, -8)
-    data = [(bits >> k) & 0xFF for k in shifts]
-    unit = lambda b: b.astype(_F32) * _UNIT  # noqa: E731
-    return _Bytes(tuple(unit(b) for b in data), unit(_check_of(data)), dtype)
+    data = (bits[None] >> _shifts(dtype, bits.ndim + 1)) & 0xFF
+    coded = jnp.concatenate([data, _check_of(data)[None]], axis=0)
+    return _Bytes(coded.astype(_F32) * _UNIT, dtype)
 
 
 def _global(site: Site, axes: tuple[Any, ...], tracked: frozenset[Any]) -> Site:
