@@ -188,4 +188,4 @@ def test_multi_loss_returns_measurements_as_the_global_path(backward: str) -> No
         np.testing.assert_array_equal(got[name].value, measured[name].value, err_msg=name)
     assert jdls.Telemetry.of(got).uses.tolist() == [1.0, 1.0]  # a, trunk: each passed once
     for name in params:
-        np.testing.assert_allclose(got_grads[name], grads[name], rtol=1e-6)
+        np.testing.assert_allclose(got_grads[name], grads[name], rtol=1e-5)  # float32 rounding
