@@ -309,6 +309,7 @@ def test_multisteps_with_retries_recomputes_the_micro_step():
 
 
 @with_and_without_jit
+@pytest.mark.full  # about 9 s; per-layer scales under accumulate: the dropped-micro-batch back-off test stays
 def test_per_layer_scales_accumulate_through_the_state(jit):
     """A linen model with per-layer scales: the wrap's scale is a NoOpScale that cannot apply
     them, so accumulate refuses without ``value_and_grad`` and, given the state's, returns the

@@ -43,6 +43,7 @@ def grads_of(seed, scale=1.0):
 
 @with_and_without_jit
 @pytest.mark.parametrize("max_norm", [0.1, 3.0, 100.0])
+@pytest.mark.full(keep=1)
 def test_equals_optax_on_finite_gradients(max_norm, jit):
     # Norms of these gradients are about 4.5: some limits clip, some do not.
     for seed in range(2):
@@ -56,6 +57,7 @@ def test_equals_optax_on_finite_gradients(max_norm, jit):
 
 @with_and_without_jit
 @pytest.mark.parametrize("bad", [INF, -INF, NAN])
+@pytest.mark.full(keep=1)
 def test_nonfinite_gradients_pass_through(bad, jit):
     grads = grads_of(0, scale=10.0)
     grads["a"] = grads["a"].at[1, 2].set(bad)

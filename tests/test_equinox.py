@@ -113,6 +113,7 @@ def test_non_array_leaves_get_none(jit):
 @pytest.mark.parametrize(
     "scale", [jdls.StaticScale(2.0**10), jdls.DynamicScale(), jdls.NoOpScale()], ids=type
 )
+@pytest.mark.full(keep=1)
 def test_equals_filter_value_and_grad(jit, scale):
     model, (x, y) = make_model(), data()
     loss, grads = maybe_filter_jit(scale.value_and_grad(loss_fn), jit)(model, x, y)
@@ -234,6 +235,7 @@ def test_no_floating_point_array_says_what_to_do():
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.full  # about 6 s; tests/test_accumulate.py and the other Equinox tests stay
 def test_accumulate_takes_an_equinox_model():
     model, (x, y) = make_model(), data()
     batches = (x.reshape(2, 8, 4), y.reshape(2, 8, 2))
@@ -258,6 +260,7 @@ def test_accumulate_takes_an_equinox_model():
 
 
 @pytest.mark.parametrize("backward", ["one", "per_loss"])
+@pytest.mark.full  # about 5 s; tests/test_multi_loss.py and the other Equinox tests stay
 def test_multi_loss_takes_an_equinox_model(backward):
     model, (x, y) = make_model(), data()
 
@@ -277,6 +280,7 @@ def test_multi_loss_takes_an_equinox_model(backward):
 
 
 @jit_ids
+@pytest.mark.full(keep=1)
 def test_a_probe_field_measures_and_leaves_the_gradients_unchanged(jit):
     model, (x, y) = make_model(), data()
     probe = jdls.Site(jdls.Probe())
@@ -543,6 +547,7 @@ def test_wrap_says_to_filter_the_model():
 
 
 @dtype_ids
+@pytest.mark.full(keep=1)
 def test_apply_updates_keeps_the_dtype(dtype):
     """``eqx.apply_updates`` adds float32 updates to 16-bit parameters and so promotes them;
     ``jdls.equinox.apply_updates`` keeps them, as ``optax.apply_updates`` does for dicts."""
@@ -617,6 +622,7 @@ def test_orbax_round_trip(tmp_path):
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.full  # about 6 s; shard_map skipping stays in tests/integration/test_multidevice.py
 def test_shard_map_data_parallel_skips_everywhere():
     """Data parallelism over 8 devices with an Equinox model: the model's arrays replicated,
     the batch split; an inf on one device's part makes every device skip."""

@@ -152,7 +152,7 @@ kinds_jit_and_some_eager = pytest.mark.parametrize(
 
 
 @kinds
-@pytest.mark.full(keep=4)  # quick run: the default and the three rules
+@pytest.mark.full(keep=2)  # quick run: the Adaptive rule and the default
 def test_wrap_jitted_and_eager_agree(kind):
     tx = jdls.wrap(optax.sgd(0.1), KINDS[kind]())
     state, eager = tx.init(PARAMS), []
@@ -167,7 +167,7 @@ def test_wrap_jitted_and_eager_agree(kind):
 
 
 @kinds_jit_and_some_eager
-@pytest.mark.full(keep=4)  # quick run: the default and the three rules
+@pytest.mark.full(keep=2)  # quick run: the Adaptive rule and the default
 def test_wrap_groups(kind, jit):
     tx = jdls.wrap_groups({"a": optax.sgd(0.1), "b": optax.sgd(0.1)}, KINDS[kind]())
     update, state, got = maybe_jit(tx.update, jit), tx.init(PARAMS), []
@@ -178,7 +178,7 @@ def test_wrap_groups(kind, jit):
 
 
 @kinds
-@pytest.mark.full(keep=4)  # quick run: the default and the three rules
+@pytest.mark.full(keep=2)  # quick run: the Adaptive rule and the default
 def test_train_state_apply_gradients(kind):
     state = jdls.linen.TrainState.create(
         apply_fn=None, params=PARAMS, tx=jdls.wrap(optax.sgd(0.1), KINDS[kind]())
@@ -196,7 +196,7 @@ def _loss(p: Any, x: Any) -> jax.Array:
 
 
 @kinds_jit_and_some_eager
-@pytest.mark.full(keep=4)  # quick run: the default and the three rules
+@pytest.mark.full(keep=2)  # quick run: the Adaptive rule and the default
 def test_accumulate(kind, jit):
     """Two micro-batches per step, one of them overflowing on some steps: the dropped one is
     one overflow for the rule, then the step adjusts with the mean of the kept ones (a step
@@ -232,7 +232,7 @@ def test_accumulate(kind, jit):
 
 
 @kinds
-@pytest.mark.full(keep=4)  # quick run: the default and the three rules
+@pytest.mark.full(keep=2)  # quick run: the Adaptive rule and the default
 def test_retrying(kind):
     """A float16 backward that overflows at scale 2**10 and not at 2**9: each failed attempt
     that is retried counts as the overflows that make the rule back off (``back_off()``: one,
@@ -279,7 +279,7 @@ def test_retrying(kind):
 
 
 @kinds_jit_and_some_eager
-@pytest.mark.full(keep=4)  # quick run: the default and the three rules
+@pytest.mark.full(keep=2)  # quick run: the Adaptive rule and the default
 def test_update_sites_of_per_layer_scales(kind, jit):
     """Per layer: when every layer is finite each scale moves with its own layer's gradients;
     when one is not, its scale backs off and the others stay. Each layer's scale is then
@@ -329,7 +329,7 @@ class _Model(nnx.Module):
 
 
 @kinds_jit_and_some_eager
-@pytest.mark.full(keep=4)  # quick run: the default and the three rules
+@pytest.mark.full(keep=2)  # quick run: the Adaptive rule and the default
 def test_nnx_optimizer(kind, jit):
     """``jdls.nnx.set_scale``, then ``jdls.nnx.value_and_grad`` and ``optimizer.update`` each step."""
     model = _Model()
@@ -397,7 +397,7 @@ PER_LOSS_PATHS: list[tuple[str, Callable[..., dict[str, Any]]]] = [
 
 
 @kinds
-@pytest.mark.full(keep=4)  # quick run: the default and the three rules
+@pytest.mark.full(keep=2)  # quick run: the Adaptive rule and the default
 def test_per_loss_by_hand(kind):
     """Each loss's scale adjusted by its own finite flag: ``jdls.wrap`` fed that flag's kind of
     step (the rule sees finite or not); an observing rule refuses without a measurement."""

@@ -58,6 +58,7 @@ def test_linen_trainstate_finite_step_is_the_inner_update(jit):
 
 
 @pytest.mark.parametrize("bad", [jnp.inf, -jnp.inf, jnp.nan])
+@pytest.mark.full(keep=1)
 def test_linen_trainstate_nonfinite_step_is_skipped_exactly(bad):
     state, _ = make_linen(inner=optax.adam(0.1))
     grads = jax.grad(linen_loss(state))(state.params)

@@ -369,6 +369,7 @@ def _linen_rows(layer: Layer, scanned: bool, variables: dict, x: jax.Array) -> t
     "name, scanned, jit",
     _cases(LINEN, nn, {("MultiHeadDotProductAttention", False), ("SelfAttention", False)}),
 )
+@pytest.mark.full(keep=1)  # about 7 s a case
 def test_linen_probes_give_one_finite_row_per_module_call(
     name: str, scanned: bool, jit: bool
 ) -> None:
@@ -566,6 +567,7 @@ def _site_variables(model: Any) -> list[Any]:
 
 
 @pytest.mark.parametrize("name, scanned, jit", _cases(NNX, nnx, {("Embed", False)}))
+@pytest.mark.full  # about 9 s; the linen layer-scales and nnx probes tests stay, and the matrix's nnx cells
 def test_nnx_layer_scales_give_the_bare_models_gradients(
     name: str, scanned: bool, jit: bool
 ) -> None:

@@ -221,6 +221,7 @@ def test_numpy_float16_reference_is_correctly_rounded():
 
 
 @pytest.mark.parametrize("name", SHARED_NAMES)
+@pytest.mark.full(keep=1)
 def test_all_encodings_vs_ml_dtypes(name):
     """Every bit pattern: from_bits, round of the decoded value, to_bits round trip."""
     fmt, dtype = SHARED[name]
@@ -238,6 +239,7 @@ def test_all_encodings_vs_ml_dtypes(name):
 
 
 @pytest.mark.parametrize("name", SHARED_NAMES)
+@pytest.mark.full(keep=1)
 def test_round_structured_vs_ml_dtypes(name):
     fmt, dtype = SHARED[name]
     x = structured_inputs(fmt)
@@ -287,6 +289,7 @@ def test_cbfloat16_all_encodings():
 
 
 @pytest.mark.parametrize("name", CUSTOM_NAMES)
+@pytest.mark.full(keep=1)
 def test_round_vs_oracle(name):
     fmt = CUSTOM[name]
     x = np.concatenate([structured_inputs(fmt), strided_float32_patterns(16411)])

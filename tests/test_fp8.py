@@ -149,6 +149,7 @@ def test_flax_launders_an_inf_cotangent_into_finite_gradients():
 @pytest.mark.parametrize("where", ["lhs", "rhs", "grad"])
 @pytest.mark.parametrize("bad", [float("inf"), float("nan")])
 @with_and_without_jit
+@pytest.mark.full(keep=1)
 def test_an_inf_or_nan_at_a_quantize_point_reaches_the_gradients(recipe, where, bad, jit):
     x, w, ct = _inputs(1, jnp.float32)
     x = x.at[0, 0].set(bad) if where == "lhs" else x

@@ -102,6 +102,7 @@ def _expected_history(batches):
 
 
 @with_and_without_jit
+@pytest.mark.full  # about 7 s; the wrap with MultiSteps stays in the quick run
 def test_train_state_with_multisteps_records_one_amax_per_applied_step(jit):
     """jdls.linen.TrainState with jdls.wrap(optax.MultiSteps(..., 2)): the site is updated with
     "the step was applied", so each applied step enters the history once, as the maximum of

@@ -247,6 +247,7 @@ def _check_quantize(x: np.ndarray, rule: str, fmt: str) -> None:
 
 
 @pytest.mark.parametrize("rule", RULES)
+@pytest.mark.full(keep=1)
 def test_mxfp8_quantize_matches_reference(rule):
     _check_quantize(random_blocks(1 << 14, 32, 99), rule, "e4m3")
 
@@ -260,6 +261,7 @@ def test_mxfp8_quantize_matches_reference_on_a_million_blocks(rule):
 
 @pytest.mark.parametrize("fmt", ["e5m2", "e2m3", "e3m2", "e2m1"])
 @pytest.mark.parametrize("rule", RULES)
+@pytest.mark.full(keep=1)
 def test_other_mx_formats_quantize_matches_reference(rule, fmt):
     _check_quantize(random_blocks(1 << 14, 32, 11), rule, fmt)
 

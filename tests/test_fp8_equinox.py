@@ -80,6 +80,7 @@ def _train(tx, steps=6, jit=True):
     return model, opt_state
 
 
+@pytest.mark.full  # about 7 s; the Equinox step updating its sites stays in the quick run
 @pytest.mark.parametrize("jit", [True, pytest.param(False, marks=pytest.mark.full)])
 def test_transformations_after_the_wrap_leave_the_sites_alone(jit):
     """AdamW written as a chain around the wrap (weight decay and the learning rate after it)

@@ -77,6 +77,7 @@ def test_nnx_einsum_op_is_one_fp8_dot():
 
 
 @jitted_in_quick_run
+@pytest.mark.full  # about 8 s; the wrap with MultiSteps (tests/test_fp8_accumulate.py) stays
 def test_nnx_optimizer_with_multisteps_records_one_amax_per_applied_step(jit):
     """jdls.nnx.Optimizer with jdls.wrap(optax.MultiSteps(..., 2)): the FP8 sites are updated
     with "the step was applied", one history entry per applied step (the micro-batches'

@@ -203,6 +203,7 @@ class _TwoDense(nn.Module):
 
 
 @pytest.mark.parametrize("shared", [True, False], ids=["one-layer-twice", "two-layers"])
+@pytest.mark.full(keep=1)
 def test_a_linen_layer_applied_twice_is_flagged_and_two_layers_are_not(shared):
     x = jnp.linspace(-2.0, 2.0, 8).reshape(4, 2)
     model, uses = _TwoDense(shared), 2 if shared else 1
@@ -221,6 +222,7 @@ def test_a_linen_layer_applied_twice_is_flagged_and_two_layers_are_not(shared):
 
 
 @pytest.mark.parametrize("twice", [False, True], ids=["once", "twice"])
+@pytest.mark.full  # about 5 s; tests/test_fp8_accumulate.py keeps fp8 sites under accumulation
 def test_accumulate_keeps_one_use_per_micro_batch(twice):
     """jdls.accumulate combines micro-batches by their maximum: each uses the site once, so
     the step's uses stay 1; a micro-batch that used it twice flags the step."""

@@ -59,6 +59,7 @@ def _step(state: jdls.linen.TrainState) -> jdls.linen.TrainState:
 @pytest.mark.parametrize("kind", ["probes", "layer_scales"])
 @pytest.mark.parametrize("module", [SetupStyle, WithEmbed])
 @with_and_without_jit
+@pytest.mark.full(keep=1)
 def test_sites_on_modules_without_compact(kind: str, module: type, jit: bool) -> None:
     model = _wrapped(kind, module())
     state = _state(model)
@@ -77,6 +78,7 @@ def test_sites_on_modules_without_compact(kind: str, module: type, jit: bool) ->
 
 
 @pytest.mark.parametrize("kind", ["probes", "layer_scales"])
+@pytest.mark.full(keep=1)
 def test_sites_of_one_init_have_buffers_of_their_own(kind: str) -> None:
     net = nn.Sequential([lambda t: jax.nn.one_hot(t, 5), nn.Dense(4), nn.tanh, nn.Dense(2)])
     state = _state(_wrapped(kind, net))

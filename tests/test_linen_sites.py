@@ -175,6 +175,7 @@ def test_layer_scales_in_a_scanned_remat_stack_are_exact(jit: bool) -> None:
     assert not np.all(np.asarray(blocks["scale"].loss_scale) == np.asarray(stacked))
 
 
+@pytest.mark.full  # about 8 s; tests/test_sites.py's skip-aware update_sites test stays
 def test_a_skipped_step_keeps_the_scales_and_records_the_probes() -> None:
     x = _x().at[0, 0].set(jnp.inf)
     state = state_of(jdls.linen.layer_scales(Scanned(), jdls.AdaptiveScale(2.0**8)), x)
@@ -350,6 +351,7 @@ def test_train_state_with_sites_says_what_to_pass() -> None:
 
 
 @jitted_in_quick_run  # eager about 9 s on 2 cores, jitted 2
+@pytest.mark.full  # about 8 s; tests/test_sites.py keeps probes and per-layer sites together
 def test_probes_of_a_model_with_layer_scales_have_both_sites(jit: bool) -> None:
     """jdls.linen.probes(jdls.linen.layer_scales(model, scale)): one wrapper, a per-layer
     scale and a probe at each layer; the gradients are those of the per-layer scales alone."""
@@ -398,6 +400,7 @@ class DropBlocks(nn.Module):
 
 
 @jitted_in_quick_run
+@pytest.mark.full  # about 12 s; the blocks-each-in-nn.jit test stays in the quick run
 def test_layer_scales_of_nn_jit_blocks_with_a_positional_train_flag(jit: bool) -> None:
     """A positional ``train`` flag reaches blocks each in ``nn.jit`` (static there) through
     the per-layer-scales wrapper: dropout on in training, off in evaluation, and the
@@ -442,6 +445,7 @@ class _Overflow(nn.Module):
 
 
 @with_and_without_jit
+@pytest.mark.full  # about 4 s; the forward order through nn.jit blocks stays in the quick run
 def test_probes_follow_the_forward_order_past_ten_layers(jit: bool) -> None:
     model = jdls.linen.probes(_Overflow())
     x = jnp.ones((2, 3))

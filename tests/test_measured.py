@@ -201,6 +201,7 @@ def test_a_step_retrying_skips_is_a_no_op_after_the_wrap_too():
 
 
 @pytest.mark.parametrize("jit", [True, False])
+@pytest.mark.full(keep=1)
 def test_retrying_takes_a_micro_step_as_the_chain_does(jit):
     """optax.MultiSteps inside the wrap, weight decay after it: a micro-step that completes
     no accumulated step is still a step the wrap took, so retrying gives what the same chain

@@ -254,7 +254,7 @@ def _scales_like(losses: object, exps: tuple) -> object:
     "exps", [(0, 20), (20, -10), (-10, 0)], ids=lambda e: f"exp{e[0]}_exp{e[1]}"
 )
 @pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.full(keep=2)
+@pytest.mark.full(keep=1)
 def test_one_pass_equals_grad_of_the_weighted_sum_bit_for_bit(
     case: str, exps: tuple, weighted: bool, jit: bool
 ) -> None:
@@ -342,6 +342,7 @@ def test_one_backward_pass_has_the_matmuls_of_one_global_scale() -> None:
 
 @both_backwards
 @pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.full(keep=1)
 def test_equals_float32_gradients_of_the_weighted_sum(jit: bool, backward: str) -> None:
     params, batch = _model_params(), _batch()
 
@@ -440,6 +441,7 @@ def test_per_loss_scales_recover_the_small_heads_flushed_gradients(backward: str
 
 @both_backwards
 @pytest.mark.parametrize("jit_apply", [False, True], ids=["apply", "jitted_apply"])
+@pytest.mark.full(keep=1)
 def test_linen_model_small_head_recovered(backward: str, jit_apply: bool) -> None:
     """The same through a Flax linen model, its ``apply`` plain or ``jax.jit``-ed (the one
     pass looks into the ``jit``: both heads are one ``jit`` equation from outside)."""
@@ -494,6 +496,7 @@ def overflow_losses(p: dict, x: jax.Array) -> dict:
 
 @both_backwards
 @with_and_without_jit
+@pytest.mark.full(keep=1)
 def test_overflow_in_a_head_flags_its_loss_in_the_trunk_the_level_setter(
     backward: str, jit: bool
 ) -> None:
@@ -590,6 +593,7 @@ def test_dict_losses_match_scales_by_key_in_any_order(backward: str) -> None:
 
 
 @both_backwards
+@pytest.mark.full(keep=1)
 def test_under_shard_map_on_8_devices_the_per_loss_scales_agree(backward: str) -> None:
     """8 devices, a different batch shard on each (each differentiates a varying copy of the
     parameters), one shard whose big loss overflows float16: the per-loss flags combined

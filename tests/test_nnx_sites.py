@@ -173,6 +173,7 @@ class _Overflow(nnx.Module):
 
 
 @pytest.mark.parametrize("jit", [True, False], ids=["nnx.jit", "eager"])
+@pytest.mark.full(keep=1)
 def test_probes_follow_the_forward_order_through_split_and_merge(jit: bool) -> None:
     model = jdls.nnx.probes(_Overflow())
     model = nnx.merge(*nnx.split(model))  # attributes rebuilt in sorted order
@@ -213,6 +214,7 @@ def _set_scales(model: _Named) -> None:
 
 
 @pytest.mark.parametrize("jit", [True, False], ids=["nnx.jit", "eager"])
+@pytest.mark.full(keep=1)
 def test_layer_positions_survive_split_merge_and_restore_bit_for_bit(jit: bool) -> None:
     model = _Named(jdls.StaticScale(1.0))
     _set_scales(model)

@@ -73,6 +73,7 @@ def test_many_leaves_keep_optax_order(jit):
 
 @with_and_without_jit
 @pytest.mark.parametrize("dtype,big", [("float32", 1e25), ("float64", 1e200)])
+@pytest.mark.full(keep=1)
 def test_overflowing_finite_sum_is_finite(jit, dtype, big):
     with enable_x64(dtype == "float64"):
         leaves = _leaves(dtype, big)
@@ -86,6 +87,7 @@ def test_overflowing_finite_sum_is_finite(jit, dtype, big):
 
 @with_and_without_jit
 @pytest.mark.parametrize("shape", [(1,), (1, 1), (2,)])
+@pytest.mark.full(keep=1)
 def test_a_one_element_leaf_past_the_square_range_is_finite(jit, shape):
     # 2**64 squared overflows float32: the exact pass scales by 2**-96 before squaring. A
     # constant scale let XLA fold it through the square of a one-element leaf, (x*c)**2 ->
@@ -103,6 +105,7 @@ def test_a_one_element_leaf_past_the_square_range_is_finite(jit, shape):
 @with_and_without_jit
 @pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
 @pytest.mark.parametrize("dtype,big", [("float32", 1e25), ("float64", 1e200), ("float32", 1.0)])
+@pytest.mark.full(keep=1)
 def test_nonfinite_leaves_are_flagged(jit, bad, dtype, big):
     with enable_x64(dtype == "float64"):
         leaves = _leaves(dtype, big)
@@ -138,6 +141,7 @@ def test_inside_shard_map_with_axis_name():
 
 @with_and_without_jit
 @pytest.mark.parametrize("track", [False, True])
+@pytest.mark.full(keep=1)
 def test_skipped_step_is_bit_exact(jit, track):
     params = {"w": jnp.array([1.0, -0.0, 3.0]), "b": jnp.array([[0.5]], jnp.float16)}
     tx = jdls.wrap(optax.adam(1e-2), jdls.DynamicScale(), track_nonfinite=track)
@@ -283,6 +287,7 @@ def _cases(dtype: str = "float32") -> dict[str, list[jax.Array]]:
 
 @with_and_without_jit
 @pytest.mark.parametrize("case", list(_cases()))
+@pytest.mark.full(keep=1)
 def test_without_the_exact_pass_the_decision_is_the_same(jit, case):
     """With the largest magnitude measured, finiteness needs no second pass: the same
     decision as the exact pass on every kind of gradient; the norm is optax's, bit for bit
@@ -322,6 +327,7 @@ def test_without_the_exact_pass_wide_leaves_keep_it():
 
 
 @pytest.mark.parametrize("bad", [np.inf, np.nan, None])
+@pytest.mark.full(keep=1)
 def test_without_the_exact_pass_inside_shard_map(bad):
     """Across devices the decision is agreed: an inf or a NaN on one device skips on all."""
     mesh = jax.make_mesh((4,), ("d",))

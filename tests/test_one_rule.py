@@ -168,6 +168,7 @@ def _losses(p: Any, sites: Any, x: jax.Array) -> dict[str, jax.Array]:
 
 
 @pytest.mark.parametrize("backward", ["one", "per_loss"])
+@pytest.mark.full  # about 8 s; the other paths deciding as the global path stay
 def test_multi_loss_returns_measurements_as_the_global_path(backward: str) -> None:
     keys = jax.random.split(jax.random.key(0), 4)
     params = {

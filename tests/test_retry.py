@@ -200,6 +200,7 @@ FORGIVING = {
 
 @pytest.mark.parametrize("preset", list(FORGIVING))
 @with_and_without_jit
+@pytest.mark.full(keep=1)  # about 4 s a case
 def test_every_retry_lowers_the_scale_with_hysteresis(preset, jit):
     """A rule with hysteresis (or a tolerance) forgives the first overflows; a retry must not:
     each recomputes at a lower scale, so a batch finite at half the scale is kept with one
@@ -249,6 +250,7 @@ def test_overflow_left_after_the_retries_is_skipped_as_backward(jit):
 
 @with_and_without_jit
 @pytest.mark.parametrize(("start", "retries"), [(2.0, 0), (4.0, 1)])
+@pytest.mark.full(keep=1)
 def test_no_retry_at_the_minimum_scale(start, retries, jit):
     """A retry at the rule's minimum would recompute the same overflow: the loop stops there,
     and the step is the direct step at the minimum (skipped, as BACKWARD)."""

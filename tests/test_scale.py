@@ -294,6 +294,7 @@ def loss_fn(w, x):
 
 @with_and_without_jit
 @pytest.mark.parametrize("scale", [s for _, s in kinds()], ids=[n for n, _ in kinds()])
+@pytest.mark.full(keep=1)
 def test_matches_jax_value_and_grad(scale, jit):
     w = jnp.linspace(-1, 1, 12, dtype=jnp.float32).reshape(4, 3)
     x = jnp.linspace(0, 2, 8, dtype=jnp.float32).reshape(2, 4)

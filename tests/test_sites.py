@@ -152,6 +152,8 @@ def telemetry_of(loss, scale, jit, *args):
 
 @pytest.mark.parametrize("name", list(COMPOSITIONS))
 @with_and_without_jit
+# the quick run keeps one composition; the capability matrix's quick cells hold each of them
+@pytest.mark.full(keep=1)
 def test_probes_measure_each_layer_under(name: str, jit: bool) -> None:
     params, x, scale = _params(), _x(), jdls.StaticScale(2.0**6)
     value, grads, t = telemetry_of(COMPOSITIONS[name], scale, jit, params, probes(), x)
@@ -168,6 +170,7 @@ def test_probes_measure_each_layer_under(name: str, jit: bool) -> None:
 
 
 @pytest.mark.parametrize("name", ["lax.scan", "lax.scan + jax.checkpoint"])
+@pytest.mark.full  # about 6 s; each probe test of a composition compares with the unrolled one
 def test_probes_in_float32_equal_the_unrolled_ones(name: str) -> None:
     """Eager float32: the scanned, rematerialised stack measures what the unrolled layers
     measure (to float32 rounding: a scan body is compiled, the unrolled layers are not)."""
@@ -184,6 +187,7 @@ def test_probes_in_float32_equal_the_unrolled_ones(name: str) -> None:
     np.testing.assert_allclose(grads["w"], ref_grads["w"], rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.full  # about 10 s; the nn.jit and nnx.jit traced-before tests stay in the quick run
 def test_a_jitted_function_traced_before_keeps_its_sites() -> None:
     """The site is an argument of the jitted function: a trace cached by an earlier call
     (an evaluation step, outside any differentiation) has it, and measures."""
@@ -215,6 +219,7 @@ def test_a_site_in_the_branch_not_taken_reports_no_measurement() -> None:
     assert np.isnan(float(t.amax[0])) and float(t.amax[1]) == 1.0
 
 
+@pytest.mark.full  # about 5 s; the shared-site inner vmap test and an inner_vmap cell of the matrix stay
 def test_an_inner_vmap_with_a_site_per_example_measures_each_example() -> None:
     """Statistics per example: the site batched along the vmap axis."""
     params, x, scale = _params(), _x(), jdls.StaticScale(2.0**6)
@@ -261,6 +266,7 @@ def test_a_site_shared_by_an_inner_vmap_sums_counts_and_reports_no_max() -> None
     np.testing.assert_allclose(shared.flushed, whole.flushed)
 
 
+@pytest.mark.full  # about 6 s; the capability matrix keeps an outer_vmap cell in the quick run
 def test_an_outer_vmap_keeps_one_measurement_per_example() -> None:
     params, x, scale = _params(), _x(), jdls.StaticScale(2.0**6)
 
@@ -274,6 +280,7 @@ def test_an_outer_vmap_keeps_one_measurement_per_example() -> None:
 
 
 @pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.full(keep=1)
 def test_probes_under_shard_map_measure_every_device(check_vma: bool) -> None:
     from jax.sharding import Mesh
     from jax.sharding import PartitionSpec as P
@@ -321,6 +328,8 @@ def layer_sites() -> jdls.Site:
 
 @pytest.mark.parametrize("name", list(COMPOSITIONS))
 @with_and_without_jit
+# the quick run keeps one composition; the capability matrix's quick cells hold each of them
+@pytest.mark.full(keep=1)
 def test_per_layer_scales_are_exact_under(name: str, jit: bool) -> None:
     """float32, scales 2**36 apart: the gradients are float32 jax.grad's, each layer of the
     stack unscaled by its own scale."""
@@ -372,6 +381,7 @@ def _stacked(per_layer: list[dict]) -> dict:
     return {k: jnp.stack([p[k] for p in per_layer]) for k in per_layer[0]}
 
 
+@pytest.mark.full  # about 6 s; the stacked-equals-unrolled test stays in the quick run
 def test_per_layer_scales_recover_float16_gradients_in_a_scanned_remat_stack() -> None:
     """float16, a stack whose layers' gradients span more than float16 holds: one global
     scale flushes the first layers' gradients, per-layer scales inside the scanned,
@@ -531,6 +541,7 @@ def test_wrap_keeps_sites_from_the_optimizer_and_updates_them() -> None:
     np.testing.assert_array_equal(skipped["w"], new["w"])
 
 
+@pytest.mark.full  # about 8 s; probes under shard_map and tests/test_measured.py's overflow on one device stay
 def test_update_sites_combines_the_devices_measurements_as_each_kind_says() -> None:
     """shard_map, a different batch shard per device, sites varying per device: with
     axis_name, probes sum their counts and take the largest magnitude, per-layer scales the

@@ -178,6 +178,7 @@ def _python_scalar_state_tx():
 
 
 @pytest.mark.parametrize("skip_with", ["select", "cond"])
+@pytest.mark.full(keep=1)
 def test_python_scalars_in_the_inner_state(skip_with):
     tx = jdls.wrap(_python_scalar_state_tx(), jdls.DynamicScale(), skip_with=skip_with)
     params = {"w": jnp.ones(2)}

@@ -89,6 +89,7 @@ def test_finite_step_is_the_inner_step(jit):
 
 @with_and_without_jit
 @pytest.mark.parametrize("bad", [INF, -INF, NAN])
+@pytest.mark.full(keep=1)
 def test_nonfinite_step_is_skipped(bad, jit):
     params = small_params()
     grads = random_like(1, params)

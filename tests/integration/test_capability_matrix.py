@@ -105,6 +105,31 @@ def _sample():
 
 
 CELLS = _all_combinations() if FULL_MATRIX else _sample()
+# The quick run (tests/conftest.py) takes one cell of each composition, the cells together
+# holding every capability, dtype and kind of leaf (the cheapest such cells of the sample);
+# the other cells are marked full.
+QUICK = (
+    ("layer_sites", "none", "float32", "plain"),
+    ("nnx_probes", "outer_jit", "float32", "int"),
+    ("linen_probes", "inner_jit", "bfloat16", "none"),
+    ("nnx_probes", "framework_jit", "bfloat16", "plain"),
+    ("nnx_layer_scales", "checkpoint", "bfloat16", "int"),
+    ("layer_sites", "scan", "float16", "none"),
+    ("nnx_probes", "inner_vmap", "bfloat16", "int"),
+    ("nnx_probes", "outer_vmap", "float32", "none"),
+    ("probe_sites", "shard_map_vma", "float16", "none"),
+    ("layer_sites", "shard_map_novma", "float32", "plain"),
+    ("linen_layer_scales", "pmap", "float16", "plain"),
+    ("nnx_layer_scales", "static_args", "bfloat16", "int"),
+    ("layer_sites", "has_aux", "float32", "none"),
+)
+
+
+def _cells(cells):
+    return [
+        pytest.param(*c, id="-".join(c), marks=() if c in QUICK else (pytest.mark.full,))
+        for c in cells
+    ]
 
 
 def test_sample_covers_every_value():
@@ -112,6 +137,8 @@ def test_sample_covers_every_value():
     assert len(set(sample)) == len(sample)
     for axis, values in enumerate(AXES):
         assert {c[axis] for c in sample} == set(values)
+        assert {c[axis] for c in QUICK} == set(values)
+    assert set(QUICK) <= set(sample)
 
 
 # --------------------------------------------------------------------------------------------
@@ -716,9 +743,7 @@ def _run_both(cap, comp, dtype, leaves):
     return _outer(actual, comp, params, x), expected
 
 
-@pytest.mark.parametrize(
-    ("cap", "comp", "dtype", "leaves"), CELLS, ids=["-".join(c) for c in CELLS]
-)
+@pytest.mark.parametrize(("cap", "comp", "dtype", "leaves"), _cells(CELLS))
 def test_cell_equals_its_reference(cap, comp, dtype, leaves):
     if cap in FRAMEWORK_PROBES and comp == "scan":
         _check_scanned_framework_probes(cap, dtype, leaves)

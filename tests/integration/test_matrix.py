@@ -78,8 +78,8 @@ KIND_COMBINATIONS = [
     for c in (_all_combinations() if FULL else _kind_sample(kind))
 ]
 # The quick run (tests/conftest.py) takes the fewest cells that hold every value of every axis,
-# and two cells of each other model kind; the others are marked full.
-QUICK = {*_sample(0), *((kind, *c) for kind in MODEL_KINDS[1:] for c in _kind_sample(kind)[:2])}
+# and one cell of each other model kind; the others are marked full.
+QUICK = {*_sample(0), *((kind, *c) for kind in MODEL_KINDS[1:] for c in _kind_sample(kind)[:1])}
 
 
 # Seen at jax 0.8.1 (the oldest release jdls supports), passing from jax 0.10: adafactor's

@@ -186,6 +186,7 @@ def test_sharded_gradients_use_the_global_norm():
 
 
 @pytest.mark.parametrize("skip_with", ["cond", "select"])
+@pytest.mark.full(keep=1)
 def test_one_shard_overflowing_skips_everywhere(skip_with):
     kw = dict(
         scale=jdls.DynamicScale(),

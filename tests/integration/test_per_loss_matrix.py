@@ -80,6 +80,21 @@ def _sample(size: int = SAMPLE_SIZE, seed: int = 21) -> list[tuple[str, ...]]:
 
 FULL = FULL_MATRIX
 CELLS = _all_cells() if FULL else _sample()
+# The quick run (tests/conftest.py) takes three cells of the sample, holding every backward pass,
+# dtype and kind of leaf; the other cells are marked full (tests/integration/
+# test_capability_matrix.py's quick cells keep a cell of each composition).
+QUICK = {
+    ("per_loss", "plain", "float16", "none"),
+    ("per_loss", "nn_jit", "float32", "int"),
+    ("one", "static_callable", "bfloat16", "plain"),
+}
+
+
+def _cells(cells: list[tuple[str, ...]]) -> list[Any]:
+    return [
+        pytest.param(*c, id="-".join(c), marks=() if c in QUICK else (pytest.mark.full,))
+        for c in cells
+    ]
 
 
 def test_sample_covers_every_value() -> None:
@@ -87,6 +102,9 @@ def test_sample_covers_every_value() -> None:
     assert len(sample) == SAMPLE_SIZE
     for axis, values in enumerate(AXES):
         assert {c[axis] for c in sample} == set(values)
+    assert set(sample) >= QUICK
+    for axis in (0, 2, 3):  # backward, dtype, leaves
+        assert {c[axis] for c in QUICK} == set(AXES[axis])
 
 
 # --------------------------------------------------------------------------------------------
@@ -329,9 +347,7 @@ def _close(got: Any, want: Any, tol: float) -> None:
         np.testing.assert_allclose(np.asarray(g, np.float32), w, rtol=tol, atol=atol)
 
 
-@pytest.mark.parametrize(
-    ("backward", "composition", "dtype", "leaves"), CELLS, ids=["-".join(c) for c in CELLS]
-)
+@pytest.mark.parametrize(("backward", "composition", "dtype", "leaves"), _cells(CELLS))
 def test_cell_equals_its_reference_or_is_refused(
     backward: str, composition: str, dtype: str, leaves: str
 ) -> None:

@@ -110,6 +110,7 @@ def run(tx, mesh, steps, bad_value):
 
 @pytest.mark.parametrize("bad_value", [INF, NAN], ids=["inf", "nan"])
 @pytest.mark.parametrize("skip_with", ["cond", "select"])
+@pytest.mark.full(keep=1)
 def test_explicit_mesh_skipped_step_is_bit_identical_to_leaving_it_out(skip_with, bad_value):
     mesh = explicit_mesh()
     tx = jdls.wrap(optax.adam(0.1), jdls.DynamicScale(), skip_with=skip_with)
@@ -192,6 +193,7 @@ def shard_mapped_update(tx, params):
 
 
 @pytest.mark.parametrize("skip_with", ["cond", "select"])
+@pytest.mark.full(keep=1)
 def test_shard_map_differing_gradients_agree_on_the_skip(skip_with):
     params = {"w": jnp.array([1.0, -2.0, 0.5, 0.0]), "b": jnp.array([0.25, -0.0])}
     tx = jdls.wrap(optax.adam(0.1), jdls.DynamicScale(), axis_name=AXIS, skip_with=skip_with)
