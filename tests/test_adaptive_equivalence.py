@@ -223,6 +223,7 @@ def assert_same(got: Any, want: Any) -> None:
         np.testing.assert_array_equal(g, w)
 
 
+@pytest.mark.full  # about 9 s; the quick run keeps the one-by-one comparison below
 @SETTINGS
 @given(rules(), st.integers(0, 2**16))
 def test_observe_and_adjust_bit_identical_batched(rule: Adaptive, seed: int) -> None:
