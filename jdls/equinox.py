@@ -31,7 +31,7 @@ import equinox as eqx
 from jdls._scales.grad import scaled_value_and_grad
 from jdls._scales.layer_scales import scale_layers
 from jdls._scales.scale import LossScale, check_scale
-from jdls._transforms.apply import apply_updates as _apply_updates
+from jdls._transforms import apply as site_apply
 
 __all__ = ["apply_updates", "layer_scaled_value_and_grad", "value_and_grad"]
 
@@ -108,7 +108,7 @@ def apply_updates(model: Any, updates: Any, opt_state: Any = None) -> Any:
       dtype('float32')
     """
 
-    return _apply_updates(model, updates, opt_state)
+    return site_apply.apply_updates(model, updates, opt_state)
 
 
 def layer_scaled_value_and_grad(

@@ -249,3 +249,15 @@ def fp8_mlp() -> Any:
             return nn.Dense(2, dot_general_cls=dot)(x)
 
     return Fp8Mlp()
+
+
+def exported_rules() -> set[str]:
+    """The names of the rule classes ``jdls.rules`` exports (``Rule`` itself left out): a
+    test that walks every rule compares its table with this."""
+    return {
+        n
+        for n in jdls.rules.__all__
+        if isinstance(getattr(jdls.rules, n), type)
+        and issubclass(getattr(jdls.rules, n), jdls.rules.Rule)
+        and n != "Rule"
+    }

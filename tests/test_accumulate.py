@@ -308,6 +308,23 @@ def test_multisteps_with_retries_recomputes_the_micro_step():
     assert params["w"].tolist() == [1.0 - 2.0, 0.0, 0.5]
 
 
+def _per_layer_state(layers, scale):
+    """A linen chain of ``layers`` with per-layer scales (``scale`` each), its TrainState
+    (the wrap's scale a NoOpScale) and 3 float16 micro-batches of 4 rows."""
+    import flax.linen as nn
+
+    model = jdls.linen.layer_scales(nn.Sequential(layers), scale)
+    xs = jax.random.normal(jax.random.key(1), (3, 4, 3)).astype(jnp.float16)
+    variables = model.init(jax.random.key(0), xs[0])
+    state = jdls.linen.TrainState.create(
+        apply_fn=model.apply,
+        params=variables["params"],
+        sites=variables["jdls"],
+        tx=jdls.wrap(optax.sgd(0.1), jdls.NoOpScale()),
+    )
+    return model, state, xs
+
+
 @with_and_without_jit
 @pytest.mark.full  # about 9 s; per-layer scales under accumulate: the dropped-micro-batch back-off test stays
 def test_per_layer_scales_accumulate_through_the_state(jit):
@@ -317,17 +334,7 @@ def test_per_layer_scales_accumulate_through_the_state(jit):
     measures its gradients (a layer measuring nothing would grow without bound)."""
     import flax.linen as nn
 
-    model = jdls.linen.layer_scales(
-        nn.Sequential([nn.Dense(16), nn.tanh, nn.Dense(1)]), jdls.AdaptiveScale()
-    )
-    xs = jax.random.normal(jax.random.key(1), (3, 4, 3)).astype(jnp.float16)
-    variables = model.init(jax.random.key(0), xs[0])
-    state = jdls.linen.TrainState.create(
-        apply_fn=model.apply,
-        params=variables["params"],
-        sites=variables["jdls"],
-        tx=jdls.wrap(optax.sgd(0.1), jdls.NoOpScale()),
-    )
+    model, state, xs = _per_layer_state([nn.Dense(16), nn.tanh, nn.Dense(1)], jdls.AdaptiveScale())
 
     def loss(v, x):
         return jnp.mean(model.apply(v, x) ** 2).astype(jnp.float32) * 2.0**-12
@@ -372,16 +379,8 @@ def test_a_layer_that_overflowed_in_a_dropped_micro_batch_backs_off():
     import flax.linen as nn
 
     layers = [nn.Dense(16, dtype=jnp.float16), nn.tanh, nn.Dense(1, dtype=jnp.float16)]
-    model = jdls.linen.layer_scales(nn.Sequential(layers), jdls.DynamicScale(2.0**12))
-    xs = jax.random.normal(jax.random.key(1), (3, 4, 3)).astype(jnp.float16)
+    model, state, xs = _per_layer_state(layers, jdls.DynamicScale(2.0**12))
     weights = jnp.array([1.0, 1000.0, 1.0])  # the second micro-batch overflows float16
-    variables = model.init(jax.random.key(0), xs[0])
-    state = jdls.linen.TrainState.create(
-        apply_fn=model.apply,
-        params=variables["params"],
-        sites=variables["jdls"],
-        tx=jdls.wrap(optax.sgd(0.1), jdls.NoOpScale()),
-    )
 
     def loss(v, batch):
         x, weight = batch

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from _helpers import maybe_jit
+from _helpers import exported_rules, maybe_jit
 
 import jdls
 
@@ -69,14 +69,7 @@ OBSERVING = {"DynamicScale-Adaptive", "AdaptiveScale"}
 
 def test_every_rule_and_scale_preset_is_walked():
     """A rule or preset added later must join the walk."""
-    rules = {
-        n
-        for n in jdls.rules.__all__
-        if isinstance(getattr(jdls.rules, n), type)
-        and issubclass(getattr(jdls.rules, n), jdls.rules.Rule)
-        and n != "Rule"
-    }
-    assert rules == set(RULES)
+    assert exported_rules() == set(RULES)
     presets = {n for n in jdls.presets.__all__ if callable(getattr(jdls.presets, n))}
     scale_presets = {n for n in presets if not n.startswith("to_") and not n.endswith("_wrap")}
     assert scale_presets - CONVERTERS == set(PRESETS)

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _helpers import exported_rules
 
 import jdls
 from jdls._sites.measured import Measured
@@ -146,14 +147,7 @@ def test_every_path_decides_as_the_global_path(rule: str, case: str) -> None:
 
 
 def test_the_cells_cover_every_rule() -> None:
-    rules = {
-        n
-        for n in jdls.rules.__all__
-        if isinstance(getattr(jdls.rules, n), type)
-        and issubclass(getattr(jdls.rules, n), jdls.rules.Rule)
-        and n != "Rule"
-    }
-    assert rules == set(RULES)
+    assert exported_rules() == set(RULES)
     assert {r for r, _ in QUICK} == set(RULES) and {c for _, c in QUICK} == set(CASES)
 
 
