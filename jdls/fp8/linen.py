@@ -4,7 +4,8 @@ FP8 einsum module.
 Each FP8 dot keeps its site (scales, amax histories, the last measurement) as the variable
 ``"fp8"`` in the collection ``"jdls"``, next to ``"params"``. Under ``nn.scan`` add
 ``"jdls": 0`` to ``variable_axes`` (one site per layer, as the parameters); ``nn.remat``
-needs nothing. Differentiate the loss with respect to ``{"params": ..., "jdls": ...}``:
+needs nothing (a site neither given nor makeable raises an error naming which of these
+was left out). Differentiate the loss with respect to ``{"params": ..., "jdls": ...}``:
 the gradient's ``"jdls"`` part is the step's measurement, which ``jdls.update_sites`` (or
 ``jdls.linen.TrainState``) turns into the next step's scales. Nothing is overwritten with a
 gradient, so no optimizer, clipping or weight decay ever sees the FP8 state.
@@ -26,6 +27,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jdls._frameworks.linen_sites import require_site
 from jdls.fp8._delayed import DelayedScaling
 from jdls.fp8._dot import dot_general
 from jdls.fp8._recipe import Recipe
@@ -59,6 +61,8 @@ class DotGeneral(nn.Module):
         preferred_element_type: Any = None,
         **kwargs: Any,
     ) -> jax.Array:
+        assert self.scope is not None
+        require_site(self.scope, "fp8")  # a missing "jdls" collection: the error names the fix
         site = self.variable(COLLECTION, "fp8", init, self.recipe)
         return dot_general(
             lhs,
@@ -99,6 +103,8 @@ class Einsum(nn.Module):
         precision: Any = None,
         preferred_element_type: Any = None,
     ) -> jax.Array:
+        assert self.scope is not None
+        require_site(self.scope, "fp8")  # a missing "jdls" collection: the error names the fix
         site = self.variable(COLLECTION, "fp8", init, self.recipe)
 
         def dot(a: Any, b: Any, dims: Any, precision: Any = None, **kwargs: Any) -> jax.Array:
