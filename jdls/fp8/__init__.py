@@ -26,11 +26,20 @@ from jdls.fp8._current import CurrentScaling, CurrentState
 from jdls.fp8._delayed import DelayedScaling, DelayedState
 from jdls.fp8._dot import dot_general
 from jdls.fp8._formats import Formats, format_max
+from jdls.fp8._layers import (
+    LayerError,
+    keep_high_precision,
+    rank_layers,
+    suggest_high_precision,
+)
+from jdls.fp8._nvfp4 import TE_SIGNS, NVFP4Array, dequantize_nvfp4, hadamard, quantize_nvfp4
+from jdls.fp8._nvfp4_recipe import NVFP4Scaling, NVFP4State, nvfp4
 from jdls.fp8._presets import flax_fp8_ops, transformer_engine
 from jdls.fp8._recipe import Measurement, Quantized, Recipe, scale_from_amax
 from jdls.fp8._state import DotState, Fp8, Meter, init, step_applied, telemetry
 
 __all__ = [
+    "TE_SIGNS",
     "BlockArray",
     "BlockScaling",
     "BlockState",
@@ -41,23 +50,34 @@ __all__ = [
     "DotState",
     "Formats",
     "Fp8",
+    "LayerError",
     "Measurement",
     "Meter",
+    "NVFP4Array",
+    "NVFP4Scaling",
+    "NVFP4State",
     "Quantized",
     "Recipe",
     "block_stats",
     "deepseek",
     "dequantize_blocks",
+    "dequantize_nvfp4",
     "dot_general",
     "flax_fp8_ops",
     "format_max",
+    "hadamard",
     "init",
+    "keep_high_precision",
     "linen",
     "mx",
     "nnx",
+    "nvfp4",
     "quantize_blocks",
+    "quantize_nvfp4",
+    "rank_layers",
     "scale_from_amax",
     "step_applied",
+    "suggest_high_precision",
     "telemetry",
     "transformer_engine",
 ]

@@ -35,10 +35,14 @@ __all__ = [
     "BlockArray",
     "ElementFormat",
     "block_stats",
+    "blocked",
+    "check_blocks",
     "dequantize_blocks",
     "element_format",
+    "expand_blocks",
     "quantize_and_measure",
     "quantize_blocks",
+    "unblocked",
 ]
 
 
@@ -145,7 +149,7 @@ class BlockArray:
         return jnp.where(self.codes == NAN_CODE, jnp.nan, s)
 
 
-def _check_blocks(shape: tuple[int, ...], block_shape: tuple[int, ...]) -> tuple[int, ...]:
+def check_blocks(shape: tuple[int, ...], block_shape: tuple[int, ...]) -> tuple[int, ...]:
     block_shape = tuple(int(b) for b in block_shape)
     if len(block_shape) != len(shape) or any(b < 1 for b in block_shape):
         raise ValueError(
@@ -155,7 +159,7 @@ def _check_blocks(shape: tuple[int, ...], block_shape: tuple[int, ...]) -> tuple
     return block_shape
 
 
-def _blocked(x: jax.Array, block_shape: tuple[int, ...]) -> jax.Array:
+def blocked(x: jax.Array, block_shape: tuple[int, ...]) -> jax.Array:
     """``x`` zero-padded to whole blocks and reshaped to ``(n0/b0, b0, n1/b1, b1, ...)``."""
     pad = [(0, -n % b) for n, b in zip(x.shape, block_shape, strict=True)]
     if any(p for _, p in pad):
@@ -166,7 +170,7 @@ def _blocked(x: jax.Array, block_shape: tuple[int, ...]) -> jax.Array:
     return x.reshape(split)
 
 
-def _unblocked(xb: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+def unblocked(xb: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     padded = tuple(xb.shape[2 * i] * xb.shape[2 * i + 1] for i in range(len(shape)))
     x = xb.reshape(padded)
     if padded != shape:
@@ -174,17 +178,17 @@ def _unblocked(xb: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     return x
 
 
-def _expand(codes: jax.Array) -> jax.Array:
+def expand_blocks(codes: jax.Array) -> jax.Array:
     """Block codes shaped ``(n0/b0, 1, n1/b1, 1, ...)`` to broadcast against a blocked array."""
     return codes.reshape([v for n in codes.shape for v in (n, 1)])
 
 
 def _quantize(x: jax.Array, block_shape: tuple[int, ...], fmt: ElementFormat, rounding: str):
-    xb = _blocked(x.astype(jnp.float32), block_shape)
+    xb = blocked(x.astype(jnp.float32), block_shape)
     inner = tuple(range(1, xb.ndim, 2))
     a = amax_bits(xb, inner)
     codes = shared_exponent(a, rounding, fmt.max, fmt.mantissa_bits)
-    e = _expand(codes)
+    e = expand_blocks(codes)
     q = jnp.clip(ldexp(xb, 127 - e), -fmt.max, fmt.max)
     q = jnp.where(e == NAN_CODE, 0.0, q)  # the NaN scale carries the block's non-finite value
     return xb, a, codes, fmt.round(q)
@@ -223,10 +227,10 @@ def dequantize_blocks(q: BlockArray) -> jax.Array:
 
     Products below ``2**-126`` become zero, as XLA CPU's float32 arithmetic makes them.
     """
-    vb = _blocked(q.values.astype(jnp.float32), q.block_shape)
-    e = _expand(q.codes.astype(jnp.int32))
+    vb = blocked(q.values.astype(jnp.float32), q.block_shape)
+    e = expand_blocks(q.codes.astype(jnp.int32))
     out = jnp.where(e == NAN_CODE, jnp.nan, ldexp(vb, e - 127))
-    return _unblocked(out, q.values.shape)
+    return unblocked(out, q.values.shape)
 
 
 def block_stats(
@@ -263,13 +267,13 @@ def quantize_and_measure(
             f"rounding must be one of {ROUNDINGS} (how the shared exponent is rounded), "
             f"got {rounding!r}"
         )
-    block_shape = _check_blocks(x.shape, block_shape)
+    block_shape = check_blocks(x.shape, block_shape)
     xb, a, codes, q = _quantize(x, block_shape, fmt, rounding)
     finite = codes != NAN_CODE
     top = ldexp(lax.bitcast_convert_type(a, jnp.float32), 127 - codes)
     clipped = finite & (top > fmt.max)
     nonzero = (lax.bitcast_convert_type(xb, jnp.uint32) & jnp.uint32(0x7FFFFFFF)) != 0
-    flushed = nonzero & (q.astype(jnp.float32) == 0) & _expand(finite)
+    flushed = nonzero & (q.astype(jnp.float32) == 0) & expand_blocks(finite)
     blocks = math.prod(codes.shape)
     amax = lax.bitcast_convert_type(jnp.max(a), jnp.float32) if a.size else jnp.float32(0)
     stats = {
@@ -278,5 +282,5 @@ def quantize_and_measure(
         "nonfinite": jnp.sum(~finite, dtype=jnp.float32) / blocks,
         "amax": jnp.where(jnp.isfinite(amax), amax, jnp.inf),
     }
-    blocked = BlockArray(_unblocked(q, x.shape), codes.astype(jnp.uint8), block_shape, fmt.name)
-    return blocked, stats
+    array = BlockArray(unblocked(q, x.shape), codes.astype(jnp.uint8), block_shape, fmt.name)
+    return array, stats

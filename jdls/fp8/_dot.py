@@ -166,8 +166,8 @@ def _fp8_dot_fwd(
 ) -> tuple[jax.Array, Any]:
     recipe = kind.recipe
     (lc, rc), _ = dims
-    ql, ml = recipe.quantize(lhs, state.lhs, "lhs", lc)
-    qr, mr = recipe.quantize(rhs, state.rhs, "rhs", rc)
+    ql, ml = _quantize(recipe, lhs, state.lhs, "lhs", lc, "fprop")
+    qr, mr = _quantize(recipe, rhs, state.rhs, "rhs", rc, "fprop")
     acc = _acc_dtype(kind, out_dtype)
     first = _dequantize_first(kind)
     out = _scaled_dot(ql, qr, dims, acc, precision, first, out_sharding).astype(out_dtype)
@@ -191,17 +191,20 @@ def _fp8_dot_bwd(
         # Block scales follow the contraction: quantize again along the backward dots' axes.
         _, g_axes_l, rhs_axes, _ = _transpose_dims(lhs.ndim, rhs.ndim, dims, True)
         _, g_axes_r, lhs_axes, _ = _transpose_dims(rhs.ndim, lhs.ndim, dims, False)
-        qg_l, mg_l = recipe.quantize(g, state.grad, "grad", g_axes_l)
-        qg_r, mg_r = recipe.quantize(g, state.grad, "grad", g_axes_r)
-        qr, _ = recipe.quantize(rhs, state.rhs, "rhs", tuple(rhs_axes))
-        ql, _ = recipe.quantize(lhs, state.lhs, "lhs", tuple(lhs_axes))
+        qg_l, mg_l = _quantize(recipe, g, state.grad, "grad", g_axes_l, "dgrad")
+        qg_r, mg_r = _quantize(recipe, g, state.grad, "grad", g_axes_r, "wgrad")
+        qr, _ = _quantize(recipe, rhs, state.rhs, "rhs", tuple(rhs_axes), "dgrad")
+        ql, _ = _quantize(recipe, lhs, state.lhs, "lhs", tuple(lhs_axes), "wgrad")
         mg = mg_l.combine(mg_r)
     else:
         qg_l, mg = recipe.quantize(g, state.grad, "grad", ())
         qg_r = qg_l
     first = _dequantize_first(kind)
     grad_lhs = _grad_of(qg_l, qr, lhs, dims, True, acc, first).astype(lhs.dtype)
-    grad_rhs = _grad_of(qg_r, ql, rhs, dims, False, acc, first).astype(rhs.dtype)
+    grad_rhs = _grad_of(qg_r, ql, rhs, dims, False, acc, first)
+    if getattr(recipe, "measures_error", False):
+        mg = dataclasses.replace(mg, error=_wgrad_error(grad_rhs, g, lhs, rhs, dims, acc))
+    grad_rhs = grad_rhs.astype(rhs.dtype)
     meter = Meter(lhs=ml, rhs=mr, grad=mg)
     uses = _one_like(meter)
     zeros = jax.tree.map(jnp.zeros_like, state)
@@ -211,6 +214,30 @@ def _fp8_dot_bwd(
     uses = _max_like(uses, state.uses)
     grad_lhs, grad_rhs = sum_like(grad_lhs, lhs), sum_like(grad_rhs, rhs)
     return grad_lhs, grad_rhs, dataclasses.replace(zeros, meter=meter, uses=uses)
+
+
+def _quantize(
+    recipe: Any, x: jax.Array, state: Any, role: str, axes: tuple[int, ...], gemm: str
+) -> tuple[Quantized, Any]:
+    """``x`` quantized for one of the three dots (``"fprop"``, ``"dgrad"``, ``"wgrad"``): a
+    recipe whose dots differ (NVFP4's transform and random bits) has ``quantize_gemm``."""
+    by_gemm = getattr(recipe, "quantize_gemm", None)
+    if by_gemm is not None:
+        return by_gemm(x, state, role, axes, gemm)
+    return recipe.quantize(x, state, role, axes)
+
+
+def _wgrad_error(
+    grad_rhs: jax.Array, g: jax.Array, lhs: jax.Array, rhs: jax.Array, dims: Dims, acc: Any
+) -> jax.Array:
+    """The weight gradient's relative L2 error: ``|dW - dW_exact| / |dW_exact|``, where
+    ``dW_exact`` is the same dot of the unquantized operands (0 when it is zero)."""
+    one = jnp.ones((), jnp.float32)
+    exact_g, exact_lhs = Quantized(g.astype(acc), one), Quantized(lhs.astype(acc), one)
+    exact = _grad_of(exact_g, exact_lhs, rhs, dims, False, acc, False).astype(jnp.float32)
+    diff = jnp.sum(jnp.square(grad_rhs.astype(jnp.float32) - exact))
+    norm = jnp.sum(jnp.square(exact))
+    return jnp.where(norm > 0, jnp.sqrt(diff / jnp.where(norm > 0, norm, 1.0)), 0.0)
 
 
 def _one_like(meter: Meter) -> jax.Array:

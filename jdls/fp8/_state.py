@@ -26,7 +26,7 @@ from jdls._sites.site import Site, SiteKind, is_site
 from jdls._transforms.stats import step_applied
 from jdls.fp8._recipe import ROLES, Measurement, Recipe
 
-__all__ = ["DotState", "Fp8", "Meter", "init", "step_applied", "telemetry"]
+__all__ = ["DotState", "Fp8", "Meter", "init", "needs_key", "step_applied", "telemetry"]
 
 
 @struct.dataclass
@@ -45,7 +45,9 @@ class Meter:
     def empty(cls) -> Meter:
         """Nothing measured yet: amaxes of ``-inf`` (a maximum's identity), fractions 0."""
         zero = jnp.zeros((), jnp.float32)
-        m = Measurement(amax=jnp.full((), -jnp.inf, jnp.float32), saturated=zero, flushed=zero)
+        m = Measurement(
+            amax=jnp.full((), -jnp.inf, jnp.float32), saturated=zero, flushed=zero, error=zero
+        )
         return cls(m, m, m)
 
 
@@ -174,8 +176,19 @@ class Fp8(SiteKind):
         return DotState(**roles, meter=new, pending=pending, uses=measurement.uses)
 
 
-def init(recipe: Recipe) -> Site:
+def needs_key(recipe: Recipe) -> bool:
+    """Whether a new site of ``recipe`` draws its own random seed (stochastic rounding)."""
+    return hasattr(recipe, "seeded")
+
+
+def init(recipe: Recipe, key: jax.Array | None = None) -> Site:
     """A new FP8 dot site: ``jdls.Site(jdls.fp8.Fp8(recipe))``.
+
+    Args:
+      recipe: the FP8 recipe.
+      key: a ``jax.random`` key for a recipe that rounds stochastically (NVFP4): each site
+        draws its own seed from it, so that the layers of a stack round independently.
+        Without it the recipe's ``seed`` is used. Other recipes ignore it.
 
     Example:
       >>> import jdls
@@ -183,7 +196,15 @@ def init(recipe: Recipe) -> Site:
       >>> site.value.lhs.history.shape, float(site.value.grad.scale)
       ((8,), 1.0)
     """
-    return Site(Fp8(recipe))
+    site = Site(Fp8(recipe))
+    if key is None or not needs_key(recipe):
+        return site
+    keys = jax.random.split(key, len(ROLES))
+    seeded = recipe.seeded  # type: ignore[attr-defined]  # needs_key: the recipe has it
+    roles = {
+        role: seeded(getattr(site.value, role), k) for role, k in zip(ROLES, keys, strict=True)
+    }
+    return Site(site.kind, dataclasses.replace(site.value, **roles))
 
 
 def _is_fp8(x: Any) -> bool:
@@ -198,10 +219,16 @@ def _path_name(path: Any) -> str:
     return "/".join(names)
 
 
+def _fields(recipe: Recipe) -> tuple[str, ...]:
+    measured = ("amax", "saturated", "flushed")
+    return (*measured, "error") if getattr(recipe, "measures_error", False) else measured
+
+
 def telemetry(tree: Any) -> dict[str, dict[str, dict[str, Any]]]:
     """The last measurement of every FP8 site in ``tree``, by path, on the host.
 
     Returns ``{path: {"lhs" | "rhs" | "grad": {"amax", "saturated", "flushed", "uses"}}}``
+    (and ``"error"`` for a recipe that measures it)
     with paths such as ``"params/Dense_0/fp8"``; a stack of sites (a scanned layer) gives
     lists, one entry per layer. ``uses`` is how many times the step used the site. Where it
     is not 1 the measurement was not recorded, and ``amax``, ``saturated`` and ``flushed``
@@ -234,7 +261,7 @@ def telemetry(tree: Any) -> dict[str, dict[str, dict[str, Any]]]:
                     field: np.where(
                         uses == 1, np.asarray(getattr(getattr(meter, role), field)), np.nan
                     ).tolist()
-                    for field in ("amax", "saturated", "flushed")
+                    for field in _fields(site.kind.recipe)
                 },
                 "uses": uses.astype(int).tolist(),
             }

@@ -61,13 +61,13 @@ class Linear(eqx.Module):
         recipe: Recipe | None = None,
         key: jax.Array,
     ) -> None:
-        wkey, bkey = jax.random.split(key)
+        wkey, bkey, skey = jax.random.split(key, 3)
         lim = 1 / math.sqrt(in_features)
         self.weight = jax.random.uniform(wkey, (out_features, in_features), minval=-lim, maxval=lim)
         self.bias = (
             jax.random.uniform(bkey, (out_features,), minval=-lim, maxval=lim) if use_bias else None
         )
-        self.site = init(DelayedScaling() if recipe is None else recipe)
+        self.site = init(DelayedScaling() if recipe is None else recipe, skey)
         self.in_features, self.out_features = in_features, out_features
 
     def __call__(self, x: jax.Array) -> jax.Array:

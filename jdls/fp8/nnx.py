@@ -28,12 +28,19 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jdls._frameworks.nnx_sites import SiteVariable
+from jdls._sites.site import Site
 from jdls.fp8._delayed import DelayedScaling
 from jdls.fp8._dot import dot_general
 from jdls.fp8._recipe import Recipe
-from jdls.fp8._state import init
+from jdls.fp8._state import init, needs_key
 
 __all__ = ["DotGeneral", "Einsum"]
+
+
+def _new_site(recipe: Recipe | None, rngs: nnx.Rngs | None) -> Site:
+    recipe = DelayedScaling() if recipe is None else recipe
+    key = rngs.params() if rngs is not None and needs_key(recipe) else None
+    return init(recipe, key)
 
 
 class DotGeneral(nnx.Module):
@@ -41,13 +48,15 @@ class DotGeneral(nnx.Module):
 
     Args:
       recipe: the FP8 recipe (default: delayed scaling, history 1024, e4m3 / e5m2).
+      rngs: where a recipe that rounds stochastically (NVFP4) draws the site's seed
+        (``rngs.params()``); without it, the recipe's ``seed``.
 
     Attributes:
       site: a :class:`jdls.nnx.SiteVariable` holding the dot's FP8 site.
     """
 
-    def __init__(self, recipe: Recipe | None = None) -> None:
-        self.site = SiteVariable(init(DelayedScaling() if recipe is None else recipe))
+    def __init__(self, recipe: Recipe | None = None, *, rngs: nnx.Rngs | None = None) -> None:
+        self.site = SiteVariable(_new_site(recipe, rngs))
 
     def __call__(
         self,
@@ -74,10 +83,11 @@ class Einsum(nnx.Module):
 
     Args:
       recipe: the FP8 recipe.
+      rngs: as for :class:`DotGeneral`.
     """
 
-    def __init__(self, recipe: Recipe | None = None) -> None:
-        self.site = SiteVariable(init(DelayedScaling() if recipe is None else recipe))
+    def __init__(self, recipe: Recipe | None = None, *, rngs: nnx.Rngs | None = None) -> None:
+        self.site = SiteVariable(_new_site(recipe, rngs))
 
     def __call__(self, equation: str, *operands: Any, **kwargs: Any) -> jax.Array:
         site = self.site.get_value()
