@@ -28,15 +28,23 @@ import jax
 import jax.numpy as jnp
 
 from jdls._frameworks.linen_sites import require_site
+from jdls._sites.site import Site
 from jdls.fp8._delayed import DelayedScaling
 from jdls.fp8._dot import dot_general
 from jdls.fp8._recipe import Recipe
-from jdls.fp8._state import init
+from jdls.fp8._state import init, needs_key
 
 __all__ = ["COLLECTION", "DotGeneral", "Einsum"]
 
 #: The linen collection that holds jdls's sites (FP8 dots among them).
 COLLECTION = "jdls"
+
+
+def _new_site(module: nn.Module, recipe: Recipe) -> Site:
+    """A new site; a recipe that rounds stochastically draws its seed from the ``"params"``
+    stream, so that each layer of ``nn.scan`` (``split_rngs={"params": True}``) has its own."""
+    key = module.make_rng("params") if needs_key(recipe) and module.has_rng("params") else None
+    return init(recipe, key)
 
 
 class DotGeneral(nn.Module):
@@ -63,7 +71,7 @@ class DotGeneral(nn.Module):
     ) -> jax.Array:
         assert self.scope is not None
         require_site(self.scope, "fp8")  # a missing "jdls" collection: the error names the fix
-        site = self.variable(COLLECTION, "fp8", init, self.recipe)
+        site = self.variable(COLLECTION, "fp8", _new_site, self, self.recipe)
         return dot_general(
             lhs,
             rhs,
@@ -105,7 +113,7 @@ class Einsum(nn.Module):
     ) -> jax.Array:
         assert self.scope is not None
         require_site(self.scope, "fp8")  # a missing "jdls" collection: the error names the fix
-        site = self.variable(COLLECTION, "fp8", init, self.recipe)
+        site = self.variable(COLLECTION, "fp8", _new_site, self, self.recipe)
 
         def dot(a: Any, b: Any, dims: Any, precision: Any = None, **kwargs: Any) -> jax.Array:
             pet = kwargs.get("preferred_element_type")
