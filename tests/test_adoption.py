@@ -132,3 +132,65 @@ def test_the_error_pickles():
         model.init(jax.random.key(0), _X)
     again = pickle.loads(pickle.dumps(info.value))
     assert type(again) is type(info.value) and str(again) == str(info.value)
+
+
+# --------------------------------------------------------------------------------------------
+# An Equinox model's static half is hashable: jax.jit(step, static_argnums=...) takes it.
+# --------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _layer_class():
+    eqx = pytest.importorskip("equinox")
+
+    class Layer(eqx.Module):
+        """A Llama-like layer with a probe and a per-layer scale among its fields."""
+
+        weight: jax.Array
+        probe: jdls.Site
+        layer_scale: jdls.Site
+
+        def __call__(self, x):
+            h = jdls.apply_site(jnp.tanh(x @ self.weight), self.probe)
+            return jdls.apply_site(h, self.layer_scale)
+
+    return Layer
+
+
+def _llama_like_layer():
+    return _layer_class()(
+        jnp.eye(WIDTH), jdls.Site(jdls.Probe()), jdls.layer_site(jdls.DynamicScale(2.0**4), 0)
+    )
+
+
+def test_an_equinox_static_half_with_sites_is_a_static_argument():
+    """``eqx.partition(model, eqx.is_array)``'s static half, holding a probe and a per-layer
+    scale (whose value is a dict), is hashable; two equal halves hash equal, so a jitted step
+    taking it as a static argument runs, and compiles once for both."""
+    import equinox as eqx
+
+    dynamic, static = eqx.partition(_llama_like_layer(), eqx.is_array)
+    _, again = eqx.partition(_llama_like_layer(), eqx.is_array)
+    assert static == again and hash(static) == hash(again)
+    traces = []
+
+    @functools.partial(jax.jit, static_argnums=1)
+    def step(dynamic, static, x):
+        traces.append(1)
+
+        def loss(d):
+            return jnp.sum(eqx.combine(d, static)(x))
+
+        return jdls.StaticScale(8.0).value_and_grad(loss)(dynamic)
+
+    loss, grads = step(dynamic, static, _X)
+    loss_again, _ = step(dynamic, again, _X)
+    assert len(traces) == 1 and float(loss) == float(loss_again)
+    assert float(jdls.Telemetry.of(grads.probe).uses[0]) == 1.0  # the probe measured
+
+
+def test_a_site_with_arrays_stays_unhashable():
+    """A site holding arrays is unhashable, as arrays are (no identity hash that a jit
+    cache would mistake for equality)."""
+    with pytest.raises(TypeError, match="unhashable"):
+        hash(jdls.layer_site(jdls.DynamicScale(), 0))

@@ -125,6 +125,24 @@ class Site:
         if self.value is None:
             object.__setattr__(self, "value", self.kind.init())
 
+    def __hash__(self) -> int:
+        """The hash of the kind and of the value's tree structure and leaves.
+
+        A site whose value holds arrays is unhashable, as arrays are. Without arrays (the
+        static half of an Equinox model, ``eqx.partition(model, eqx.is_array)``, a
+        ``jax.jit`` static argument) it hashes whatever containers hold the value (a dict
+        of a per-layer scale): equal sites hash equal.
+
+        Example:
+          >>> import jax, jdls
+          >>> without_arrays = lambda s: jax.tree.map(lambda x: None, s)  # eqx.partition's
+          >>> a, b = (jdls.layer_site(jdls.DynamicScale(), 0) for _ in range(2))  # dict values
+          >>> hash(without_arrays(a)) == hash(without_arrays(b))
+          True
+        """
+        leaves, treedef = jax.tree_util.tree_flatten(self.value)
+        return hash((self.kind, treedef, tuple(leaves)))
+
     def stacked(self, *shape: int) -> Site:
         """This site repeated along new leading axes (``shape``): one value per layer of a
         stack of ``shape[0]`` layers, say.
