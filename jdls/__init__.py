@@ -31,6 +31,7 @@ from jdls._transforms.stats import (
     keep_if_skipped,
     nonfinite_paths,
     set_scale,
+    skip_cause,
     stats,
 )
 from jdls._transforms.wrap import wrap
@@ -87,6 +88,7 @@ __all__ = [
     "retrying",
     "rules",
     "set_scale",
+    "skip_cause",
     "split_sites",
     "stats",
     "update_sites",

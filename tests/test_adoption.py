@@ -11,6 +11,8 @@ import flax.errors
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
+import optax
 import pytest
 
 import jdls
@@ -194,3 +196,52 @@ def test_a_site_with_arrays_stays_unhashable():
     cache would mistake for equality)."""
     with pytest.raises(TypeError, match="unhashable"):
         hash(jdls.layer_site(jdls.DynamicScale(), 0))
+
+
+# --------------------------------------------------------------------------------------------
+# A loop's own checks: "skipped by jdls, and why" in one line.
+# --------------------------------------------------------------------------------------------
+
+
+def _f16_loss(params, x):
+    h = x.astype(jnp.float16) * params["w"].astype(jnp.float16)
+    return jnp.mean(h.astype(jnp.float32))
+
+
+def _guarded_step(tx):
+    @jax.jit
+    def step(params, opt_state, x):
+        loss, grads = jdls.get_scale(opt_state).value_and_grad(_f16_loss)(params, x)
+        updates, opt_state = tx.update(grads, opt_state, params, value=loss)
+        return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
+
+    return step
+
+
+def test_a_loops_nan_guard_lets_jdls_overflows_pass_and_stops_on_a_nan_loss():
+    """The codebase's ``if not np.isfinite(grad_norm): raise``, with the documented line
+    beside it: a backward overflow at 2**15 (skipped, the scale backs off) passes; a NaN
+    batch (the loss itself) stops it, named FORWARD."""
+    tx = jdls.wrap(optax.sgd(0.1), jdls.DynamicScale())
+    params = {"w": jnp.ones(4)}
+    opt_state = tx.init(params)
+    step = _guarded_step(tx)
+    assert jdls.skip_cause(opt_state) is jdls.SkipCause.NONE
+    assert not jdls.skip_cause(opt_state)  # falsy: nothing skipped
+    x = jnp.full(4, 8.0)  # 8 / 4 * 2**15 = 65536: the float16 gradient overflows
+    params, opt_state, grad_norm = step(params, opt_state, x)
+    assert not np.isfinite(grad_norm)
+    cause = jdls.skip_cause(opt_state)
+    assert cause is jdls.SkipCause.GRADIENTS and cause.handled  # the guard lets it pass
+    params, opt_state, grad_norm = step(params, opt_state, x)
+    assert np.isfinite(grad_norm) and jdls.skip_cause(opt_state) is jdls.SkipCause.NONE
+    _, opt_state, grad_norm = step(params, opt_state, x.at[0].set(jnp.nan))
+    cause = jdls.skip_cause(opt_state)
+    assert not np.isfinite(grad_norm)
+    assert cause is jdls.SkipCause.FORWARD and not cause.handled  # the guard stops
+
+
+def test_skip_cause_inside_jit_points_to_stats():
+    tx = jdls.wrap(optax.sgd(0.1))
+    with pytest.raises(TypeError, match=r"outside jit .*jdls.stats\(opt_state\).cause"):
+        jax.jit(jdls.skip_cause)(tx.init({"w": jnp.zeros(2)}))

@@ -49,6 +49,20 @@ class SkipCause(enum.IntEnum):
     BACKWARD = 2  #: the loss was finite, the gradients were not, even after the retries
     GRADIENTS = 3  #: the gradients were not finite, and no loss was given to tell which
 
+    @property
+    def handled(self) -> bool:
+        """Whether the skip is loss scaling at work: an overflow of the scaled gradients
+        (``BACKWARD``, ``GRADIENTS``), after which the scale backs off and training goes on.
+        False for a taken step (``NONE``) and for a non-finite loss (``FORWARD``), which no
+        scale changes: what a training loop's own NaN guard should still stop on.
+
+        Example:
+          >>> import jdls
+          >>> jdls.SkipCause.BACKWARD.handled, jdls.SkipCause.FORWARD.handled
+          (True, False)
+        """
+        return self in (SkipCause.BACKWARD, SkipCause.GRADIENTS)
+
 
 class Attempt(NamedTuple):
     """The state of the retry loop: the scale to adjust next and the current gradients."""

@@ -16,6 +16,7 @@ import numpy as np
 import optax
 
 from jdls._scales.scale import LossScale, check_scale
+from jdls._transforms.retry import SkipCause
 
 __all__ = [
     "Stats",
@@ -25,6 +26,7 @@ __all__ = [
     "nonfinite_paths",
     "replace_scale",
     "set_scale",
+    "skip_cause",
     "snapshot",
     "stats",
     "step_applied",
@@ -220,6 +222,48 @@ def stats(opt_state: Any) -> Stats:
       (True, 1, 16384.0)
     """
     return _the_wrap_state(opt_state, "stats").stats
+
+
+def skip_cause(opt_state: Any) -> SkipCause:
+    """Why jdls skipped the last step, read on the host: ``SkipCause.NONE`` (falsy) if it
+    was taken.
+
+    The one line a training loop's own checks need beside jdls: a guard that stops on
+    non-finite gradients stops only where loss scaling does not account for them,
+    ``if not np.isfinite(grad_norm) and not jdls.skip_cause(opt_state).handled: raise ...``
+    (:attr:`SkipCause.handled`; docs/guides/debugging.md). Pass the loss to the wrap
+    (``tx.update(..., value=loss)``) to tell a non-finite loss (``FORWARD``) from an
+    overflow of the scaled backward pass. Reads one integer from the device: call it outside
+    ``jit`` (inside, ``jdls.stats(opt_state).cause`` is the same number as an array).
+
+    Args:
+      opt_state: an optimizer state (or Flax ``TrainState``) holding one :class:`WrapState`.
+
+    Returns:
+      A :class:`jdls.SkipCause`; its ``name`` says why, ``handled`` whether the scale took
+      care of it.
+
+    Raises:
+      TypeError: called inside a traced function.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jdls
+      >>> tx = jdls.wrap(optax.sgd(0.1))
+      >>> params = {"w": jnp.zeros(2)}
+      >>> _, state = tx.update({"w": jnp.array([jnp.inf, 0.0])}, tx.init(params), params)
+      >>> cause = jdls.skip_cause(state)
+      >>> cause.name, cause.handled
+      ('GRADIENTS', True)
+      >>> bool(jdls.skip_cause(tx.init(params)))  # nothing skipped
+      False
+    """
+    cause = _the_wrap_state(opt_state, "skip_cause").stats.cause
+    if isinstance(cause, jax.core.Tracer):
+        raise TypeError(
+            "jdls.skip_cause reads the cause on the host: call it outside jit (inside a "
+            "traced function, jdls.stats(opt_state).cause is the same number as an array)"
+        )
+    return SkipCause(int(np.max(jax.device_get(cause))))  # pmap: every device holds it
 
 
 def keep_if_skipped(opt_state: Any, new: Any, old: Any) -> Any:
