@@ -6,6 +6,7 @@ hashable for ``jax.jit(..., static_argnums=...)``."""
 from __future__ import annotations
 
 import functools
+import warnings
 
 import flax.errors
 import flax.linen as nn
@@ -245,3 +246,92 @@ def test_skip_cause_inside_jit_points_to_stats():
     tx = jdls.wrap(optax.sgd(0.1))
     with pytest.raises(TypeError, match=r"outside jit .*jdls.stats\(opt_state\).cause"):
         jax.jit(jdls.skip_cause)(tx.init({"w": jnp.zeros(2)}))
+
+
+# --------------------------------------------------------------------------------------------
+# The model's own overflow is named: SkipCause.MODEL, and a warning once.
+# --------------------------------------------------------------------------------------------
+
+
+def _rmsnorm_loss(params, x):
+    """A float16 RMSNorm whose input holds a value above float16's range: the loss is NaN
+    whatever the scale."""
+    h = (x * params["w"]).astype(jnp.float16)
+    y = h / jnp.sqrt(jnp.mean(h * h))
+    return jnp.mean(y.astype(jnp.float32) ** 2)
+
+
+def test_a_model_that_overflows_at_every_scale_is_named_model_and_warned_once():
+    """The default scale backs off to ~1e-38 on a forward overflow; once it has fallen below
+    2**-24 the cause is MODEL (not handled), and jdls.skip_cause warns, once per line."""
+    tx = jdls.wrap(optax.sgd(0.1))
+
+    @jax.jit
+    def step(params, opt_state, x):
+        _, grads = jdls.get_scale(opt_state).value_and_grad(_rmsnorm_loss)(params, x)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    params = {"w": jnp.ones(8)}
+    opt_state = tx.init(params)
+    x = jnp.full(8, 300.0).at[0].set(7e4)
+    params, opt_state = step(params, opt_state, x)
+    assert jdls.skip_cause(opt_state) is jdls.SkipCause.GRADIENTS  # at 2**15: the scale's
+    causes = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        for _ in range(40):
+            params, opt_state = step(params, opt_state, x)
+            causes.append(jdls.skip_cause(opt_state))
+    assert float(jdls.get_scale(opt_state).loss_scale) < 2.0**-24
+    assert causes[-1] is jdls.SkipCause.MODEL and not causes[-1].handled
+    assert int(jdls.stats(opt_state).cause) == jdls.SkipCause.MODEL  # on device, in jit
+    said = [w for w in caught if "jdls.SkipCause.MODEL" in str(w.message)]
+    assert len(said) == 1 and said[0].category is RuntimeWarning
+    assert "float32" in str(said[0].message) and said[0].filename == __file__
+
+
+@pytest.mark.parametrize(
+    ("scale", "value", "want"),
+    [
+        (jdls.DynamicScale(), None, jdls.SkipCause.GRADIENTS),  # 2**15: the scale's doing
+        (jdls.DynamicScale(1.0), None, jdls.SkipCause.MODEL),  # its minimum: cannot go lower
+        (jdls.AdaptiveScale(0.5), None, jdls.SkipCause.GRADIENTS),  # below 1, still lowers
+        (jdls.StaticScale(2.0**-30), None, jdls.SkipCause.MODEL),  # below the floor
+        (jdls.StaticScale(2.0**-30), jnp.nan, jdls.SkipCause.MODEL),  # a NaN loss too
+        (jdls.NoOpScale(), None, jdls.SkipCause.GRADIENTS),  # per-layer / per-loss scales'
+        (jdls.DynamicScale(), jnp.nan, jdls.SkipCause.FORWARD),
+    ],
+    ids=[
+        "dynamic",
+        "at-minimum",
+        "adaptive-below-1",
+        "static-floor",
+        "floor-nan-loss",
+        "noop",
+        "forward",
+    ],
+)
+def test_which_skips_are_the_models_own(scale, value, want):
+    tx = jdls.wrap(optax.sgd(0.1), scale)
+    params = {"w": jnp.zeros(2)}
+    extra = {} if value is None else {"value": jnp.float32(value)}
+    _, state = jax.jit(tx.update)(
+        {"w": jnp.array([jnp.inf, 0.0])}, tx.init(params), params, **extra
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        assert jdls.skip_cause(state) is want
+
+
+def test_wrap_groups_names_the_models_overflow_by_the_shared_scale():
+    """The groups run at NoOpScale inside; the shared scale decides MODEL."""
+    params = {"gen": {"w": jnp.zeros(2)}, "disc": {"w": jnp.zeros(2)}}
+    grads = {"gen": {"w": jnp.ones(2)}, "disc": {"w": jnp.array([jnp.nan, 0.0])}}
+    for scale, want in [
+        (jdls.DynamicScale(), jdls.SkipCause.GRADIENTS),
+        (jdls.DynamicScale(1.0), jdls.SkipCause.MODEL),
+    ]:
+        tx = jdls.wrap_groups({"gen": optax.sgd(0.1), "disc": optax.sgd(0.1)}, scale)
+        _, state = tx.update(grads, tx.init(params), params)
+        assert int(jdls.stats(state).cause) == want

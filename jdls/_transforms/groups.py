@@ -27,6 +27,7 @@ from jdls._scales.scale import (
     adjust_observed,
     check_scale,
 )
+from jdls._transforms.retry import model_overflow
 from jdls._transforms.stats import Stats, WrapState, the_wrap_state
 from jdls._transforms.wrap import wrap
 
@@ -186,6 +187,8 @@ def wrap_groups(
             return backward_amax(scale.loss_scale, given, tree_amax(dict(grads)), None)
 
         scale = adjust_observed(scale, finite, largest)
+        # the groups ran at no scale of their own: the shared one tells a model overflow
+        stats = stats._replace(cause=model_overflow(stats.cause, state.scale, scale))
         return updates, WrapState(scale, inner, stats, _sites(inner))
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

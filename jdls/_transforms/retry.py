@@ -25,11 +25,13 @@ from jdls._scales.scale import DynamicScale, LossScale
 from jdls._sites.measured import raw
 
 __all__ = [
+    "SCALE_FLOOR",
     "Attempt",
     "SkipCause",
     "classify",
     "first_attempt",
     "mean_unsharded",
+    "model_overflow",
     "retry",
     "value_and_grad_of",
 ]
@@ -48,13 +50,18 @@ class SkipCause(enum.IntEnum):
     FORWARD = 1  #: the loss itself was not finite (bad data, a forward overflow)
     BACKWARD = 2  #: the loss was finite, the gradients were not, even after the retries
     GRADIENTS = 3  #: the gradients were not finite, and no loss was given to tell which
+    #: the step overflowed where the scale cannot be the cause: a scale below 2**-24, or a
+    #: dynamic scale at most 1 that its rule could not lower. The model overflows by itself
+    #: (a float16 forward pass, a norm's sum of squares): no scale helps.
+    MODEL = 4
 
     @property
     def handled(self) -> bool:
         """Whether the skip is loss scaling at work: an overflow of the scaled gradients
         (``BACKWARD``, ``GRADIENTS``), after which the scale backs off and training goes on.
-        False for a taken step (``NONE``) and for a non-finite loss (``FORWARD``), which no
-        scale changes: what a training loop's own NaN guard should still stop on.
+        False for a taken step (``NONE``), a non-finite loss (``FORWARD``) and the model's
+        own overflow (``MODEL``), which no scale changes: what a training loop's own NaN
+        guard should still stop on.
 
         Example:
           >>> import jdls
@@ -62,6 +69,11 @@ class SkipCause(enum.IntEnum):
           (True, False)
         """
         return self in (SkipCause.BACKWARD, SkipCause.GRADIENTS)
+
+
+#: The loss scale below which a step that still overflows is the model's own overflow
+#: (float16's smallest subnormal: no gradient of a loss near 1 survives a smaller scale).
+SCALE_FLOOR = 2.0**-24
 
 
 class Attempt(NamedTuple):
@@ -126,6 +138,20 @@ def classify(a: Attempt, retrying: bool) -> jax.Array:
     unknown = SkipCause.BACKWARD if retrying else SkipCause.GRADIENTS
     cause = pick(a.loss_finite, jnp.int32(unknown), jnp.int32(SkipCause.FORWARD))
     return pick(a.finite, jnp.int32(SkipCause.NONE), cause)
+
+
+def model_overflow(cause: jax.Array, before: LossScale, after: LossScale) -> jax.Array:
+    """``cause``, or ``SkipCause.MODEL`` for a skipped step that the scale cannot have
+    caused: it ran at a scale below :data:`SCALE_FLOOR`, or at a dynamic scale of at most 1
+    that the rule did not lower (its minimum). ``before``: the scale the step ran at;
+    ``after``: the scale after it. A few scalar operations."""
+    ran_at = before.loss_scale
+    stuck = jnp.all(ran_at <= SCALE_FLOOR)
+    if isinstance(before, DynamicScale):  # a static scale (NoOpScale under per-layer
+        # scales) sits at its level on purpose
+        stuck = stuck | jnp.all((ran_at <= 1.0) & (after.loss_scale >= ran_at))
+    skipped = cause != SkipCause.NONE
+    return pick(skipped & stuck, jnp.int32(SkipCause.MODEL), cause)
 
 
 def mean_unsharded(grads: Any, axis_name: Any, sharded: Any) -> Any:

@@ -8,6 +8,7 @@ step in a :class:`WrapState`, which may sit anywhere in a larger optimizer state
 from __future__ import annotations
 
 import sys
+import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -53,7 +54,9 @@ class Stats(NamedTuple):
         groups' flags); None otherwise.
       retries: int32, how many times the last step's gradients were recomputed at a lower
         scale (:func:`jdls.retrying`).
-      cause: int32, why the last step was skipped, a :class:`jdls.SkipCause` (0 if taken).
+      cause: int32, why the last step was skipped, a :class:`jdls.SkipCause` (0 if taken;
+        ``MODEL``, 4, where the scale cannot have caused it: the model overflows by itself).
+        :func:`jdls.skip_cause` reads it on the host.
       retried_steps: int32, steps that needed at least one retry since ``init``.
     """
 
@@ -239,6 +242,10 @@ def skip_cause(opt_state: Any) -> SkipCause:
     Args:
       opt_state: an optimizer state (or Flax ``TrainState``) holding one :class:`WrapState`.
 
+    A step skipped as ``SkipCause.MODEL`` (the model overflows whatever the scale:
+    below ``2**-24``, or a dynamic scale at its minimum) also warns, a ``RuntimeWarning``
+    that Python shows once per line calling this function.
+
     Returns:
       A :class:`jdls.SkipCause`; its ``name`` says why, ``handled`` whether the scale took
       care of it.
@@ -263,7 +270,24 @@ def skip_cause(opt_state: Any) -> SkipCause:
             "jdls.skip_cause reads the cause on the host: call it outside jit (inside a "
             "traced function, jdls.stats(opt_state).cause is the same number as an array)"
         )
-    return SkipCause(int(np.max(jax.device_get(cause))))  # pmap: every device holds it
+    found = SkipCause(int(np.max(jax.device_get(cause))))  # pmap: every device holds it
+    if found is SkipCause.MODEL:
+        _warn_model_overflow()
+    return found
+
+
+def _warn_model_overflow() -> None:
+    # One text, so that Python's default filter shows it once per calling line.
+    warnings.warn(
+        "jdls skipped the last step at a loss scale too small to be the cause (below 2**-24, "
+        "or a dynamic scale at its minimum): the model overflows by itself "
+        "(jdls.SkipCause.MODEL) and every step will be skipped, whatever the scale. Find the "
+        "operation that overflows (jax.config.update('jax_debug_nans', True); often a "
+        "float16 norm's sum of squares or a softmax) and compute it in float32 "
+        "(docs/guides/debugging.md)",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 def keep_if_skipped(opt_state: Any, new: Any, old: Any) -> Any:

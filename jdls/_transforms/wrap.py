@@ -47,7 +47,7 @@ from jdls._scales.scale import (
     observes,
 )
 from jdls._sites.apart import sites_apart
-from jdls._transforms.retry import classify, first_attempt
+from jdls._transforms.retry import classify, first_attempt, model_overflow
 from jdls._transforms.skip import cond_branches, keep_dtypes, select
 from jdls._transforms.stats import Stats, WrapState, step_applied
 
@@ -252,10 +252,11 @@ def wrap(
         new_updates, inner_state = update_or_skip(
             tree, state.inner_state, params, clipped, finite, extra_args
         )
-        stats = _record(state.stats, finite, n, tree, step.tries, classify(step, retrying=False))
+        scale = adjust_observed(step.scale, finite, lambda: n.amax)
+        cause = model_overflow(classify(step, retrying=False), step.scale, scale)
+        stats = _record(state.stats, finite, n, tree, step.tries, cause)
         if max_consecutive_skips is not None:
             _fail_if_stuck(stats.consecutive_skips, max_consecutive_skips)
-        scale = adjust_observed(step.scale, finite, lambda: n.amax)
         return new_updates, WrapState(scale, inner_state, stats, state.sites)
 
     # Sites among the parameters (per-layer scales, probes, FP8 state): never given to the
@@ -366,8 +367,10 @@ def _fail_if_stuck(consecutive: jax.Array, limit: int) -> None:
             "Likely causes: the loss was scaled with a scale built outside the step instead "
             "of jdls.get_scale(opt_state); scaled gradients were passed to tx.update (use "
             "scale.value_and_grad, which unscales); optax.MultiSteps(jdls.wrap(...)) kept a "
-            "NaN in its accumulator (use jdls.wrap(optax.MultiSteps(...))); or the data or "
-            "the parameters hold an inf or NaN (jdls.nonfinite_paths names the leaves)."
+            "NaN in its accumulator (use jdls.wrap(optax.MultiSteps(...))); the data or "
+            "the parameters hold an inf or NaN (jdls.nonfinite_paths names the leaves); or "
+            "the model overflows by itself at any scale (jdls.skip_cause(opt_state) is "
+            "jdls.SkipCause.MODEL: compute the overflowing part in float32)."
         )
 
     def report() -> None:
