@@ -319,3 +319,31 @@ def test_float16_with_loss_scaling_trains():
         losses.append(float(loss))
     assert losses[-1] < 0.5 * losses[0]
     assert 0 < float(site.value.grad.step) <= 30
+
+
+def test_a_retried_step_draws_the_bits_of_the_step_it_retries():
+    """jdls.retrying recomputes an overflowing float16 step at a lower scale: params and
+    sites equal, bit for bit, the step taken directly at that scale (same random bits)."""
+    x = jax.random.normal(jax.random.key(2), (32, 16))
+
+    def loss_fn(p, x):
+        y = fp8.dot_general(x.astype(jnp.float16), p["w"].astype(jnp.float16), DN, site=p["dot"])
+        return jnp.sum(y.astype(jnp.float32))
+
+    params = {
+        "w": jax.random.normal(jax.random.key(3), (16, 8)),
+        "dot": fp8.init(fp8.nvfp4(), key=jax.random.key(4)),
+    }
+
+    def run(scale, retries):
+        tx = jdls.wrap(optax.sgd(1e-3), jdls.DynamicScale(scale))
+        step = jax.jit(jdls.retrying(loss_fn, tx, retries=retries))
+        return step(params, tx.init(params), x)
+
+    p1, s1, _ = run(2.0**15, 6)
+    assert int(jdls.stats(s1).retries) >= 1 and bool(jdls.stats(s1).finite)
+    settled = float(jdls.get_scale(s1).loss_scale)
+    p2, s2, _ = run(settled, 0)
+    assert int(jdls.stats(s2).retries) == 0 and bool(jdls.stats(s2).finite)
+    assert_bitwise_equal(p1, p2)
+    assert float(p1["dot"].value.grad.step) == 1.0

@@ -14,6 +14,7 @@ weight decay never sees the state.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from typing import Any
 
@@ -181,21 +182,36 @@ def needs_key(recipe: Recipe) -> bool:
     return hasattr(recipe, "seeded")
 
 
-def init(recipe: Recipe, key: jax.Array | None = None) -> Site:
-    """A new FP8 dot site: ``jdls.Site(jdls.fp8.Fp8(recipe))``.
+def init(recipe: Recipe, key: jax.Array | None = None, *, stack: tuple[int, ...] = ()) -> Site:
+    """A new FP8 dot site: ``jdls.Site(jdls.fp8.Fp8(recipe))``, or a stack of them.
 
     Args:
       recipe: the FP8 recipe.
       key: a ``jax.random`` key for a recipe that rounds stochastically (NVFP4): each site
         draws its own seed from it, so that the layers of a stack round independently.
         Without it the recipe's ``seed`` is used. Other recipes ignore it.
+      stack: leading axes of a stack of sites, e.g. ``(n_layers,)`` for the layers of a
+        ``lax.scan`` or ``eqx.filter_vmap`` stack (each with its own seed when ``key`` is
+        given).
 
     Example:
-      >>> import jdls
+      >>> import jax, jdls
       >>> site = jdls.fp8.init(jdls.fp8.DelayedScaling(history_length=8))
       >>> site.value.lhs.history.shape, float(site.value.grad.scale)
       ((8,), 1.0)
+      >>> stack = jdls.fp8.init(jdls.fp8.nvfp4(), jax.random.key(0), stack=(4,))
+      >>> len(set(stack.value.grad.seed.tolist()))  # one seed per layer
+      4
     """
+    stack = tuple(int(n) for n in stack)
+    if stack:
+        if key is None or not needs_key(recipe):
+            return init(recipe).stacked(*stack)
+        keys = jax.random.split(key, stack)
+        make = functools.partial(init, recipe)
+        for _ in stack:
+            make = jax.vmap(make)
+        return make(keys)
     site = Site(Fp8(recipe))
     if key is None or not needs_key(recipe):
         return site
