@@ -347,3 +347,22 @@ def test_a_retried_step_draws_the_bits_of_the_step_it_retries():
     assert int(jdls.stats(s2).retries) == 0 and bool(jdls.stats(s2).finite)
     assert_bitwise_equal(p1, p2)
     assert float(p1["dot"].value.grad.step) == 1.0
+
+
+@pytest.mark.full
+def test_accumulate_is_the_mean_of_the_micro_batches():
+    """jdls.accumulate over NVFP4 dots: the weight gradient is the mean of the micro-batches'
+    (each drawing the step's bits), the site's measurement their largest amax."""
+    xs = jax.random.normal(jax.random.key(6), (3, 32, 16))
+    p = {"w": jax.random.normal(jax.random.key(7), (16, 8)), "dot": fp8.init(fp8.nvfp4())}
+
+    def loss_fn(p, x):
+        return jnp.mean(jnp.tanh(fp8.dot_general(x, p["w"], DN, site=p["dot"])) ** 2)
+
+    scale = jdls.NoOpScale()
+    _, grads, _ = jax.jit(lambda p, xs: jdls.accumulate(loss_fn, scale, p, xs))(p, xs)
+    each = [jax.jit(jax.grad(loss_fn))(p, x) for x in xs]
+    mean = sum(g["w"] for g in each) / 3
+    np.testing.assert_allclose(grads["w"], mean, rtol=1e-6, atol=1e-9)
+    amaxes = [float(g["dot"].value.meter.grad.amax) for g in each]
+    assert float(grads["dot"].value.meter.grad.amax) == max(amaxes)
