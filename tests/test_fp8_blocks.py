@@ -535,7 +535,7 @@ def test_recipe_measurement_reports_clipped_blocks_and_flushed_values():
     assert float(m.amax) == 449.0
     assert float(m.saturated) == 0.25  # one block of four clipped its maximum
     assert float(m.flushed) == 0.125  # 2**-20 next to 1.0
-    assert q.scale.shape == (1, 4)
+    assert q.values.tolist() == [[448.0, 1.0, 1.0, 1.0, 0.0, 1.0, 3.0, 1.0]]
     _, m_up = dataclasses.replace(recipe, rounding="up").quantize(x, None, "lhs", (1,))
     assert float(m_up.saturated) == 0.0
     _, m_bad = recipe.quantize(x.at[0, 3].set(jnp.nan), None, "lhs", (1,))
@@ -543,10 +543,22 @@ def test_recipe_measurement_reports_clipped_blocks_and_flushed_values():
 
 
 @pytest.mark.full
-def test_recipe_scale_repeats_where_the_block_does_not_divide():
+def test_recipe_values_where_the_block_does_not_divide():
     q, _ = mx().quantize(jnp.ones((3, 40)), None, "lhs", (1,))
-    assert q.scale.shape == (3, 40)  # 40 is not a multiple of 32: one scale per value
+    assert q.values.shape == (3, 40) and q.scale.shape == ()  # 40 is not a multiple of 32
     np.testing.assert_array_equal(np.asarray(q.dequantize()), np.ones((3, 40)))
+
+
+def test_a_block_scale_below_float32s_normal_range_keeps_its_values():
+    """A block whose E8M0 scale is 2**-127 (code 0): its values times the scale are normal
+    float32 numbers, and the FP8 dot gives what the stand-alone block dot gives (a float32
+    product with the scale would have flushed it to zero)."""
+    x, w = jnp.full((4, 32), 1e-36), jnp.full((32, 2), 1e29)
+    dn = (((1,), (0,)), ((), ()))
+    assert int(quantize_blocks(x, (1, 32), "e4m3", "up").codes[0, 0]) == 0
+    y = fp8.dot_general(x, w, dn, site=fp8.init(mx()))
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(block_dot_general(x, w, dn, mx())))
+    assert float(y[0, 0]) == pytest.approx(3.2e-6, rel=0.05)
 
 
 @pytest.mark.full

@@ -33,7 +33,6 @@ from flax import struct
 from jax import lax
 
 from jdls.fp8._block import (
-    BlockArray,
     dequantize_blocks,
     element_format,
     quantize_and_measure,
@@ -158,9 +157,11 @@ class BlockScaling:
     ) -> tuple[Quantized, Measurement]:
         """``x`` in blocks along the contracted ``axes``, with one power-of-two scale each.
 
-        The scale is float32 with one entry per block (repeated along an axis whose length is
-        not a multiple of the block, so that every axis divides); a block holding inf or NaN
-        has a NaN scale.
+        ``Quantized.values`` are the dequantized values, exact in float32 (``values * 2**e``
+        computed on bit patterns, so a block whose scale is ``2**-127``, below float32's
+        normal range, keeps its values), and ``scale`` is 1: the dot multiplies the values
+        as the hardware's block-scaled dot does. A block holding inf or NaN dequantizes to
+        NaN.
         """
         del state
         fmt = self.backward if role == "grad" else self.forward
@@ -169,24 +170,14 @@ class BlockScaling:
         measurement = Measurement(
             amax=stats["amax"], saturated=stats["clipped"], flushed=stats["flushed"]
         )
-        return Quantized(values=q.values, scale=_dividing_scale(q)), measurement
+        values = dequantize_blocks(q)
+        return Quantized(values=values, scale=jnp.ones((), jnp.float32)), measurement
 
     def update(
         self, state: BlockState, measurement: Measurement, role: Role, skipped: Any = False
     ) -> BlockState:
         del measurement, role, skipped
         return state
-
-
-def _dividing_scale(q: BlockArray) -> jax.Array:
-    """The block scales in float32, repeated to full length along an axis the block does not
-    divide (``jdls.fp8.Quantized`` needs every axis of the scale to divide the values')."""
-    scale = q.scales_float32
-    for axis, (n, b) in enumerate(zip(q.values.shape, q.block_shape, strict=True)):
-        if b > 1 and n % b:
-            scale = jnp.repeat(scale, b, axis=axis)
-            scale = jax.lax.slice_in_dim(scale, 0, n, axis=axis)
-    return scale
 
 
 def mx(fmt: str = "e4m3", rounding: str = "up", backward: str | None = None) -> BlockScaling:
