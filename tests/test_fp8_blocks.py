@@ -204,17 +204,28 @@ def test_rounding_up_differs_from_jax_only_for_nan():
     np.testing.assert_array_equal(ref_up(amax, 448.0), [255, 255])  # the reference keeps it
 
 
-def test_rounding_up_never_clips_and_down_clips_below_twice_fmax():
+def test_rounding_up_clips_one_amax_and_down_clips_below_its_bound():
+    """``"up"`` clips exactly one amax per format, the float32 value one ulp above
+    ``fmax * 2**-127`` (its quotient rounds to the subnormal ``2**-127``), by less than
+    ``1e-7``; ``"down"`` leaves the maximum below ``2**(floor(log2 fmax) + 1)``: 1.14x fmax
+    for e4m3, e5m2 and e3m2, 1.07x for e2m3, 1.33x for e2m1."""
     amax = random_amax(1 << 16, 3)
     amax = amax[np.isfinite(amax)]
     for fmt, f in ELEMENT_FORMATS.items():
+        edge = np.float32(np.float64(f.max) * 2.0**-127)
+        near = (edge.view(np.uint32) + np.arange(-64, 65)).astype(np.uint32).view(np.float32)
+        both = np.concatenate([amax, near])
         for rule in ("up", "down"):
-            e = _codes_of(amax, rule, fmt).astype(np.int64) - 127
-            top = amax.astype(np.float64) / np.ldexp(1.0, e)
+            e = _codes_of(both, rule, fmt).astype(np.int64) - 127
+            top = both.astype(np.float64) / np.ldexp(1.0, e)
             if rule == "up":
-                assert (top[amax > f.max * 2.0**-126] <= f.max).all(), fmt
+                over = both[top > f.max]
+                assert over.tolist() == [float(np.nextafter(edge, np.float32(1)))], fmt
+                assert top.max() / f.max < 1 + 1e-7, fmt
             else:
-                assert (top[amax > 2.0**-100] < 2 * f.max).all(), fmt
+                bound = 2.0 ** (np.floor(np.log2(f.max)) + 1)
+                assert (top[both > 2.0**-100] < bound).all(), fmt
+                assert top.max() > 0.99 * bound, fmt  # the bound is reached
 
 
 def test_outlier_constants_are_qwix_constants():

@@ -198,11 +198,18 @@ def mx(fmt: str = "e4m3", rounding: str = "up", backward: str | None = None) -> 
 
 
 def deepseek(rounding: str = "up") -> BlockScaling:
-    """DeepSeek-V3's fine-grained FP8: 1x128 activation and gradient tiles, 128x128 weight
-    blocks, e4m3 everywhere, power-of-two scales (rounded up by default, never clipping).
+    """DeepSeek's fine-grained FP8: 1x128 activation and gradient tiles, 128x128 weight
+    blocks, e4m3 everywhere, power-of-two (E8M0) scales, rounded up by default.
+
+    The tiles are DeepSeek-V3's. Its released inference code scales each tile by
+    ``amax / 448``, a float32 scale that is not a power of two; DeepSeek-V3.1 moved to the
+    UE8M0 scale format, powers of two, as here (and as TransformerEngine's
+    ``Float8BlockScaling``).
 
     References:
-      DeepSeek-AI, "DeepSeek-V3 Technical Report", arXiv 2412.19437, section 3.3.
+      DeepSeek-AI, "DeepSeek-V3 Technical Report", arXiv 2412.19437, section 3.3;
+      ``deepseek-ai/DeepSeek-V3`` ``inference/kernel.py`` (``act_quant``); the DeepSeek-V3.1
+      release (2025-08-21, "UE8M0 FP8 scale data format").
 
     Example:
       >>> import jdls.fp8._block_dot as bd

@@ -5,10 +5,11 @@ A block of values shares one power-of-two scale ``2**e``, stored as an E8M0 code
 largest magnitude ``amax`` and the element format's largest value ``fmax``:
 
 - ``"up"`` (NVIDIA, JAX's cuDNN path): the E8M0 value of ``amax / fmax`` (float32 quotient)
-  rounded up, so the block's maximum never exceeds ``fmax`` after scaling;
+  rounded up, so the block's maximum does not exceed ``fmax`` after scaling (except for
+  the one amax just above ``fmax * 2**-127``, whose quotient rounds to ``2**-127``);
 - ``"down"`` (OCP MX v1.0 as its reference emulator computes it):
-  ``floor(log2(amax)) - floor(log2(fmax))``, so the maximum can exceed ``fmax`` by up to 2x and
-  is clipped;
+  ``floor(log2(amax)) - floor(log2(fmax))``, so the maximum can exceed ``fmax``, up to
+  ``2**(floor(log2(fmax)) + 1)`` (1.14x for e4m3, 1.33x for e2m1), and is clipped;
 - ``"outlier_aware"`` (qwix): ``amax / fmax`` times a format constant ``c`` (60/31 for
   three mantissa bits, 12/7 for one) rounded to bfloat16, then rounded down to a power of two.
 
