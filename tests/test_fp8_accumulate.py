@@ -134,6 +134,34 @@ def test_train_state_with_multisteps_records_one_amax_per_applied_step(jit):
     assert sorted(history[history != 0].tolist()) == _expected_history(batches)
 
 
+def test_a_hand_written_step_with_multisteps_records_one_amax_per_applied_step():
+    """The hand-written step of docs/fp8.md: sites kept apart from the parameters and
+    updated with ``jdls.fp8.step_applied(opt_state)``, right with and without MultiSteps
+    (``jdls.stats(opt_state).finite`` would record every micro-batch)."""
+    batches = _four_micro_batches()
+    tx = jdls.wrap(optax.MultiSteps(optax.sgd(0.1), every_k_schedule=2), jdls.StaticScale(1.0))
+    params, sites = {"w": jnp.ones((8, 2)) * 0.1}, {"site": fp8.init(fp8.DelayedScaling(4))}
+    opt_state = tx.init(params)
+
+    @jax.jit
+    def step(params, sites, opt_state, batch):
+        loss_fn = lambda p, s: _loss({"w": p["w"], "site": s["site"]}, batch)  # noqa: E731
+        grads, measured = jax.grad(loss_fn, argnums=(0, 1))(params, sites)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        sites = jdls.update_sites(sites, measured, jdls.fp8.step_applied(opt_state))
+        return optax.apply_updates(params, updates), sites, opt_state
+
+    recorded = []
+    for i in range(4):
+        params, sites, opt_state = step(
+            params, sites, opt_state, jax.tree.map(lambda b, i=i: b[i], batches)
+        )
+        recorded.append(np.count_nonzero(np.asarray(sites["site"].value.lhs.history)))
+    assert recorded == [0, 1, 1, 2]
+    history = np.asarray(sites["site"].value.lhs.history)
+    assert sorted(history[history != 0].tolist()) == _expected_history(batches)
+
+
 def test_wrap_with_multisteps_updates_sites_in_params_once_per_applied_step():
     """The site among the parameters given to jdls.wrap(optax.MultiSteps(...)) (the Equinox
     path): the wrap updates it with "the step was applied"."""

@@ -9,7 +9,7 @@ as usual; the gradient's sites are the step's measurements::
     params, _ = jdls.split_sites(eqx.filter(model, eqx.is_array))
     updates, opt_state = tx.update(grads, opt_state, params)
     model = jdls.equinox.apply_updates(model, updates)
-    model = jdls.update_sites(model, measured, jdls.stats(opt_state).finite)
+    model = jdls.update_sites(model, measured, jdls.fp8.step_applied(opt_state))
 """
 
 from __future__ import annotations
