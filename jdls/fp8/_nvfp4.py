@@ -334,19 +334,25 @@ def hadamard(x: jax.Array, axis: int = -1, signs: Any = None) -> jax.Array:
     s = _signs(signs)
     x = jnp.asarray(x)
     axis = axis % x.ndim
-    w = ftz(jnp.moveaxis(x.astype(jnp.float32), axis, -1))
-    n = w.shape[-1]
-    pad = -n % BLOCK
+    w = ftz(x.astype(jnp.float32))
+    size = w.shape[axis]
+    pad = -size % BLOCK
     if pad:
-        w = jnp.pad(w, [(0, 0)] * (w.ndim - 1) + [(0, pad)])
-    lead = w.shape[:-1]
-    w = w.reshape(*lead, -1, BLOCK) * s
+        widths = [(0, 0)] * w.ndim
+        widths[axis] = (0, pad)
+        w = jnp.pad(w, widths)
+    # In place along ``axis`` (no transpose): (..., tiles, 16, ...), the butterfly on the 16.
+    before, after = w.shape[:axis], w.shape[axis + 1 :]
+    tiles = (size + pad) // BLOCK
+    w = w.reshape(*before, tiles, BLOCK, *after) * s.reshape((BLOCK,) + (1,) * len(after))
+    pair_axis = len(before) + 2  # the axis of (w[i], w[i + h]) below
     for h in (1, 2, 4, 8):
-        pairs = w.reshape(*lead, -1, BLOCK // (2 * h), 2, h)
-        a, b = pairs[..., 0, :], pairs[..., 1, :]
-        w = jnp.stack([ftz(a + b), ftz(a - b)], axis=-2).reshape(*lead, -1, BLOCK)
-    w = ftz(w * np.float32(0.25)).reshape(*lead, n + pad)
-    return jnp.moveaxis(w, -1, axis)
+        pairs = w.reshape(*before, tiles, BLOCK // (2 * h), 2, h, *after)
+        a = lax.index_in_dim(pairs, 0, pair_axis, keepdims=False)
+        b = lax.index_in_dim(pairs, 1, pair_axis, keepdims=False)
+        w = jnp.stack([ftz(a + b), ftz(a - b)], axis=pair_axis)
+        w = w.reshape(*before, tiles, BLOCK, *after)
+    return ftz(w * np.float32(0.25)).reshape(*before, size + pad, *after)
 
 
 def padded_length(n: int) -> int:
