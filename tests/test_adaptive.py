@@ -294,7 +294,7 @@ def test_a_measurement_understated_by_a_steady_factor_is_learned_from_one_run(ji
         skipped.append(not finite)
         scale = adjust(scale, finite, 2.0**-13 if finite else np.inf)
     assert [k for k, s in enumerate(skipped) if s] == [1, 2, 3]
-    assert used[:5] == [0, 22, 21, 19, 15]  # predicted 2**22; backoffs of 1, 2, 4 bits
+    assert used[:5] == [15, 22, 21, 19, 15]  # predicted 2**22; backoffs of 1, 2, 4 bits
     assert set(used[5:]) == {18}  # below 2**19, the lowest scale that overflowed
     assert int(scale.state.margin) == 10 and int(scale.state.learning) == 0
 

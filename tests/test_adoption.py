@@ -335,3 +335,95 @@ def test_wrap_groups_names_the_models_overflow_by_the_shared_scale():
         tx = jdls.wrap_groups({"gen": optax.sgd(0.1), "disc": optax.sgd(0.1)}, scale)
         _, state = tx.update(grads, tx.init(params), params)
         assert int(jdls.stats(state).cause) == want
+
+
+# --------------------------------------------------------------------------------------------
+# A first step that counts: the default scale starts where float16 gradients survive.
+# --------------------------------------------------------------------------------------------
+
+_LR = 1e-3
+_WEIGHT = 2.0**-20  # a loss weight of a real codebase (a z-loss, an auxiliary loss)
+
+
+def _weighted_loss(params, x, dtype=jnp.float16):
+    """A two-layer model computed in ``dtype``, its loss times ``2**-20``."""
+    h = jnp.tanh(x.astype(dtype) @ params["a"]["w"].astype(dtype))
+    y = (h @ params["b"]["w"].astype(dtype)).astype(jnp.float32)
+    return _WEIGHT * jnp.mean(y**2)
+
+
+def _adam_counts(opt_state):
+    found = jax.tree_util.tree_leaves(
+        opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState)
+    )
+    return [int(s.count) for s in found if isinstance(s, optax.ScaleByAdamState)]
+
+
+def _first_step(path, params, x):
+    """``(params, opt_state)`` after one step of Adam with the default scale on ``path``."""
+    if path == "wrap_groups":
+        tx = jdls.wrap_groups({"a": optax.adam(_LR), "b": optax.adam(_LR)})
+    else:
+        tx = jdls.wrap(optax.adam(_LR))
+    opt_state = tx.init(params)
+    if path == "retrying":
+        params, opt_state, _ = jax.jit(jdls.retrying(_weighted_loss, tx))(params, opt_state, x)
+        return params, opt_state
+    if path == "linen":
+
+        @jax.jit
+        def train_step(state):
+            _, grads = state.value_and_grad(_weighted_loss)(state.params, x)
+            return state.apply_gradients(grads=grads)
+
+        state = train_step(jdls.linen.TrainState.create(apply_fn=None, params=params, tx=tx))
+        return state.params, state.opt_state
+
+    @jax.jit
+    def step(params, opt_state):
+        _, grads = jdls.get_scale(opt_state).value_and_grad(_weighted_loss)(params, x)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    return step(params, opt_state)
+
+
+@pytest.mark.parametrize("path", ["wrap", "wrap_groups", "retrying", "linen"])
+@pytest.mark.full(keep=1)
+def test_a_float16_first_step_with_a_small_loss_weight_counts_as_a_float32_step(path):
+    """Loss weight 2**-20 in float16: step 1 is Adam's step 1, its parameters those of
+    float32's first step. (The default scale started at 1: most gradients flushed, Adam
+    counted the step anyway, and its first real update was 0.74 of float32's.)"""
+    key = jax.random.key(0)
+    params = {
+        "a": {"w": jax.random.normal(key, (8, 16)) * 0.3},
+        "b": {"w": jax.random.normal(jax.random.fold_in(key, 1), (16, 4)) * 0.3},
+    }
+    x = jax.random.normal(jax.random.fold_in(key, 2), (32, 8))
+    new, opt_state = _first_step(path, params, x)
+    assert set(_adam_counts(opt_state)) == {1}
+    assert int(jdls.stats(opt_state).skipped_steps) == 0
+    grads = jax.grad(functools.partial(_weighted_loss, dtype=jnp.float32))(params, x)
+    adam = optax.adam(_LR)
+    updates, _ = adam.update(grads, adam.init(params), params)
+    want = optax.apply_updates(params, updates)
+    for got, expected, p in zip(
+        jax.tree_util.tree_leaves(new),
+        jax.tree_util.tree_leaves(want),
+        jax.tree_util.tree_leaves(params),
+        strict=True,
+    ):
+        # every entry moved as float32's first step moves it, to float16's rounding
+        np.testing.assert_allclose(got - p, expected - p, rtol=0, atol=_LR * 1e-2)
+
+
+def test_the_default_scale_starts_at_the_classic_start_within_the_formats_range():
+    assert float(jdls.AdaptiveScale().loss_scale) == 2.0**15
+    assert float(jdls.AdaptiveScale(compute_dtype="bfloat16").loss_scale) == 2.0**15
+    assert float(jdls.AdaptiveScale(compute_dtype="float8_e4m3fn").loss_scale) == 2.0**8
+    assert float(jdls.AdaptiveScale(max_loss_scale=2.0**10).loss_scale) == 2.0**10
+    assert float(jdls.AdaptiveScale(min_loss_scale=2.0**20).loss_scale) == 2.0**20
+    assert float(jdls.AdaptiveScale(1.0).loss_scale) == 1.0  # given: as given
+    assert jdls.get_scale(jdls.wrap(optax.sgd(0.1)).init({"w": jnp.zeros(2)})) == (
+        jdls.AdaptiveScale()
+    )

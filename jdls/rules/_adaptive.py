@@ -219,6 +219,33 @@ class Adaptive(Rule):
         check_within(loss_scale, self.min_loss_scale, self.max_loss_scale)
         return loss_scale
 
+    def first_scale(self) -> float:
+        """The scale a run starts at when none is given (:func:`jdls.AdaptiveScale`'s
+        default): ``2**15``, the classic rule's and its peers' start, or the compute format's
+        largest power of two when that is smaller (``2**8`` for ``float8_e4m3fn``); within
+        ``[min_loss_scale, max_loss_scale]``.
+
+        High, not 1: a start too high overflows, and an overflow is seen and skipped (the
+        optimizer does not count it, and the rule backs off by 1, 2, 4, 8 bits); a start
+        too low flushes small gradients to zero, which nothing sees: the step is applied
+        and counts (Adam's step count, a schedule) with what was left of them.
+
+        Example:
+          >>> import jdls
+          >>> jdls.rules.Adaptive().first_scale(), jdls.rules.Adaptive("float8_e4m3fn").first_scale()
+          (32768.0, 256.0)
+        """
+        lo, hi = self._exponent_bounds()
+        if lo > hi:  # no power of two within the bounds
+            return float(self.min_loss_scale)  # type: ignore[arg-type]
+        return 2.0 ** min(max(self._start_exponent(), lo), hi)
+
+    def _start_exponent(self) -> int:
+        """``log2`` of the classic start, ``2**15``, or of the format's largest power of two
+        when smaller: where a run starts, and where all-zero gradients settle."""
+        _, g = math.frexp(float(finfo(self.compute_dtype).max))
+        return min(15, g - 1)
+
     def _exponent_bounds(self) -> tuple[int, int]:
         lo = _EXP_MIN if self.min_loss_scale is None else math.ceil(math.log2(self.min_loss_scale))
         hi = _EXP_MAX if self.max_loss_scale is None else math.floor(math.log2(self.max_loss_scale))
@@ -320,7 +347,7 @@ class Adaptive(Rule):
         jump = math.floor(log2_max - log2_sub + 1) - state.margin  # the whole usable range
         never = state.settled == _NONE
         look = never & (state.looking == 0)
-        back = jnp.maximum(log2_scale - jump, _I32(min(15, g - 1)))  # the look found zeros
+        back = jnp.maximum(log2_scale - jump, _I32(self._start_exponent()))  # found zeros
         after_overflows = ~never & (state.overflows > 0)
         target = pick(
             look,
