@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -153,3 +154,31 @@ def test_a_checkpoint_saved_before_uses_were_counted_restores():
         broken = drop_uses(serialization.to_state_dict(variables))
         del broken["jdls"]["Dense_0"]["DotGeneral_0"]["fp8"]["value"]["meter"]
         serialization.from_state_dict(target, broken)
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        jdls.fp8.DelayedScaling(4),
+        pytest.param(jdls.fp8.nvfp4(measure_error=True), marks=pytest.mark.full),
+    ],
+    ids=["delayed", "nvfp4"],
+)
+def test_retrying_with_an_axis_name_inside_shard_map_takes_fp8_sites(recipe):
+    """jdls.retrying(axis_name=...) under shard_map with check_vma: the FP8 dot's cotangent
+    of a measurement field it does not measure (``error``) is typed as the site state it is
+    the cotangent of (the state varies across the data axis inside the retry loop)."""
+    n = 4
+    mesh = jax.make_mesh((n,), ("d",), devices=jax.devices()[:n])
+    dot = functools.partial(jdls.fp8.linen.DotGeneral, recipe=recipe)
+    model = nn.Dense(8, dot_general_cls=dot)
+    x = jax.random.normal(jax.random.key(1), (16 * n, 16))
+    v = model.init(jax.random.key(0), x[:16])
+    tx = jdls.wrap(optax.sgd(0.1), jdls.DynamicScale(2.0**15), axis_name="d")
+    step = jdls.retrying(lambda p, x: jnp.mean(model.apply(p, x) ** 2), tx, axis_name="d")
+    mapped = jax.shard_map(
+        lambda p, o, x: step(p, o, x)[:2], mesh=mesh, in_specs=(P(), P(), P("d")), out_specs=P()
+    )
+    put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))  # noqa: E731
+    _, opt_state = jax.jit(mapped)(put(v, P()), put(tx.init(v), P()), put(x, P("d")))
+    assert bool(jdls.stats(opt_state).finite)

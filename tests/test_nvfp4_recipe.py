@@ -366,3 +366,28 @@ def test_accumulate_is_the_mean_of_the_micro_batches():
     np.testing.assert_allclose(grads["w"], mean, rtol=1e-6, atol=1e-9)
     amaxes = [float(g["dot"].value.meter.grad.amax) for g in each]
     assert float(grads["dot"].value.meter.grad.amax) == max(amaxes)
+
+
+@pytest.mark.parametrize(
+    "recipe", [fp8.nvfp4(), pytest.param(fp8.mx(), marks=pytest.mark.full)], ids=["nvfp4", "mx"]
+)
+def test_a_batch_sharded_on_an_explicit_mesh_trains_as_on_one_device(recipe):
+    """jax.make_mesh's default (explicit) axes, the tokens sharded: blocks along the token
+    axis stay on their devices, and the gradients are those of one device (the weight
+    gradient to float32 rounding: its tokens are summed across devices)."""
+    mesh = jax.make_mesh((4,), ("d",), devices=jax.devices()[:4])
+    x, w = _operands(m=128)
+    c = _cotangent(m=128)
+
+    def loss(x, w, site):
+        return jnp.sum(fp8.dot_general(x, w, DN, site=site) * c)
+
+    site = fp8.init(recipe, key=jax.random.key(0))
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
+    dx1, dw1 = grad(x, w, site)
+    sharded = jax.device_put(x, jax.sharding.NamedSharding(mesh, P("d")))
+    dx, dw = grad(sharded, w, site)
+    assert_bitwise_equal(np.asarray(dx), np.asarray(dx1))
+    np.testing.assert_allclose(
+        np.asarray(dw), np.asarray(dw1), rtol=0, atol=1e-6 * float(jnp.abs(dw1).max())
+    )

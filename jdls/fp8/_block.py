@@ -42,6 +42,7 @@ __all__ = [
     "expand_blocks",
     "quantize_and_measure",
     "quantize_blocks",
+    "split_axis",
     "unblocked",
 ]
 
@@ -159,20 +160,60 @@ def check_blocks(shape: tuple[int, ...], block_shape: tuple[int, ...]) -> tuple[
     return block_shape
 
 
+def _axis_size(mesh: Any, axis: Any) -> int:
+    names = axis if isinstance(axis, tuple) else (axis,)
+    return math.prod(mesh.shape[n] for n in names)
+
+
+def split_axis(x: jax.Array, axis: int, size: int) -> jax.Array:
+    """``x`` with ``axis`` split in two, ``(n / size, size)``.
+
+    Under an explicit mesh (where JAX cannot infer such a reshape's sharding) the outer
+    half keeps the axis's sharding when the blocks divide over its devices, so blocks stay
+    where they are; otherwise the axis is gathered first (blocks that straddle devices)."""
+    n = x.shape[axis]
+    shape = (*x.shape[:axis], n // size, size, *x.shape[axis + 1 :])
+    mesh, spec = _explicit(x)
+    if spec is None:
+        return x.reshape(shape)
+    a = spec[axis]
+    if a is not None and (n // size) % _axis_size(mesh, a) != 0:
+        spec[axis] = a = None
+        x = jax.sharding.reshard(
+            x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+        )
+    out = jax.sharding.PartitionSpec(*spec[:axis], a, None, *spec[axis + 1 :])
+    return jnp.reshape(x, shape, out_sharding=jax.sharding.NamedSharding(mesh, out))
+
+
 def blocked(x: jax.Array, block_shape: tuple[int, ...]) -> jax.Array:
     """``x`` zero-padded to whole blocks and reshaped to ``(n0/b0, b0, n1/b1, b1, ...)``."""
     pad = [(0, -n % b) for n, b in zip(x.shape, block_shape, strict=True)]
     if any(p for _, p in pad):
         x = jnp.pad(x, pad)
-    split = []
-    for n, b in zip(x.shape, block_shape, strict=True):
-        split += [n // b, b]
-    return x.reshape(split)
+    for axis in reversed(range(x.ndim)):  # the last first: earlier axes keep their index
+        x = split_axis(x, axis, block_shape[axis])
+    return x
+
+
+def _explicit(x: jax.Array) -> tuple[Any, list[Any] | None]:
+    """The explicit mesh of ``x`` and its spec (one entry per axis), or ``(None, None)``."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    mesh, spec = getattr(sharding, "mesh", None), getattr(sharding, "spec", None)
+    if mesh is None or spec is None or mesh.empty or all(a is None for a in spec):
+        return None, None
+    return mesh, list(spec) + [None] * (x.ndim - len(spec))
 
 
 def unblocked(xb: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """The inverse of :func:`blocked`: ``(n0/b0, b0, ...)`` merged and the padding cut."""
     padded = tuple(xb.shape[2 * i] * xb.shape[2 * i + 1] for i in range(len(shape)))
-    x = xb.reshape(padded)
+    mesh, spec = _explicit(xb)
+    if spec is None or any(a is not None for a in spec[1::2]):
+        x = xb.reshape(padded)
+    else:
+        target = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec[::2]))
+        x = jnp.reshape(xb, padded, out_sharding=target)
     if padded != shape:
         x = x[tuple(slice(0, n) for n in shape)]
     return x

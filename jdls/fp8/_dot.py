@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jdls._numerics.axes import sum_like, varying_axes
+from jdls._numerics.axes import sum_like, vary_like, varying_axes
 from jdls._sites.site import Site
 from jdls.fp8._recipe import Quantized
 from jdls.fp8._state import DotState, Fp8, Meter
@@ -210,7 +210,9 @@ def _fp8_dot_bwd(
     zeros = jax.tree.map(jnp.zeros_like, state)
     # Inside shard_map, an operand the device did not vary over (replicated weights) gets the
     # sum of the devices' gradients, as JAX's own transpose gives it; a measurement the maximum.
-    meter = jax.tree.map(_max_like, meter, state.meter)
+    # typed as the meter it is the cotangent of (a constant field, such as an unmeasured
+    # error, varies over the state's axes too)
+    meter = jax.tree.map(lambda m, s: vary_like(_max_like(m, s), s), meter, state.meter)
     uses = _max_like(uses, state.uses)
     grad_lhs, grad_rhs = sum_like(grad_lhs, lhs), sum_like(grad_rhs, rhs)
     return grad_lhs, grad_rhs, dataclasses.replace(zeros, meter=meter, uses=uses)

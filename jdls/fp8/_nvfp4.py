@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jdls.fp8._block import blocked, check_blocks, expand_blocks, unblocked
+from jdls.fp8._block import blocked, check_blocks, expand_blocks, split_axis, unblocked
 
 __all__ = [
     "BLOCK",
@@ -344,7 +344,7 @@ def hadamard(x: jax.Array, axis: int = -1, signs: Any = None) -> jax.Array:
     # In place along ``axis`` (no transpose): (..., tiles, 16, ...), the butterfly on the 16.
     before, after = w.shape[:axis], w.shape[axis + 1 :]
     tiles = (size + pad) // BLOCK
-    w = w.reshape(*before, tiles, BLOCK, *after) * s.reshape((BLOCK,) + (1,) * len(after))
+    w = split_axis(w, axis, BLOCK) * s.reshape((BLOCK,) + (1,) * len(after))
     pair_axis = len(before) + 2  # the axis of (w[i], w[i + h]) below
     for h in (1, 2, 4, 8):
         pairs = w.reshape(*before, tiles, BLOCK // (2 * h), 2, h, *after)
