@@ -391,3 +391,44 @@ def test_a_batch_sharded_on_an_explicit_mesh_trains_as_on_one_device(recipe):
     np.testing.assert_allclose(
         np.asarray(dw), np.asarray(dw1), rtol=0, atol=1e-6 * float(jnp.abs(dw1).max())
     )
+
+
+def test_nnx_state_is_ranked_and_kept():
+    """The layer tools take an NNX state (the site inside its SiteVariable): keep a layer
+    with nnx.update."""
+    from flax import nnx
+
+    recipe = fp8.nvfp4(measure_error=True)
+    model = nnx.Linear(
+        32, 16, dot_general=fp8.nnx.DotGeneral(recipe, rngs=nnx.Rngs(1)), rngs=nnx.Rngs(0)
+    )
+    x = jax.random.normal(jax.random.key(2), (32, 32))
+    optimizer = jdls.nnx.Optimizer(model, jdls.wrap(optax.adam(1e-3)), wrt=nnx.Param)
+    _, grads = jdls.nnx.value_and_grad(lambda m: jnp.mean(m(x) ** 2), jdls.get_scale(optimizer))(
+        model
+    )
+    optimizer.update(model, grads)
+    state = nnx.state(model, jdls.nnx.SiteVariable)
+    ranked = fp8.rank_layers(state)
+    assert [r.name for r in ranked] == [("dot_general/site", None)] and 0 < ranked[0].error < 1
+    nnx.update(model, fp8.keep_high_precision(state, fp8.suggest_high_precision(state)))
+    assert float(model.dot_general.site.get_value().value.rhs.keep) == 1.0
+
+
+def test_keep_high_precision_names_a_wrong_layer():
+    sites = {
+        "blocks": fp8.init(fp8.nvfp4(), jax.random.key(0), stack=4),
+        "head": fp8.init(fp8.nvfp4()),
+    }
+    kept = fp8.keep_high_precision(sites, ("blocks", -1))  # one name, not in a list
+    assert kept["blocks"].value.lhs.keep.tolist() == [0.0, 0.0, 0.0, 1.0]
+    for layer, match in [(4, "outside the stack of 4"), (-5, "outside"), (1.0, "must be an int")]:
+        with pytest.raises(ValueError, match=match):
+            fp8.keep_high_precision(sites, [("blocks", layer)])
+    with pytest.raises(ValueError, match="is one NVFP4 site, not a stack"):
+        fp8.keep_high_precision(sites, [("head", 0)])
+    assert fp8.keep_high_precision(sites, "head")["head"].value.grad.keep.tolist() == 1.0
+    with pytest.raises(TypeError, match="stochastic_rounding must be True or False"):
+        fp8.nvfp4(stochastic_rounding="yes")
+    with pytest.raises(ValueError, match="amax must be"):
+        fp8.quantize_nvfp4(jnp.ones((2, 16)), amax=-1.0)

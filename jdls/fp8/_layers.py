@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jdls._sites.site import Site
 from jdls.fp8._nvfp4_recipe import NVFP4Scaling, NVFP4State
 from jdls.fp8._state import telemetry
 
@@ -53,8 +54,7 @@ class LayerError:
 
 
 def _is_nvfp4_site(x: Any) -> bool:
-    kind = getattr(x, "kind", None)
-    return isinstance(getattr(kind, "recipe", None), NVFP4Scaling)
+    return isinstance(x, Site) and isinstance(getattr(x.kind, "recipe", None), NVFP4Scaling)
 
 
 def _nvfp4_sites(tree: Any) -> dict[str, Any]:
@@ -118,8 +118,9 @@ def rank_layers(tree: Any) -> list[LayerError]:
 
 
 def suggest_high_precision(tree: Any, fraction: float = 0.15) -> list[tuple[str, int | None]]:
-    """The ``fraction`` of NVFP4 dots (at least one) with the largest weight-gradient
-    error, as ``(path, layer)`` names for :func:`keep_high_precision`.
+    """The ``fraction`` of NVFP4 dots with the largest weight-gradient error (at least one
+    when ``tree`` holds any; none otherwise), as ``(path, layer)`` names for
+    :func:`keep_high_precision`.
 
     Example:
       >>> import jdls
@@ -127,7 +128,7 @@ def suggest_high_precision(tree: Any, fraction: float = 0.15) -> list[tuple[str,
       >>> len(jdls.fp8.suggest_high_precision({"mlp": site}, 0.5))
       2
     """
-    if not 0 < fraction <= 1:
+    if not (isinstance(fraction, (int, float)) and 0 < fraction <= 1):
         raise ValueError(f"fraction must be in (0, 1] (of the NVFP4 dots), got {fraction!r}")
     ranked = rank_layers(tree)
     return [r.name for r in ranked[: max(1, math.ceil(fraction * len(ranked)))]] if ranked else []
@@ -140,6 +141,26 @@ def _keep_state(state: NVFP4State, layers: list[int | None], keep: bool) -> NVFP
     else:
         flags = state.keep.at[np.asarray(layers, np.int32)].set(value)
     return dataclasses.replace(state, keep=flags)
+
+
+def _check_layers(path: str, site: Site, layers: list[int | None]) -> None:
+    """Each ``layer`` an int inside the stack of ``site`` (``None``: every layer)."""
+    stack = jnp.shape(site.value.grad.keep)
+    for layer in layers:
+        if layer is None:
+            continue
+        if not stack:
+            raise ValueError(
+                f"{path!r} is one NVFP4 site, not a stack of layers: name it without a layer "
+                f"(the path alone, or ({path!r}, None)), got layer {layer!r}"
+            )
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
+            raise ValueError(f"a layer must be an int index into {path!r}, got {layer!r}")
+        if not -stack[0] <= layer < stack[0]:
+            raise ValueError(
+                f"layer {layer} is outside the stack of {stack[0]} layers at {path!r} "
+                f"(indices 0 to {stack[0] - 1}, or -1 for the last)"
+            )
 
 
 def keep_high_precision(
@@ -166,8 +187,13 @@ def keep_high_precision(
       >>> sites["blocks"].value.lhs.keep.tolist()
       [0.0, 0.0, 0.0, 1.0]
     """
+    items: list[Any] = list(layers)
+    if isinstance(layers, str) or (
+        isinstance(layers, tuple) and len(layers) == 2 and isinstance(layers[0], str)
+    ):
+        items = [layers]  # one name, not a list of them
     wanted: dict[str, list[int | None]] = {}
-    for item in layers:
+    for item in items:
         path, layer = (item, None) if isinstance(item, str) else item
         wanted.setdefault(path, []).append(layer)
     found = _nvfp4_sites(tree)
@@ -177,6 +203,8 @@ def keep_high_precision(
             f"no NVFP4 site at {unknown}; the NVFP4 sites of this tree are {sorted(found)} "
             "(names as jdls.fp8.telemetry and jdls.fp8.rank_layers give them)"
         )
+    for path, chosen in wanted.items():
+        _check_layers(path, found[path][0], chosen)
     by_id = {id(site): wanted[path] for path, (site, _) in found.items() if path in wanted}
 
     def set_keep(site: Any) -> Any:

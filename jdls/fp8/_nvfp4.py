@@ -278,6 +278,10 @@ def quantize_nvfp4(
     block_shape = check_blocks(x.shape, block_shape)
     if bits is not None:
         bits = blocked(_check_bits(bits, x.shape), block_shape)
+    if isinstance(amax, (int, float, np.floating)) and not amax >= 0:
+        raise ValueError(
+            f"amax must be the tensor's largest magnitude, >= 0 (or None: x's own), got {amax!r}"
+        )
     parts = quantize_parts(x, block_shape, bits, None if amax is None else jnp.asarray(amax))
     values = unblocked(parts.q, x.shape).astype(jnp.float4_e2m1fn)
     return NVFP4Array(values, parts.codes, parts.amax, parts.decode, block_shape)

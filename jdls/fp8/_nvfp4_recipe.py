@@ -109,6 +109,9 @@ class NVFP4Scaling:
     measure_error: bool = False
 
     def __post_init__(self) -> None:
+        for name in ("stochastic_rounding", "hadamard", "weight_tiles", "measure_error"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.high_precision not in _HIGH:
             raise ValueError(
                 f"high_precision must be one of {_HIGH} (the format of the dots kept out of "
@@ -121,7 +124,9 @@ class NVFP4Scaling:
                 f"got {self.signs!r}"
             )
         object.__setattr__(self, "signs", signs)
-        if not (isinstance(self.seed, int) and 0 <= self.seed < _SEEDS):
+        if not (isinstance(self.seed, int) and not isinstance(self.seed, bool)) or not (
+            0 <= self.seed < _SEEDS
+        ):
             raise ValueError(f"seed must be an int in [0, 2**24), got {self.seed!r}")
 
     # -- The jdls.fp8 recipe protocol (jdls/fp8/_recipe.py). ---------------------------------

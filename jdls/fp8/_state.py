@@ -182,7 +182,9 @@ def needs_key(recipe: Recipe) -> bool:
     return hasattr(recipe, "seeded")
 
 
-def init(recipe: Recipe, key: jax.Array | None = None, *, stack: tuple[int, ...] = ()) -> Site:
+def init(
+    recipe: Recipe, key: jax.Array | None = None, *, stack: int | tuple[int, ...] = ()
+) -> Site:
     """A new FP8 dot site: ``jdls.Site(jdls.fp8.Fp8(recipe))``, or a stack of them.
 
     Args:
@@ -203,7 +205,7 @@ def init(recipe: Recipe, key: jax.Array | None = None, *, stack: tuple[int, ...]
       >>> len(set(stack.value.grad.seed.tolist()))  # one seed per layer
       4
     """
-    stack = tuple(int(n) for n in stack)
+    stack = (int(stack),) if isinstance(stack, int) else tuple(int(n) for n in stack)
     if stack:
         if key is None or not needs_key(recipe):
             return init(recipe).stacked(*stack)
