@@ -1,7 +1,9 @@
 """Traps met porting real scanned language models to jdls (Gemma in Flax linen, Llama 3 in
 Equinox): a missing ``"jdls"`` collection named by its cause, a codebase's own NaN guard
-beside jdls's skips, the model's own overflow named, and an Equinox model's static half
-hashable for ``jax.jit(..., static_argnums=...)``."""
+beside jdls's skips, the model's own overflow named, an Equinox model's static half
+hashable for ``jax.jit(..., static_argnums=...)``, a first float16 step with a small loss
+weight that counts as float32's, and probe rows that explain themselves (a row per module
+call and per method, a shared site's uses and fix)."""
 
 from __future__ import annotations
 
@@ -427,3 +429,142 @@ def test_the_default_scale_starts_at_the_classic_start_within_the_formats_range(
     assert jdls.get_scale(jdls.wrap(optax.sgd(0.1)).init({"w": jnp.zeros(2)})) == (
         jdls.AdaptiveScale()
     )
+
+
+# --------------------------------------------------------------------------------------------
+# Telemetry rows that explain themselves: a row per module call, methods other than
+# __call__ probed, and a shared site's row says its uses and the fix.
+# --------------------------------------------------------------------------------------------
+
+
+class _Embedder(nn.Module):
+    """Gemma's embedder: one table, ``encode`` at the bottom, ``decode`` (tied) at the top."""
+
+    vocab: int = 7
+
+    def setup(self):
+        self.table = self.param("table", nn.initializers.normal(1.0), (self.vocab, WIDTH))
+
+    def encode(self, tokens):
+        return self.table[tokens]
+
+    def decode(self, h):
+        return h @ self.table.T
+
+
+class _TwiceBlock(nn.Module):
+    """A block whose dropout (one module) is applied twice, as in Gemma's linen block."""
+
+    @nn.compact
+    def __call__(self, h, _):
+        drop = nn.Dropout(0.5, deterministic=True)
+        y = drop(jnp.tanh(nn.Dense(WIDTH)(h)))
+        return h + drop(2.0 * y), None
+
+
+class _TiedLM(nn.Module):
+    def setup(self):
+        self.embedder = _Embedder()
+        self.blocks = nn.scan(
+            _TwiceBlock,
+            variable_axes={"params": 0, "jdls": 0},
+            split_rngs={"params": True},
+            length=DEPTH,
+        )()
+
+    def __call__(self, tokens):
+        h, _ = self.blocks(self.embedder.encode(tokens), None)
+        return self.embedder.decode(h)
+
+
+_TOKENS = jnp.array([[0, 3, 5], [6, 1, 2]])
+_ROWS = (
+    "embedder.encode",
+    *[
+        row
+        for i in range(DEPTH)
+        for row in (
+            f"blocks/Dense_0[{i}]",
+            f"blocks/Dropout_0[{i}]",
+            f"blocks/Dropout_0#2[{i}]",
+            f"blocks[{i}]",
+        )
+    ],
+    "embedder.decode",
+)
+
+
+@functools.cache
+def _tied_telemetry(scale=2.0**10):
+    model = jdls.linen.probes(_TiedLM())
+    variables = model.init(jax.random.key(0), _TOKENS)
+
+    def loss(v):
+        return _WEIGHT * jnp.mean(model.apply(v, _TOKENS) ** 2)
+
+    _, grads = jax.jit(jdls.StaticScale(scale).value_and_grad(loss))(variables)
+    return model, variables, jdls.Telemetry.of(grads["jdls"])
+
+
+def test_each_call_and_method_of_a_module_is_its_own_row_in_forward_order():
+    """The dropout applied twice per block gives two rows, ``Dropout_0`` and ``Dropout_0#2``
+    (before: one row, amax NaN, uses 2); the embedder's ``encode`` and ``decode`` each a row
+    (before: none), first and last: every row measured once."""
+    _, _, t = _tied_telemetry()
+    assert t.names == _ROWS
+    assert t.uses.tolist() == [1.0] * len(_ROWS)
+    assert bool(jnp.all(jnp.isfinite(t.amax)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing shared: as_dict does not warn
+        assert set(t.as_dict()) == set(_ROWS)
+
+
+def test_the_decode_row_is_the_cotangent_the_loss_weight_hits_first():
+    """``embedder.decode``'s amax is the largest scaled cotangent of the logits: the loss's
+    weight times the scale times d(mean(y**2))/dy, measured before any layer."""
+    model, variables, t = _tied_telemetry(scale=2.0**10)
+    logits = model.apply(variables, _TOKENS)
+    want = jnp.max(jnp.abs(2.0**10 * _WEIGHT * 2 * logits / logits.size))
+    got = t.amax[t.names.index("embedder.decode")]
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
+
+
+def test_a_site_shared_by_two_uses_says_so_in_its_row():
+    """A site passed through twice (one site closed over by a loop, an NNX module called
+    twice): the table's row names its uses and the fix, and as_dict warns with both."""
+    site = jdls.Site(jdls.Probe())
+
+    def loss(x, sites):
+        h = jdls.apply_site(jnp.tanh(x), sites["shared"])
+        h = jdls.apply_site(jnp.tanh(h), sites["shared"])
+        return jnp.sum(jdls.apply_site(h, sites["once"]))
+
+    measured = jax.grad(loss, argnums=1)(jnp.ones(3), {"shared": site, "once": site})
+    t = jdls.Telemetry.of(measured)
+    rows = dict(zip(t.names, t.table().splitlines()[1:], strict=True))
+    assert "used 2 times in one step" in rows["shared"]
+    assert "give each use its own site" in rows["shared"]
+    assert rows["once"].rstrip().endswith(" 1")  # measured once: no note
+    with pytest.warns(UserWarning, match=r"shared \(2 uses\).*Give each use its own site"):
+        table = t.as_dict()
+    assert table["shared"]["uses"] == 2.0 and np.isnan(table["shared"]["amax"])
+
+
+class _Decoder(nn.Module):
+    """Decodes only when asked (a sampler's path): init does not call ``decode``."""
+
+    @nn.compact
+    def __call__(self, tokens, decode=False):
+        embedder = _Embedder()
+        h = jnp.tanh(embedder.encode(tokens))
+        return embedder.decode(h) if decode else h
+
+
+def test_a_method_that_init_did_not_call_goes_unprobed_without_an_error():
+    model = jdls.linen.probes(_Decoder())
+    variables = model.init(jax.random.key(0), _TOKENS)
+    assert sorted(variables["jdls"]["_Embedder_0"]) == ["probe.encode"]
+    _, grads = jdls.StaticScale(8.0).value_and_grad(
+        lambda v: jnp.sum(model.apply(v, _TOKENS, decode=True))
+    )(variables)
+    assert jdls.Telemetry.of(grads["jdls"]).names == ("_Embedder_0.encode",)

@@ -171,28 +171,48 @@ class _Sites(nn.Module):
         outer = Outer(
             self.is_mutable_collection(SITES), given, self.is_mutable_collection("params")
         )
-        returned: dict[tuple[str, ...], int] = {}
+        returned: dict[tuple[str, ...], int] = {}  # a probe's module path and name -> rank
 
-        calling: list[tuple[str, ...]] = []  # the modules inside their own __call__
+        calling: list[tuple[str, ...]] = []  # the modules inside one of their own methods
+        # Calls so far of each module method, per trace (a lifted transformation traces its
+        # body with a scope root of its own, and may trace it more than once): the k-th call
+        # of a method in a trace takes the k-th probe, the same one on every trace.
+        calls: dict[tuple[int, tuple[str, ...], str], int] = {}
+        roots: list[Any] = []  # the roots counted by, kept alive so that ids stay theirs
 
         def interceptor(next_fun: Callable[..., Any], a: Any, kw: Any, context: Any) -> Any:
-            module = context.module
-            if context.method_name != "__call__" or module is self or module is self.jdls_wrapped:
+            module, method = context.module, context.method_name
+            if not _probed_method(method) or module is self or module is self.jdls_wrapped:
                 return next_fun(*a, **kw)
             # the path in the model: the wrapper shares its scope (the variables' paths), but
             # submodules made in the model's setup see the wrapper's field name first
             path = tuple(str(p) for p in module.scope.path)
             path = path[1:] if path[:1] == ("jdls_wrapped",) else path
-            if path in calling:  # super().__call__ of a subclass: one call, one site
+            # super().__call__ of a subclass, a method calling another of the module's own:
+            # one call, one site (the outermost method's)
+            if path in calling:
                 return next_fun(*a, **kw)
             calling.append(path)
             try:
                 out = next_fun(*a, **kw)
             finally:
                 calling.pop()
-            if making:
-                returned.setdefault(path, len(returned))
+            root = module.scope.root
+            roots.append(root)
+            key = (id(root), path, method)
+            use = calls[key] = calls.get(key, 0) + 1
+            first = method == "__call__" and use == 1
             for name, site in self.make(path):
+                if name == PROBE:  # a probe per call: each use of a module its own row
+                    if not first and not _has_floats(out):
+                        continue  # nothing to measure (the first __call__ keeps its probe)
+                    name = probe_name(method, use)
+                    if not first and _not_made(module.scope, name):
+                        continue  # a call that init did not make (a method only called now)
+                    if making:
+                        returned.setdefault((*path, name), len(returned))
+                elif method != "__call__":
+                    continue  # a per-layer scale: after the layer's __call__ only
                 # the module's scope, not module.variable: a module without @compact (nn.Embed,
                 # setup-style modules) may not make variables in its __call__
                 require_site(module.scope, name, outer)
@@ -235,22 +255,22 @@ class _Sites(nn.Module):
 
     def _place_probes(self, returned: dict[tuple[str, ...], int]) -> None:
         """Give the probes just made their forward positions (:class:`jdls.Probe`), here,
-        outside every lifted transformation: the order in which the modules returned
+        outside every lifted transformation: the order in which the module calls returned
         (``returned``), where a trace that ``nn.jit`` reused hid a module's return the order
         of its twin's (see :func:`forward_order`)."""
         made = self.variables.get(SITES, {})
         order = forward_order(made, returned)
         if not order:
             return
-        positions = {path: k for k, path in enumerate(order)}
+        positions = {key: k for k, key in enumerate(order)}
 
         def placed(node: Mapping[str, Any], path: tuple[str, ...]) -> dict[str, Any]:
             out: dict[str, Any] = {}
             for key, value in node.items():
                 if isinstance(value, Mapping):
                     out[key] = placed(value, (*path, key))
-                elif key == PROBE and _is_probe(value):
-                    kind = dataclasses.replace(value.kind, position=positions[path])
+                elif _is_probe(value) and (*path, key) in positions:
+                    kind = dataclasses.replace(value.kind, position=positions[(*path, key)])
                     out[key] = Site(kind, value.value)
                 else:
                     out[key] = value
@@ -265,6 +285,48 @@ def _is_probe(value: Any) -> bool:
     return isinstance(value, Site) and isinstance(value.kind, Probe)
 
 
+def probe_name(method: str, use: int) -> str:
+    """The variable name of the probe after the ``use``-th call (from 1) of a module's
+    ``method`` in one trace: ``"probe"`` for the first ``__call__``, ``"probe.decode"`` for
+    the first ``decode``, ``"probe#2"`` and ``"probe.decode#2"`` for the second calls.
+    :meth:`jdls.Telemetry.of` names its row after the module and this suffix
+    (``"embedder.decode"``, ``"blocks/Dropout_0#2"``).
+
+    Example:
+      >>> from jdls._frameworks.linen_sites import probe_name
+      >>> probe_name("__call__", 1), probe_name("decode", 1), probe_name("__call__", 2)
+      ('probe', 'probe.decode', 'probe#2')
+    """
+    name = PROBE if method == "__call__" else f"{PROBE}.{method}"
+    return name if use == 1 else f"{name}#{use}"
+
+
+def _probed_method(method: str) -> bool:
+    """Whether the output of a module's ``method`` gets a probe: ``__call__`` and the public
+    methods (``encode``, ``decode``, ``nn.Embed.attend``), not ``setup`` or a private helper."""
+    return method == "__call__" or (not method.startswith("_") and method != "setup")
+
+
+def _not_made(scope: Scope, name: str) -> bool:
+    """Whether the probe ``name`` is missing from sites that were given: the call was not
+    made when ``init`` ran (a method called only at apply), so it goes unprobed, as every call
+    but the first ``__call__`` did before. Where no sites were given at all the probe is
+    required (:func:`require_site` names the omission)."""
+    return not (
+        scope.has_variable(SITES, name)
+        or scope.is_mutable_collection(SITES)
+        or scope.is_collection_empty(SITES)
+    )
+
+
+def _has_floats(tree: Any) -> bool:
+    """Whether ``tree`` holds a floating-point array (what a probe measures)."""
+    return any(
+        hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)
+        for x in jax.tree_util.tree_leaves(tree)
+    )
+
+
 def _natural(name: str) -> tuple[tuple[int, int, str], ...]:
     """``"layers_10"`` after ``"layers_9"``: the digits compared as numbers."""
     return tuple(
@@ -277,21 +339,22 @@ def _natural(name: str) -> tuple[tuple[int, int, str], ...]:
 def forward_order(
     tree: Mapping[str, Any], returned: Mapping[tuple[str, ...], int]
 ) -> list[tuple[str, ...]]:
-    """The paths of the modules holding a probe in ``tree`` (the ``"jdls"`` variables),
-    in forward order: the order in which the modules returned (``returned``: path -> rank).
+    """The probes in ``tree`` (the ``"jdls"`` variables), each as its module's path and its
+    variable name (``("blocks", "Dense_0", "probe")``), in forward order: the order in which
+    the module calls returned (``returned``: path and name -> rank).
 
-    A module's probe comes after its submodules' (a module returns after them). Where
+    A module's probes come after its submodules' (a module returns after them). Where
     ``nn.jit`` reused another module's trace the interceptor saw none of the returns inside
     it: such a subtree takes the order of a twin (a module whose returns were seen, with the
     same probes at the same relative paths: the trace it reused), and its place among its
     siblings is where its variables came back to the parent's scope. Without a twin, a
     subtree's modules follow their names' natural order (``"layers_9"`` before
-    ``"layers_10"``), each module's own probe last.
+    ``"layers_10"``), each module's own probes last.
     """
     relative: dict[tuple[str, ...], frozenset[tuple[str, ...]]] = {}
 
     def collect(node: Mapping[str, Any], path: tuple[str, ...]) -> frozenset[tuple[str, ...]]:
-        found: set[tuple[str, ...]] = {()} if _is_probe(node.get(PROBE)) else set()
+        found: set[tuple[str, ...]] = {(k,) for k, v in node.items() if _is_probe(v)}
         for key, value in node.items():
             if isinstance(value, Mapping):
                 found |= {(key, *rel) for rel in collect(value, (*path, key))}
@@ -321,16 +384,20 @@ def forward_order(
                 entries.append((seq, min(ranks) if ranks else None, _natural(key)))
         if not any(rank is not None for _, rank, _ in entries):  # nothing seen: by name
             entries.sort(key=lambda e: e[2])
-        # an entry not seen keeps its place after the one before it (its variables came
-        # back to this scope after that one's)
-        keyed, carry = [], -1.0
-        for i, (seq, rank, _) in enumerate(entries):
-            carry = float(rank) if rank is not None else carry
-            keyed.append(((carry, i), seq))
-        if () in rels:
-            own = returned.get(path)
-            keyed.append(((float(own) if own is not None else float("inf"), len(keyed)), [path]))
-        return [p for _, seq in sorted(keyed, key=lambda e: e[0]) for p in seq]
+        # Each probe by its rank, so that the calls of modules used several times interleave
+        # as they returned; one not seen keeps its place after the one before it (its
+        # variables came back to this scope after that one's).
+        keyed: list[tuple[tuple[float, int, int], tuple[str, ...]]] = []
+        carry = -1.0
+        for i, (seq, _, _) in enumerate(entries):
+            for j, p in enumerate(seq):
+                carry = max(carry, float(returned[p])) if p in returned else carry
+                keyed.append(((float(returned[p]) if p in returned else carry, i, j), p))
+        for k, name in enumerate(sorted((r[0] for r in rels if len(r) == 1), key=_natural)):
+            own = returned.get((*path, name))
+            rank = float(own) if own is not None else float("inf")
+            keyed.append(((rank, len(entries) + k, 0), (*path, name)))
+        return [p for _, p in sorted(keyed, key=lambda e: e[0])]
 
     return order(tree, ())
 
@@ -359,12 +426,16 @@ def _with_sites(
 
 
 def probes_linen(model: nn.Module, compute_dtype: Any = "float16") -> nn.Module:
-    """``model`` with a :class:`jdls.Probe` after every submodule's ``__call__``.
+    """``model`` with a :class:`jdls.Probe` after every call of every submodule.
 
-    The probes are variables ``"probe"`` of the collection ``"jdls"`` at each module's path:
-    ``init`` makes them, ``apply`` takes them (``{"params": ..., "jdls": ...}``); their
-    gradients are what they measured (:meth:`jdls.Telemetry.of`). Inside ``nn.scan``, add
-    ``"jdls": 0`` to ``variable_axes``: a row of telemetry per layer.
+    The probes are variables of the collection ``"jdls"`` at each module's path: ``"probe"``
+    after its ``__call__``, ``"probe.decode"`` after a public method ``decode`` (an
+    embedder's ``encode`` and ``decode``, ``nn.Embed.attend``), ``"probe#2"`` after a
+    second call in one pass (a dropout applied twice): each call its own row of telemetry,
+    ``"embedder.decode"``, ``"Dropout_0#2"`` (:func:`probe_name`). ``init`` makes them,
+    ``apply`` takes them (``{"params": ..., "jdls": ...}``); their gradients are what they
+    measured (:meth:`jdls.Telemetry.of`). Inside ``nn.scan``, add ``"jdls": 0`` to
+    ``variable_axes``: a row of telemetry per layer.
 
     Args:
       model: a linen module (not changed).

@@ -16,6 +16,8 @@ the ``vmap`` axis), and :class:`Telemetry` reports it as NaN where a site served
 from __future__ import annotations
 
 import dataclasses
+import re
+import warnings
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -197,6 +199,12 @@ class _Entry(NamedTuple):
     kind: Probe
     value: jax.Array
     stack: tuple[int, ...]  # the leading axes of a stack of sites
+    call: str  # which call of the module: "" (its __call__), ".decode", "#2", ".decode#2"
+
+
+#: A framework's probe variable after a module call (``jdls.linen.probes``): ``"probe"``, or
+#: ``"probe.decode"`` after its method ``decode``, ``"probe#2"`` after its second call.
+_CALL_PROBE = re.compile(r"(?:jdls_)?probe((?:\.[A-Za-z_]\w*)?(?:#\d+)?)")
 
 
 def _base(entries: Sequence[_Entry], n: int) -> tuple[int, int, int]:
@@ -276,24 +284,27 @@ class Telemetry(NamedTuple):
                 keys = [str(path_key(k)) for k in path]
                 if keys[-1:] == ["value"]:  # an NNX Variable's value
                     keys = keys[:-1]
-                if keys[-1:] in (["probe"], ["jdls_probe"]):  # a framework's probe: its module
-                    keys = keys[:-1]
+                call = ""
+                framework = _CALL_PROBE.fullmatch(keys[-1]) if keys else None
+                if framework:  # a framework's probe: its module, and which call of it
+                    keys, call = keys[:-1], framework.group(1)
                 value = jnp.asarray(site.value, _F32)
-                entries.append(_Entry(tuple(keys), site.kind, value, value.shape[:-1]))
+                entries.append(_Entry(tuple(keys), site.kind, value, value.shape[:-1], call))
         names: list[str] = []
         keys_of_rows: list[tuple[Any, ...]] = []
         groups = [_group(entries, n) for n in range(len(entries))]
-        # a stack's place: that of its first probe
-        first: dict[tuple[str, ...], tuple[int, int, int]] = {}
-        for n, group in enumerate(groups):
-            first[group.keys] = min(first.get(group.keys, _base(entries, n)), _base(entries, n))
-        for n, (module, kind, _, stack) in enumerate(entries):
-            name = "/".join(module) or kind.name or "(root)"
+        # a stack's place: that of its first probe (a probe outside stacks: its own)
+        first: dict[tuple[Any, ...], tuple[int, int, int]] = {}
+        where = [(g.keys, g.call if not g.stack else "") for g in groups]
+        for n, group in enumerate(where):
+            first[group] = min(first.get(group, _base(entries, n)), _base(entries, n))
+        for n, (module, kind, _, stack, call) in enumerate(entries):
+            name = ("/".join(module) or kind.name or "(root)") + call
             outer = len(groups[n].stack)
             for index in np.ndindex(*stack):
                 names.append(f"{name}[{','.join(map(str, index))}]" if stack else name)
                 # a stack's layers one after the other, each layer's probes in their order
-                place = (first[groups[n].keys], index[:outer], _base(entries, n), index[outer:])
+                place = (first[where[n]], index[:outer], _base(entries, n), index[outer:])
                 keys_of_rows.append(place)
         order = sorted(range(len(names)), key=keys_of_rows.__getitem__)
         rows = [e.value.reshape(-1, len(FIELDS)) for e in entries]
@@ -339,21 +350,100 @@ class Telemetry(NamedTuple):
         return self.names[int(hit[-1])] if hit.size else None
 
     def as_dict(self) -> dict[str, dict[str, float]]:
-        """``{name: {"amax", "flushed", "zeros", "nonfinite"}}`` as Python floats (host side).
+        """``{name: {"amax", "flushed", "zeros", "nonfinite", "uses"}}`` as Python floats
+        (host side; ``"uses"`` where known).
+
+        A row whose site was not passed through exactly once has a NaN ``amax``; where a
+        site served several uses, a warning names the rows and the fix (:meth:`table` says
+        it in the row).
 
         Example:
           >>> import jax.numpy as jnp, jdls
           >>> jdls.Telemetry(("a",), *[jnp.ones(1)] * 4).as_dict()["a"]["amax"]
           1.0
         """
-        values = jax.device_get((self.amax, self.flushed, self.zeros, self.nonfinite))
-        return {
+        fields = ("amax", "flushed", "zeros", "nonfinite", "uses")
+        values = jax.device_get((self.amax, self.flushed, self.zeros, self.nonfinite, self.uses))
+        rows = {
             name: {
                 key: float(np.asarray(v)[..., i].max())
-                for key, v in zip(("amax", "flushed", "zeros", "nonfinite"), values, strict=True)
+                for key, v in zip(fields, values, strict=True)
+                if v is not None
             }
             for i, name in enumerate(self.names)
         }
+        shared = [
+            f"{n} ({row['uses']:.0f} uses)" for n, row in rows.items() if row.get("uses", 1) > 1
+        ]
+        if shared:
+            warnings.warn(
+                f"probes used more than once in one step: {', '.join(shared)}. JAX adds up "
+                f"the measurements of a shared site, so their amax is NaN. {_ONE_PER_USE}",
+                stacklevel=2,
+            )
+        return rows
+
+    def table(self, compute_dtype: Any = "float16") -> str:
+        """The rows as text to print, one line per probe in forward order (host side).
+
+        Columns: the largest magnitude, the headroom in bits below ``compute_dtype``'s
+        maximum (:meth:`headroom_bits`), the fractions flushed and zero, non-finite, and the
+        uses. A row whose ``amax`` is NaN says why and what to do: its site served several
+        uses (a module called twice, a loop body; JAX adds up their measurements), or none
+        (a branch not taken).
+
+        Example:
+          >>> import jax.numpy as jnp, jdls
+          >>> z = jnp.zeros(2)
+          >>> amax, uses = jnp.array([2.0**10, jnp.nan]), jnp.array([1.0, 2.0])
+          >>> print(jdls.Telemetry(("embed", "drop"), amax, z, z, z, uses).table())
+          probe        amax  headroom  flushed   zeros  nonfinite  uses
+          embed     1.02e+03       6.0     0.0%    0.0%         no     1
+          drop           nan       nan     0.0%    0.0%         no     2  used 2 times in one step: ...
+        """
+        host = jax.device_get(
+            (self.amax, self.headroom_bits(compute_dtype), self.flushed, self.zeros)
+        )
+        amax, headroom, flushed, zeros = (np.asarray(v) for v in host)
+        nonfinite = np.asarray(jax.device_get(self.nonfinite))
+        uses = None if self.uses is None else np.asarray(jax.device_get(self.uses))
+
+        def at(v: np.ndarray, i: int) -> float:  # a history's rows (leading axes): the largest
+            return float(v.reshape(-1, len(self.names))[:, i].max())
+
+        width = max([len("probe"), *map(len, self.names)])
+        head = f"{'probe':<{width}}  {'amax':>8}  {'headroom':>8}  {'flushed':>7}  {'zeros':>6}"
+        lines = [head + "  nonfinite" + ("  uses" if uses is not None else "")]
+        for i, name in enumerate(self.names):
+            line = (
+                f"{name:<{width}}  {at(amax, i):>8.3g}  {at(headroom, i):>8.1f}  "
+                f"{at(flushed, i):>7.1%}  {at(zeros, i):>6.1%}  "
+                f"{'yes' if at(nonfinite, i) > 0 else 'no':>9}"
+            )
+            if uses is not None:
+                n = round(at(uses, i))
+                line += f"  {n:>4}"
+                if n > 1:
+                    line += (
+                        f"  used {n} times in one step: amax unknown (JAX adds up a shared "
+                        f"site's measurements); {_ONE_PER_USE_SHORT}"
+                    )
+                elif n == 0:
+                    line += "  not used this step (a branch not taken): nothing measured"
+            lines.append(line)
+        return "\n".join(lines)
+
+
+#: The fix for a site shared by several uses, in :meth:`Telemetry.as_dict`'s warning.
+_ONE_PER_USE = (
+    "Give each use its own site: one jdls.Probe per call, and in a loop sites stacked along "
+    "the loop axis (jdls.linen.probes makes one per module call: a module called twice has "
+    "rows 'name' and 'name#2')."
+)
+_ONE_PER_USE_SHORT = (
+    "give each use its own site (one jdls.Probe per call; in a loop, sites stacked along "
+    "the loop axis)"
+)
 
 
 def _flatten_telemetry(t: Telemetry) -> tuple[tuple[Any, ...], tuple[str, ...]]:
