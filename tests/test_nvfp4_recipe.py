@@ -375,7 +375,8 @@ def test_a_batch_sharded_on_an_explicit_mesh_trains_as_on_one_device(recipe):
     """jax.make_mesh's default (explicit) axes, the tokens sharded: blocks along the token
     axis stay on their devices, and the gradients are those of one device (the weight
     gradient to float32 rounding: its tokens are summed across devices)."""
-    mesh = jax.make_mesh((4,), ("d",), devices=jax.devices()[:4])
+    explicit = (jax.sharding.AxisType.Explicit,)  # jax.make_mesh's default from jax 0.9
+    mesh = jax.make_mesh((4,), ("d",), devices=jax.devices()[:4], axis_types=explicit)
     x, w = _operands(m=128)
     c = _cotangent(m=128)
 
