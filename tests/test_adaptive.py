@@ -294,7 +294,7 @@ def test_a_measurement_understated_by_a_steady_factor_is_learned_from_one_run(ji
         skipped.append(not finite)
         scale = adjust(scale, finite, 2.0**-13 if finite else np.inf)
     assert [k for k, s in enumerate(skipped) if s] == [1, 2, 3]
-    assert used[:5] == [15, 22, 21, 19, 15]  # predicted 2**22; backoffs of 1, 2, 4 bits
+    assert used[:5] == [0, 22, 21, 19, 15]  # predicted 2**22; backoffs of 1, 2, 4 bits
     assert set(used[5:]) == {18}  # below 2**19, the lowest scale that overflowed
     assert int(scale.state.margin) == 10 and int(scale.state.learning) == 0
 
@@ -412,10 +412,12 @@ def test_train_state_on_a_float16_model_reaches_the_scale_in_two_steps():
     for _ in range(4):
         state, grads = step(state)
         scales.append(float(state.loss_scale))
-    assert scales[1] == scales[2] == scales[3]  # the first step measured, the rest agree
+    assert scales[1] == scales[2] == scales[3]  # the second step measured, the rest agree
     amax = max(float(jnp.max(jnp.abs(g))) for g in jax.tree_util.tree_leaves(grads))
     assert abs(math.log2(scales[-1] / right_scale(amax, 6))) <= 1
-    assert int(state.stats.skipped_steps) == 0
+    # the first step's gradients all flushed at the start (scale 1): skipped, not counted
+    # (jdls.SkipCause.UNDERFLOW), where it used to be taken with zeros; the scale looked
+    assert int(state.stats.skipped_steps) == 1
 
 
 @pytest.mark.full

@@ -1,9 +1,9 @@
 """Traps met porting real scanned language models to jdls (Gemma in Flax linen, Llama 3 in
 Equinox): a missing ``"jdls"`` collection named by its cause, a codebase's own NaN guard
 beside jdls's skips, the model's own overflow named, an Equinox model's static half
-hashable for ``jax.jit(..., static_argnums=...)``, a first float16 step with a small loss
-weight that counts as float32's, and probe rows that explain themselves (a row per module
-call and per method, a shared site's uses and fix)."""
+hashable for ``jax.jit(..., static_argnums=...)``, a first float16 step whose gradients all
+flushed (a small loss weight) skipped rather than counted, and probe rows that explain
+themselves (a row per module call and per method, a shared site's uses and fix)."""
 
 from __future__ import annotations
 
@@ -340,75 +340,74 @@ def test_wrap_groups_names_the_models_overflow_by_the_shared_scale():
 
 
 # --------------------------------------------------------------------------------------------
-# A first step that counts: the default scale starts where float16 gradients survive.
+# A first step that counts: gradients that all flushed are skipped, not counted.
 # --------------------------------------------------------------------------------------------
 
 _LR = 1e-3
 _WEIGHT = 2.0**-20  # a loss weight of a real codebase (a z-loss, an auxiliary loss)
 
 
-def _weighted_loss(params, x, dtype=jnp.float16):
-    """A two-layer model computed in ``dtype``, its loss times ``2**-20``."""
+def _weighted_loss(params, x, dtype=jnp.float16, weight=_WEIGHT):
+    """A two-layer model computed in ``dtype``, its loss times ``2**-20``: at the default
+    scale's start (1) every float16 gradient flushes to zero."""
     h = jnp.tanh(x.astype(dtype) @ params["a"]["w"].astype(dtype))
     y = (h @ params["b"]["w"].astype(dtype)).astype(jnp.float32)
-    return _WEIGHT * jnp.mean(y**2)
+    return weight * jnp.mean(y**2)
+
+
+def _weighted_model():
+    key = jax.random.key(0)
+    params = {
+        "a": {"w": jax.random.normal(key, (8, 16)) * 0.3},
+        "b": {"w": jax.random.normal(jax.random.fold_in(key, 1), (16, 4)) * 0.3},
+    }
+    return params, jax.random.normal(jax.random.fold_in(key, 2), (256, 8))
 
 
 def _adam_counts(opt_state):
     found = jax.tree_util.tree_leaves(
         opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState)
     )
-    return [int(s.count) for s in found if isinstance(s, optax.ScaleByAdamState)]
+    return {int(s.count) for s in found if isinstance(s, optax.ScaleByAdamState)}
 
 
-def _first_step(path, params, x):
-    """``(params, opt_state)`` after one step of Adam with the default scale on ``path``."""
+def _steps(path, params, x, loss_fn=_weighted_loss):
+    """A jitted train step of Adam with the default scale on ``path``, and its state."""
     if path == "wrap_groups":
         tx = jdls.wrap_groups({"a": optax.adam(_LR), "b": optax.adam(_LR)})
     else:
         tx = jdls.wrap(optax.adam(_LR))
-    opt_state = tx.init(params)
-    if path == "retrying":
-        params, opt_state, _ = jax.jit(jdls.retrying(_weighted_loss, tx))(params, opt_state, x)
-        return params, opt_state
+    if path.startswith("retrying"):
+        retries = 2 if path == "retrying" else 0
+        step = jax.jit(jdls.retrying(loss_fn, tx, retries=retries))
+        return (lambda p, s: step(p, s, x)[:2]), tx.init(params)
     if path == "linen":
 
         @jax.jit
-        def train_step(state):
-            _, grads = state.value_and_grad(_weighted_loss)(state.params, x)
-            return state.apply_gradients(grads=grads)
+        def train_step(params, state):
+            _, grads = state.value_and_grad(loss_fn)(params, x)
+            state = state.apply_gradients(grads=grads)
+            return state.params, state
 
-        state = train_step(jdls.linen.TrainState.create(apply_fn=None, params=params, tx=tx))
-        return state.params, state.opt_state
+        return train_step, jdls.linen.TrainState.create(apply_fn=None, params=params, tx=tx)
 
     @jax.jit
     def step(params, opt_state):
-        _, grads = jdls.get_scale(opt_state).value_and_grad(_weighted_loss)(params, x)
+        _, grads = jdls.get_scale(opt_state).value_and_grad(loss_fn)(params, x)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
-    return step(params, opt_state)
+    return step, tx.init(params)
 
 
-@pytest.mark.parametrize("path", ["wrap", "wrap_groups", "retrying", "linen"])
-@pytest.mark.full(keep=1)
-def test_a_float16_first_step_with_a_small_loss_weight_counts_as_a_float32_step(path):
-    """Loss weight 2**-20 in float16: step 1 is Adam's step 1, its parameters those of
-    float32's first step. (The default scale started at 1: most gradients flushed, Adam
-    counted the step anyway, and its first real update was 0.74 of float32's.)"""
-    key = jax.random.key(0)
-    params = {
-        "a": {"w": jax.random.normal(key, (8, 16)) * 0.3},
-        "b": {"w": jax.random.normal(jax.random.fold_in(key, 1), (16, 4)) * 0.3},
-    }
-    x = jax.random.normal(jax.random.fold_in(key, 2), (32, 8))
-    new, opt_state = _first_step(path, params, x)
-    assert set(_adam_counts(opt_state)) == {1}
-    assert int(jdls.stats(opt_state).skipped_steps) == 0
+def _float32_first_step(params, x):
     grads = jax.grad(functools.partial(_weighted_loss, dtype=jnp.float32))(params, x)
     adam = optax.adam(_LR)
     updates, _ = adam.update(grads, adam.init(params), params)
-    want = optax.apply_updates(params, updates)
+    return optax.apply_updates(params, updates)
+
+
+def _assert_moved_as(new, want, params):
     for got, expected, p in zip(
         jax.tree_util.tree_leaves(new),
         jax.tree_util.tree_leaves(want),
@@ -419,16 +418,71 @@ def test_a_float16_first_step_with_a_small_loss_weight_counts_as_a_float32_step(
         np.testing.assert_allclose(got - p, expected - p, rtol=0, atol=_LR * 1e-2)
 
 
-def test_the_default_scale_starts_at_the_classic_start_within_the_formats_range():
-    assert float(jdls.AdaptiveScale().loss_scale) == 2.0**15
-    assert float(jdls.AdaptiveScale(compute_dtype="bfloat16").loss_scale) == 2.0**15
-    assert float(jdls.AdaptiveScale(compute_dtype="float8_e4m3fn").loss_scale) == 2.0**8
-    assert float(jdls.AdaptiveScale(max_loss_scale=2.0**10).loss_scale) == 2.0**10
-    assert float(jdls.AdaptiveScale(min_loss_scale=2.0**20).loss_scale) == 2.0**20
-    assert float(jdls.AdaptiveScale(1.0).loss_scale) == 1.0  # given: as given
-    assert jdls.get_scale(jdls.wrap(optax.sgd(0.1)).init({"w": jnp.zeros(2)})) == (
-        jdls.AdaptiveScale()
-    )
+def _opt_state(state):
+    return state.opt_state if isinstance(state, jdls.linen.TrainState) else state
+
+
+@pytest.mark.parametrize("path", ["wrap", "wrap_groups", "linen", "retrying-0"])
+@pytest.mark.full(keep=1)
+def test_a_first_step_whose_gradients_all_flushed_is_skipped_not_counted(path):
+    """Loss weight 2**-20 in float16 at the default scale's start: every gradient flushes.
+    Step 1 is skipped (SkipCause.UNDERFLOW): Adam's count stays 0, no parameter moves, and
+    the scale looks higher; step 2 is Adam's first step, float32's. (Before, step 1 counted:
+    Adam's count 1 with zero moments, a schedule one step on, and a first real update 0.73
+    of float32's.)"""
+    params, x = _weighted_model()
+    step, state = _steps(path, params, x)
+    new, state = step(params, state)
+    opt_state = _opt_state(state)
+    assert _adam_counts(opt_state) == {0}
+    assert jax.tree_util.tree_all(jax.tree.map(jnp.array_equal, new, params))
+    cause = jdls.skip_cause(opt_state)
+    assert cause is jdls.SkipCause.UNDERFLOW and cause.handled
+    assert int(jdls.stats(opt_state).skipped_steps) == 1
+    new, state = step(new, state)
+    assert _adam_counts(_opt_state(state)) == {1}
+    assert jdls.skip_cause(_opt_state(state)) is jdls.SkipCause.NONE
+    _assert_moved_as(new, _float32_first_step(params, x), params)
+
+
+def test_retrying_looks_within_the_step_and_step_1_is_float32s():
+    """``jdls.retrying`` recomputes the flushed step at the scale the rule looks at: step 1
+    is Adam's first step (one retry), nothing skipped."""
+    params, x = _weighted_model()
+    step, opt_state = _steps("retrying", params, x)
+    new, opt_state = step(params, opt_state)
+    assert _adam_counts(opt_state) == {1}
+    stats = jdls.stats(opt_state)
+    assert int(stats.skipped_steps) == 0 and int(stats.retries) == 1
+    _assert_moved_as(new, _float32_first_step(params, x), params)
+
+
+def test_exact_zeros_are_taken_and_a_frozen_model_is_skipped_once():
+    """A loss weighted 0 (its value 0): nothing could flush, the steps are taken as always.
+    A frozen model (a loss that is not zero, gradients exactly zero): one step skipped, the
+    look finds zeros again, and every later step is taken: no loop."""
+    params, x = _weighted_model()
+    for loss_fn, skipped in [
+        (functools.partial(_weighted_loss, weight=0.0), 0),
+        (lambda p, x: _weighted_loss(jax.lax.stop_gradient(p), x), 1),
+    ]:
+        step, opt_state = _steps("wrap", params, x, loss_fn)
+        new = params
+        for _ in range(5):
+            new, opt_state = step(new, opt_state)
+        assert int(jdls.stats(opt_state).skipped_steps) == skipped
+        assert _adam_counts(opt_state) == {5 - skipped}
+
+
+def test_all_zero_gradients_without_a_loss_are_taken_as_before():
+    """``tx.update`` given zeros by hand, no loss known (no ``value``, no
+    ``scale.value_and_grad`` in the trace): the step is taken, as before."""
+    tx = jdls.wrap(optax.adam(_LR))
+    params = {"w": jnp.ones(2)}
+    _, opt_state = tx.update({"w": jnp.zeros(2)}, tx.init(params), params)
+    assert _adam_counts(opt_state) == {1} and not jdls.skip_cause(opt_state)
+    _, opt_state = tx.update({"w": jnp.zeros(2)}, tx.init(params), params, value=jnp.ones(()))
+    assert jdls.skip_cause(opt_state) is jdls.SkipCause.UNDERFLOW  # with the loss: skipped
 
 
 # --------------------------------------------------------------------------------------------

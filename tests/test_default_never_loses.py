@@ -222,9 +222,8 @@ def test_an_all_zero_phase_skips_no_step():
 
     (default, used, _), (classic, _, _) = both(plain, 40, weights)
     assert (default, classic) == (0, 0)
-    # from the start at 2**15, one step looks 2**34 higher for flushed gradients, finds
-    # zeros, settles back at 2**15
-    assert used[:4] == [15, 49, 15, 15] and set(used[2:21]) == {15}
+    # one step looks 2**34 higher for flushed gradients, finds zeros, settles at 2**15
+    assert used[:4] == [0, 34, 15, 15] and set(used[2:21]) == {15}
 
 
 def test_an_all_zero_phase_after_training_holds_the_scale():

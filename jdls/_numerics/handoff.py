@@ -30,7 +30,9 @@ it), and several calls with one scale in one trace all count (the rule takes the
 them: each was a backward pass at that scale). Only the last call's leaves are held: an
 earlier call's are folded into their largest magnitude when the next call comes, so that
 gradients computed again and again with one scale (eagerly, an accumulation loop over many
-micro-batches) are never all held at once.
+micro-batches) are never all held at once. The record holds the loss of the last call too
+(and whether an earlier one was nonzero): gradients all zero where the loss was not are taken
+for gradients that flushed before the rule's first measurement (``SkipCause.UNDERFLOW``).
 """
 
 from __future__ import annotations
@@ -44,7 +46,15 @@ import jax.extend
 
 from jdls._numerics.norm import GlobalNorm, amax
 
-__all__ = ["backward_amax", "recall", "recall_backward", "remember", "remember_backward"]
+__all__ = [
+    "backward_amax",
+    "backward_loss_nonzero",
+    "nonzero",
+    "recall",
+    "recall_backward",
+    "remember",
+    "remember_backward",
+]
 
 
 class _Record(NamedTuple):
@@ -99,22 +109,31 @@ _trace_state: Callable[..., Any] = (
 
 
 class _Backward:
-    """The backward passes at one scale array, in one trace: the last call's leaves, and the
-    largest magnitude of every earlier call's (None before a second call)."""
+    """The backward passes at one scale array, in one trace: the last call's leaves and loss,
+    the largest magnitude of every earlier call's leaves (None before a second call), and
+    whether an earlier call's loss was nonzero."""
 
     def __init__(self, scale: weakref.ref[Any], trace: Any) -> None:
         self.scale = scale
         self.trace = trace
         self.latest: tuple[Any, ...] = ()
         self.earlier: jax.Array | None = None
+        self.loss: Any = None
+        self.earlier_nonzero: jax.Array | None = None
 
-    def add(self, leaves: Sequence[Any]) -> None:
+    def add(self, leaves: Sequence[Any], loss: Any) -> None:
         if self.latest:
             folded = amax(self.latest)
             self.earlier = (
                 folded if self.earlier is None else jax.numpy.maximum(self.earlier, folded)
             )
+        if self.loss is not None:
+            was = nonzero(self.loss)
+            self.earlier_nonzero = (
+                was if self.earlier_nonzero is None else self.earlier_nonzero | was
+            )
         self.latest = tuple(leaves)
+        self.loss = loss
 
 
 _backward: dict[int, _Backward] = {}
@@ -124,12 +143,12 @@ def _current_trace() -> Any:
     return _trace_state(convention="jdls")
 
 
-def remember_backward(loss_scale: Any, leaves: Sequence[Any]) -> None:
-    """Record the unscaled gradient ``leaves`` that a backward pass at ``loss_scale`` (the
-    scale's own array) produced in the current trace. The record holds the last call's
-    leaves for as long as the scale array lives (under ``jit``: the trace; eagerly: the
-    optimizer state that holds the scale), never longer, and an earlier call's only as their
-    largest magnitude."""
+def remember_backward(loss_scale: Any, leaves: Sequence[Any], loss: Any = None) -> None:
+    """Record the unscaled gradient ``leaves`` (and the ``loss``) that a backward pass at
+    ``loss_scale`` (the scale's own array) produced in the current trace. The record holds
+    the last call's leaves and loss for as long as the scale array lives (under ``jit``: the
+    trace; eagerly: the optimizer state that holds the scale), never longer, and an earlier
+    call's only as their largest magnitude and whether its loss was nonzero."""
     if not leaves:
         return
     try:
@@ -142,7 +161,7 @@ def remember_backward(loss_scale: Any, leaves: Sequence[Any]) -> None:
         record = _Backward(scale_ref, trace)
         _backward[key] = record
         weakref.finalize(loss_scale, _forget_backward, key, scale_ref)
-    record.add(leaves)
+    record.add(leaves, loss)
 
 
 def _forget_backward(key: int, ref: weakref.ref[Any]) -> None:
@@ -159,6 +178,28 @@ def recall_backward(loss_scale: Any) -> tuple[tuple[Any, ...], jax.Array | None]
     if record is None or record.scale() is not loss_scale or record.trace != _current_trace():
         return None
     return record.latest, record.earlier
+
+
+def nonzero(loss: Any) -> jax.Array:
+    """Whether any floating-point leaf of ``loss`` is finite and not zero (a bool scalar)."""
+    flags = [
+        jax.numpy.any(jax.numpy.isfinite(x) & (x != 0))
+        for x in jax.tree_util.tree_leaves(loss)
+        if jax.numpy.issubdtype(jax.numpy.result_type(x), jax.numpy.inexact)
+    ]
+    return jax.numpy.any(jax.numpy.stack(flags)) if flags else jax.numpy.zeros((), bool)
+
+
+def backward_loss_nonzero(loss_scale: Any) -> jax.Array | None:
+    """Whether a loss that ``value_and_grad`` at ``loss_scale`` differentiated in this trace
+    was finite and not zero, or None where none was recorded (or without its loss)."""
+    record = _backward.get(id(loss_scale))
+    if record is None or record.scale() is not loss_scale or record.trace != _current_trace():
+        return None
+    if record.loss is None:
+        return record.earlier_nonzero
+    latest = nonzero(record.loss)
+    return latest if record.earlier_nonzero is None else latest | record.earlier_nonzero
 
 
 def backward_amax(

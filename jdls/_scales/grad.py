@@ -93,7 +93,9 @@ def scaled_value_and_grad(
         if getattr(getattr(scale, "rule", None), "observes", False):
             leaves = jax.tree_util.tree_leaves(grads, is_leaf=is_site)
             remember_backward(
-                scale.loss_scale, [x for x in leaves if isinstance(x, jax.Array) and is_float(x)]
+                scale.loss_scale,
+                [x for x in leaves if isinstance(x, jax.Array) and is_float(x)],
+                loss,
             )
         grads = measured(grads)  # global over the devices, never taken for a gradient
         return ((loss, aux), grads) if has_aux else (loss, grads)

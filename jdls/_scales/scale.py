@@ -318,7 +318,7 @@ register_scale(NoOpScale, (), ())
 
 
 def AdaptiveScale(
-    loss_scale: float | None = None,
+    loss_scale: float = 1.0,
     compute_dtype: Any = "float16",
     **options: Any,
 ) -> DynamicScale:
@@ -335,12 +335,7 @@ def AdaptiveScale(
     (``scale.adjust(True)`` alone is a ValueError).
 
     Args:
-      loss_scale: initial scale; default ``rule.first_scale()``: ``2**15`` (the classic
-        rule's and the peers' start; ``compute_dtype``'s largest power of two when smaller),
-        so that the first step's gradients are measured and applied unflushed, not at 1,
-        where a small loss weight (``2**-20``) flushes them and the step counts anyway. A
-        start too high costs skipped steps (backoffs of 1, 2, 4, 8 bits), never a counted
-        one (docs/adaptive.md).
+      loss_scale: initial scale (default 1: the first step measures, the second is scaled).
       compute_dtype: the format the backward pass computes in (default ``"float16"``).
       **options: the other arguments of :class:`jdls.rules.Adaptive` (``margin``,
         ``min_loss_scale``, ...).
@@ -352,8 +347,5 @@ def AdaptiveScale(
       >>> _, state = tx.update({"w": jnp.array([2.0**-20, 0.0])}, tx.init(params), params)
       >>> float(jdls.get_scale(state).loss_scale) == 2.0**(15 - 6 + 20)  # float16, margin 6
       True
-      >>> float(jdls.AdaptiveScale().loss_scale)  # where it starts
-      32768.0
     """
-    rule = Adaptive(compute_dtype, **options)
-    return DynamicScale(rule.first_scale() if loss_scale is None else loss_scale, rule)
+    return DynamicScale(loss_scale, Adaptive(compute_dtype, **options))

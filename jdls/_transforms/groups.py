@@ -26,10 +26,11 @@ from jdls._scales.scale import (
     NoOpScale,
     adjust_observed,
     check_scale,
+    observes,
 )
-from jdls._transforms.retry import model_overflow
+from jdls._transforms.retry import flushed, model_overflow
 from jdls._transforms.stats import Stats, WrapState, the_wrap_state
-from jdls._transforms.wrap import wrap
+from jdls._transforms.wrap import FLUSHED, loss_nonzero, wrap
 
 __all__ = ["GroupState", "group_stats", "wrap_groups"]
 
@@ -146,6 +147,17 @@ def wrap_groups(
             )
         _check_groups(grads, groups, "grads", partial=True)
         scale = state.scale
+
+        def largest() -> jax.Array:  # of the backward pass, as jdls.wrap measures it
+            given = flatten_floats(dict(grads)).floats
+            return backward_amax(scale.loss_scale, given, tree_amax(dict(grads)), None)
+
+        # Every given group all zero while the loss was not, before the shared scale's rule
+        # measured anything: each group skips the step (SkipCause.UNDERFLOW), as jdls.wrap.
+        underflow = jnp.zeros((), jnp.bool_)
+        if observes(scale):
+            nonzero_loss = loss_nonzero(scale, extra_args, None)
+            underflow = flushed(scale, jnp.array(True), largest(), nonzero_loss)
         inner = dict(state.inner_state)
         updates: dict[str, Any] = {}
         finites, norms, causes = [], [], []
@@ -154,7 +166,9 @@ def wrap_groups(
             p = None if params is None else params[name]
             group_state = WrapState(NoOpScale(), *old)
             # Each group sees this step's scale (its gradients are already unscaled).
-            updates[name], new = groups[name].update(g, group_state, p, **extra_args)
+            updates[name], new = groups[name].update(
+                g, group_state, p, **extra_args, **{FLUSHED: underflow}
+            )
             inner[name] = GroupState(*new[1:])
             finites.append(new.stats.finite)
             norms.append(new.stats.grad_norm)
@@ -182,11 +196,7 @@ def wrap_groups(
             )
         )
 
-        def largest() -> jax.Array:  # of the backward pass, as jdls.wrap measures it
-            given = flatten_floats(dict(grads)).floats
-            return backward_amax(scale.loss_scale, given, tree_amax(dict(grads)), None)
-
-        scale = adjust_observed(scale, finite, largest)
+        scale = adjust_observed(scale, finite | underflow, largest)  # all zero: finite
         # the groups ran at no scale of their own: the shared one tells a model overflow
         stats = stats._replace(cause=model_overflow(stats.cause, state.scale, scale))
         return updates, WrapState(scale, inner, stats, _sites(inner))

@@ -30,6 +30,7 @@ __all__ = [
     "SkipCause",
     "classify",
     "first_attempt",
+    "flushed",
     "mean_unsharded",
     "model_overflow",
     "retry",
@@ -54,11 +55,17 @@ class SkipCause(enum.IntEnum):
     #: dynamic scale at most 1 that its rule could not lower. The model overflows by itself
     #: (a float16 forward pass, a norm's sum of squares): no scale helps.
     MODEL = 4
+    #: the gradients were all zero where the loss was not, before the rule had measured
+    #: anything (:meth:`jdls.rules.Rule.looks_for_flushed`): taken for gradients that all
+    #: flushed (a loss weighted 2**-20 in float16 at the start's scale), not counted; the
+    #: scale looks higher on the next step
+    UNDERFLOW = 5
 
     @property
     def handled(self) -> bool:
         """Whether the skip is loss scaling at work: an overflow of the scaled gradients
-        (``BACKWARD``, ``GRADIENTS``), after which the scale backs off and training goes on.
+        (``BACKWARD``, ``GRADIENTS``), after which the scale backs off and training goes on,
+        or gradients that all flushed (``UNDERFLOW``), after which it looks higher.
         False for a taken step (``NONE``), a non-finite loss (``FORWARD``) and the model's
         own overflow (``MODEL``), which no scale changes: what a training loop's own NaN
         guard should still stop on.
@@ -68,7 +75,7 @@ class SkipCause(enum.IntEnum):
           >>> jdls.SkipCause.BACKWARD.handled, jdls.SkipCause.FORWARD.handled
           (True, False)
         """
-        return self in (SkipCause.BACKWARD, SkipCause.GRADIENTS)
+        return self in (SkipCause.BACKWARD, SkipCause.GRADIENTS, SkipCause.UNDERFLOW)
 
 
 #: The loss scale below which a step that still overflows is the model's own overflow
@@ -140,6 +147,21 @@ def classify(a: Attempt, retrying: bool) -> jax.Array:
     return pick(a.finite, jnp.int32(SkipCause.NONE), cause)
 
 
+def flushed(
+    scale: LossScale, finite: jax.Array, amax: jax.Array, loss_nonzero: jax.Array | None
+) -> jax.Array:
+    """Whether the step is skipped as ``SkipCause.UNDERFLOW``: its gradients are finite
+    and all zero (``amax`` 0) while its loss was not zero (``loss_nonzero``; None: not known,
+    never skipped), and ``scale``'s rule would look for gradients that flushed
+    (:meth:`jdls.rules.Rule.looks_for_flushed`: :class:`jdls.rules.Adaptive` before its first
+    measurement). Exact zeros (a loss weighted 0) are never skipped; a frozen model is
+    skipped once, and its next step, which finds zeros again at the raised scale, is taken."""
+    if loss_nonzero is None or not isinstance(scale, DynamicScale):
+        return jnp.zeros((), jnp.bool_)
+    looks = scale.rule.looks_for_flushed(scale.state)
+    return jnp.all(looks & finite & (amax == 0) & loss_nonzero)
+
+
 def model_overflow(cause: jax.Array, before: LossScale, after: LossScale) -> jax.Array:
     """``cause``, or ``SkipCause.MODEL`` for a skipped step that the scale cannot have
     caused: it ran at a scale below :data:`SCALE_FLOOR`, or at a dynamic scale of at most 1
@@ -150,8 +172,8 @@ def model_overflow(cause: jax.Array, before: LossScale, after: LossScale) -> jax
     if isinstance(before, DynamicScale):  # a static scale (NoOpScale under per-layer
         # scales) sits at its level on purpose
         stuck = stuck | jnp.all((ran_at <= 1.0) & (after.loss_scale >= ran_at))
-    skipped = cause != SkipCause.NONE
-    return pick(skipped & stuck, jnp.int32(SkipCause.MODEL), cause)
+    overflowed = (cause != SkipCause.NONE) & (cause != SkipCause.UNDERFLOW)
+    return pick(overflowed & stuck, jnp.int32(SkipCause.MODEL), cause)
 
 
 def mean_unsharded(grads: Any, axis_name: Any, sharded: Any) -> Any:

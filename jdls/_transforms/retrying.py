@@ -8,6 +8,8 @@ optimizer, the step taken directly at the backed-off scale with the same batch::
     while grads overflow and the loss is finite and tries < retries and scale > its minimum:
         scale = scale.back_off()                             # a lower scale, as the rule backs off
         loss, grads = differentiate(scale)                   # the same batch
+    # (grads all zero, the loss not, before the rule's first measurement: they flushed, and
+    # the step is recomputed the same way at the higher scale the rule looks at)
     opt_state = the state with the settled scale
     updates, opt_state = tx.update(grads, opt_state, params, value=loss)  # once, after the loop
 
@@ -31,11 +33,12 @@ from jax import lax
 
 from jdls._numerics.axes import vary_like, vary_over
 from jdls._numerics.checks import all_finite, check_int
+from jdls._numerics.handoff import nonzero
 from jdls._numerics.norm import AxisName
-from jdls._scales.scale import DynamicScale, LossScale
+from jdls._scales.scale import DynamicScale, LossScale, observes
 from jdls._sites.site import is_site
 from jdls._transforms.apply import apply_updates
-from jdls._transforms.retry import SkipCause, mean_unsharded
+from jdls._transforms.retry import SkipCause, flushed, mean_unsharded
 from jdls._transforms.stats import (
     Stats,
     WrapState,
@@ -78,6 +81,9 @@ def retrying(
        the scale) and differentiates the same batch again, inside the compiled step
        (``lax.while_loop``; a finite step takes one iteration, its first attempt); at the
        minimum a retry would recompute the same overflow, so the step is skipped instead;
+       gradients that are all zero while the loss is not, before the rule's first
+       measurement (they flushed, ``jdls.SkipCause.UNDERFLOW``), are recomputed the same
+       way at the scale the rule looks at (:meth:`jdls.rules.Rule.looks_for_flushed`);
     3. runs ``tx.update(grads, opt_state, params, value=loss)`` once, with the scale set to
        the one the loop settled on, and applies the updates.
 
@@ -177,29 +183,34 @@ def retrying(
             # and backward pass in the program, so that its temporaries are those of the step
             # without retries (a first attempt outside the loop kept its own and the loop's).
             def more(carry: tuple[Any, ...]) -> jax.Array:
-                s, _, _, finite, loss_finite, n = carry
+                s, _, _, finite, loss_finite, n, look = carry
                 # At the rule's minimum the scale cannot go lower: a retry would recompute
                 # the same overflow, so the step is skipped instead.
                 lower = s.back_off().loss_scale < s.loss_scale
-                return (n == 0) | (~finite & loss_finite & (n <= retries) & lower)
+                overflow = ~finite & loss_finite & lower
+                return (n == 0) | ((overflow | look) & (n <= retries))
 
             def attempt(carry: tuple[Any, ...]) -> tuple[Any, ...]:
-                s, _, _, _, _, n = carry
+                s, _, _, _, _, n, look = carry
                 # After the first attempt, each one at the scale the rule backs off to (with
-                # hysteresis, after the overflows it would forgive: a lower scale every time).
+                # hysteresis, after the overflows it would forgive: a lower scale every time),
+                # or, after gradients that all flushed, at the scale it looks at.
                 s = jax.tree_util.tree_map(
-                    lambda now, lower: jnp.where(n == 0, now, lower), s, s.back_off()
+                    lambda now, lower: jnp.where(n == 0, now, lower), s, _next_scale(s, look)
                 )
                 out, grads = differentiate(s)
-                loss_finite = agree(all_finite(out[0] if has_aux else out))
+                loss = out[0] if has_aux else out
+                loss_finite = agree(all_finite(loss))
                 finite = agree(all_finite(grads)) if _CHECK else jnp.array(True)
-                return s, out, grads, finite, loss_finite, n + 1
+                look = _flushed(s, finite, grads, loss, axis_name)
+                return s, out, grads, finite, loss_finite, n + 1, look
 
             # zeros_like of the abstract values keeps their shardings (the type of an array
             # under an explicit mesh), so the carry has the type the body returns.
             shapes = jax.eval_shape(lambda: differentiate(scale))
             out, grads = jax.tree_util.tree_map(lambda t: vary_like(jnp.zeros_like(t), t), shapes)
-            carry = (scale, out, grads, jnp.array(False), jnp.array(True), jnp.int32(0))
+            no = jnp.array(False)
+            carry = (scale, out, grads, no, jnp.array(True), jnp.int32(0), no)
 
             # Only the gradients (and the scale, the loss) pass through the loop, never the
             # optimizer state; the barriers keep XLA from moving the update into the loop.
@@ -210,7 +221,7 @@ def retrying(
                     return tree
                 return jax.tree_util.tree_map(lax.optimization_barrier, tree)
 
-            scale, out, grads, _, _, n = fence(lax.while_loop(more, attempt, fence(carry)))
+            scale, out, grads, _, _, n, _ = fence(lax.while_loop(more, attempt, fence(carry)))
             tries = n - 1
             opt_state = replace_scale(opt_state, scale)
         loss = out[0] if has_aux else out
@@ -237,6 +248,35 @@ def retrying(
         return new_params, opt_state, out
 
     return step
+
+
+def _next_scale(scale: DynamicScale, look: jax.Array) -> DynamicScale:
+    """The scale of the next attempt: where the rule looks for gradients that all flushed
+    (``look``: an all-zero step, ``jdls.SkipCause.UNDERFLOW``), else where it backs off."""
+    lower = scale.back_off()
+    if not observes(scale):
+        return lower
+    higher = scale.adjust(True, grad_amax=jnp.zeros((), jnp.float32))
+    return jax.tree_util.tree_map(lambda h, b: jnp.where(look, h, b), higher, lower)
+
+
+def _flushed(
+    scale: LossScale, finite: jax.Array, grads: Any, loss: Any, axis_name: AxisName | None
+) -> jax.Array:
+    """Whether this attempt's gradients all flushed, as :func:`jdls.wrap` judges it (all zero,
+    the loss not, before the rule's first measurement), on every device alike: the next
+    attempt looks at a higher scale. The sites' measurements are not gradients: left out."""
+    if not observes(scale):
+        return jnp.array(False)
+    leaves = jax.tree_util.tree_leaves(grads, is_leaf=is_site)
+    floats = [x for x in leaves if not is_site(x) and jnp.issubdtype(x.dtype, jnp.inexact)]
+    maxima = [jnp.max(jnp.abs(x)).astype(jnp.float32) for x in floats if x.size]
+    largest = jnp.max(jnp.stack([jnp.float32(0), *maxima]))
+    nonzero_loss = nonzero(loss)
+    if axis_name is not None:
+        largest = lax.pmax(largest, axis_name)
+        nonzero_loss = lax.pmax(nonzero_loss.astype(jnp.int32), axis_name) > 0
+    return flushed(scale, finite, largest, nonzero_loss)
 
 
 def _check_state(opt_state: Any, retries: int) -> LossScale:

@@ -39,8 +39,10 @@ class Stats(NamedTuple):
     """What ``jdls.wrap`` records about the last step: on-device arrays, no host sync.
 
     Attributes:
-      finite: bool, whether the last step's gradients were all finite (True before the
-        first step). A step that was not finite was skipped.
+      finite: bool, whether the last step was taken: its gradients were all finite (True
+        before the first step), and not all flushed (``cause`` ``UNDERFLOW``: all zero
+        before the rule's first measurement, with a loss that was not). A step that was not
+        finite was skipped.
       skipped_steps: int32, skipped steps since ``init`` (saturates at the int32 maximum).
       consecutive_skips: int32, skipped steps in a row up to the last one.
       grad_norm: float32, the global L2 norm of the last step's unclipped, unscaled
@@ -55,7 +57,8 @@ class Stats(NamedTuple):
       retries: int32, how many times the last step's gradients were recomputed at a lower
         scale (:func:`jdls.retrying`).
       cause: int32, why the last step was skipped, a :class:`jdls.SkipCause` (0 if taken;
-        ``MODEL``, 4, where the scale cannot have caused it: the model overflows by itself).
+        ``MODEL``, 4, where the scale cannot have caused it: the model overflows by itself;
+        ``UNDERFLOW``, 5, where its gradients all flushed).
         :func:`jdls.skip_cause` reads it on the host.
       retried_steps: int32, steps that needed at least one retry since ``init``.
     """

@@ -27,7 +27,7 @@ import optax
 from jax import lax
 
 from jdls._numerics.checks import all_finite, check_int, check_limit
-from jdls._numerics.handoff import backward_amax, recall
+from jdls._numerics.handoff import backward_amax, backward_loss_nonzero, nonzero, recall
 from jdls._numerics.norm import (
     AxisName,
     FloatLeaves,
@@ -47,11 +47,16 @@ from jdls._scales.scale import (
     observes,
 )
 from jdls._sites.apart import sites_apart
-from jdls._transforms.retry import classify, first_attempt, model_overflow
+from jdls._transforms.retry import SkipCause, classify, first_attempt, flushed, model_overflow
 from jdls._transforms.skip import cond_branches, keep_dtypes, select
 from jdls._transforms.stats import Stats, WrapState, step_applied
 
-__all__ = ["wrap"]
+__all__ = ["FLUSHED", "loss_nonzero", "wrap"]
+
+#: The extra argument of a wrap's ``update`` by which :func:`jdls.wrap_groups` tells each
+#: group's wrap (which runs at no scale of its own) that the shared scale skips the step as
+#: ``jdls.SkipCause.UNDERFLOW``; never passed on to the inner transformation.
+FLUSHED = "jdls_flushed"
 
 _SKIP_WITH = ("cond", "select")
 
@@ -93,6 +98,12 @@ def wrap(
        schedule do not advance: a run with skipped steps ends bit-identical to a run that
        left those steps out;
     4. adjusts the scale with ``scale.adjust(finite)`` and records :class:`jdls.Stats`.
+
+    A step whose gradients are all zero while its loss is not (given as ``value``, or
+    differentiated by the scale's own ``value_and_grad`` in the same trace), before the rule
+    has measured anything (:meth:`jdls.rules.Rule.looks_for_flushed`: the default
+    :func:`jdls.AdaptiveScale` at its start), is skipped too, ``SkipCause.UNDERFLOW``: its
+    gradients flushed, and the rule raises the scale to look for them (docs/adaptive.md).
 
     Any :class:`jdls.LossScale` works (a static or no-op scale never changes, but non-finite
     steps are still skipped). Integer and boolean leaves pass to ``inner`` as they are; extra
@@ -243,18 +254,25 @@ def wrap(
         _check_match(updates, params)
         if "value_fn" in extra_args:
             raise TypeError(_RETRIES_MOVED.format("tx.update(..., value_fn=...)"))
+        underflow = extra_args.pop(FLUSHED, None)  # decided by jdls.wrap_groups' shared scale
         tree = flatten_floats(updates)
         n, clipped = _measure(
             tree, state.scale, axis_name, sharded, track_nonfinite, max_norm is not None
         )
         finite, loss_finite = _decide(n, skip_norm_overflow, extra_args, axis_name)
+        if underflow is None and observes(state.scale) and n.amax is not None:
+            nonzero_loss = loss_nonzero(state.scale, extra_args, axis_name)
+            underflow = flushed(state.scale, finite, n.amax, nonzero_loss)
+        taken = finite if underflow is None else finite & ~underflow
         step = first_attempt(state.scale, tree, n, finite, loss_finite)
         new_updates, inner_state = update_or_skip(
-            tree, state.inner_state, params, clipped, finite, extra_args
+            tree, state.inner_state, params, clipped, taken, extra_args
         )
         scale = adjust_observed(step.scale, finite, lambda: n.amax)
         cause = model_overflow(classify(step, retrying=False), step.scale, scale)
-        stats = _record(state.stats, finite, n, tree, step.tries, cause)
+        if underflow is not None:
+            cause = pick(underflow, jnp.int32(SkipCause.UNDERFLOW), cause)
+        stats = _record(state.stats, taken, n, tree, step.tries, cause)
         if max_consecutive_skips is not None:
             _fail_if_stuck(stats.consecutive_skips, max_consecutive_skips)
         return new_updates, WrapState(scale, inner_state, stats, state.sites)
@@ -305,6 +323,21 @@ def _measure(
         amax = backward_amax(scale.loss_scale, tree.floats, given.amax, axis_name)
         return given._replace(amax=amax), given
     return given, given
+
+
+def loss_nonzero(
+    scale: LossScale, extra_args: dict[str, Any], axis_name: AxisName | None
+) -> jax.Array | None:
+    """Whether the step's loss was finite and not zero on some device: the loss given as
+    ``value``, else the one ``scale.value_and_grad`` differentiated in this trace
+    (jdls/_numerics/handoff.py); None where neither is known."""
+    if "value" in extra_args:
+        found: jax.Array | None = nonzero(extra_args["value"])
+    else:
+        found = backward_loss_nonzero(scale.loss_scale)
+    if found is not None and axis_name is not None:
+        found = lax.pmax(found.astype(jnp.int32), axis_name) > 0
+    return found
 
 
 def _decide(

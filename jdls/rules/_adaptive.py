@@ -64,9 +64,11 @@ class Adaptive(Rule):
 
     A step whose gradients are all zero measured nothing: they may be exactly zero (a loss
     weight of 0, a frozen phase) or all flushed. Before any measurement the scale rises by
-    the whole usable range for one step, to look: if the gradients had flushed, that step
-    measures them; if it is all zero too, they are zeros, and the scale comes back to where
-    it was, raised to at most ``2**15`` (the classic rule's start; the format's largest power
+    the whole usable range for one step, to look (:func:`jdls.wrap` skips the all-zero step
+    when its loss was not zero, ``jdls.SkipCause.UNDERFLOW``, so that it does not count;
+    :meth:`looks_for_flushed`): if the gradients had flushed, that step measures them; if
+    it is all zero too, they are zeros, and the scale comes back to where it was, raised to
+    at most ``2**15`` (the classic rule's start; the format's largest power
     of two when that is smaller), and settles there. Right after a run of overflows (a burst
     of bad batches backs off far), an all-zero step returns to the scale the rule had settled
     on (one binade below it when the run began there). Otherwise it holds. A held scale doubles every ``growth_interval`` finite steps in a
@@ -219,32 +221,20 @@ class Adaptive(Rule):
         check_within(loss_scale, self.min_loss_scale, self.max_loss_scale)
         return loss_scale
 
-    def first_scale(self) -> float:
-        """The scale a run starts at when none is given (:func:`jdls.AdaptiveScale`'s
-        default): ``2**15``, the classic rule's and its peers' start, or the compute format's
-        largest power of two when that is smaller (``2**8`` for ``float8_e4m3fn``); within
-        ``[min_loss_scale, max_loss_scale]``.
-
-        High, not 1: a start too high overflows, and an overflow is seen and skipped (the
-        optimizer does not count it, and the rule backs off by 1, 2, 4, 8 bits); a start
-        too low flushes small gradients to zero, which nothing sees: the step is applied
-        and counts (Adam's step count, a schedule) with what was left of them.
+    def looks_for_flushed(self, state: AdaptiveState) -> jax.Array:
+        """Whether an all-zero step now is the one that looks (before any measurement and
+        any look): :func:`jdls.wrap` skips it when the loss was not zero.
 
         Example:
           >>> import jdls
-          >>> jdls.rules.Adaptive().first_scale(), jdls.rules.Adaptive("float8_e4m3fn").first_scale()
-          (32768.0, 256.0)
+          >>> scale = jdls.AdaptiveScale()
+          >>> bool(scale.rule.looks_for_flushed(scale.state))
+          True
+          >>> measured = scale.adjust(True, grad_amax=2.0**-10)
+          >>> bool(measured.rule.looks_for_flushed(measured.state))
+          False
         """
-        lo, hi = self._exponent_bounds()
-        if lo > hi:  # no power of two within the bounds
-            return float(self.min_loss_scale)  # type: ignore[arg-type]
-        return 2.0 ** min(max(self._start_exponent(), lo), hi)
-
-    def _start_exponent(self) -> int:
-        """``log2`` of the classic start, ``2**15``, or of the format's largest power of two
-        when smaller: where a run starts, and where all-zero gradients settle."""
-        _, g = math.frexp(float(finfo(self.compute_dtype).max))
-        return min(15, g - 1)
+        return (state.settled == _NONE) & (state.looking == 0)
 
     def _exponent_bounds(self) -> tuple[int, int]:
         lo = _EXP_MIN if self.min_loss_scale is None else math.ceil(math.log2(self.min_loss_scale))
@@ -347,7 +337,7 @@ class Adaptive(Rule):
         jump = math.floor(log2_max - log2_sub + 1) - state.margin  # the whole usable range
         never = state.settled == _NONE
         look = never & (state.looking == 0)
-        back = jnp.maximum(log2_scale - jump, _I32(self._start_exponent()))  # found zeros
+        back = jnp.maximum(log2_scale - jump, _I32(min(15, g - 1)))  # the look found zeros
         after_overflows = ~never & (state.overflows > 0)
         target = pick(
             look,

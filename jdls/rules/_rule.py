@@ -74,6 +74,14 @@ class Rule:
         del grad_amax
         return self.adjust(loss_scale, state, finite)
 
+    def looks_for_flushed(self, state: Any) -> jax.Array:
+        """Whether the rule, on a step whose gradients are all zero, would raise the scale to
+        look for gradients that flushed (a bool, traceable): then such a step of a loss that
+        is not zero is skipped (``jdls.SkipCause.UNDERFLOW``) rather than counted.
+        Default: never; :class:`Adaptive` before its first measurement."""
+        del state
+        return jnp.zeros((), jnp.bool_)
+
     def check(self, loss_scale: jax.Array, state: Any) -> None:
         """Raise on the host if the counters record an error the rule reports (default: none)."""
         del loss_scale, state

@@ -89,4 +89,6 @@ def test_the_default_scale_reaches_float32_on_the_tiny_weight_task():
     default = q.train(task, lambda fmt: None, seeds=1)  # jdls.wrap(tx, None): the default
     f32 = q.train(task, q.rules()["float32"], "float32", seeds=1)
     assert abs(default["metric"] - f32["metric"]) <= 0.02
-    assert default["skipped"] == 0 and f32["metric"] > 0.9
+    # one skipped step: the first, whose gradients all flush at the start's scale (1), is
+    # skipped (jdls.SkipCause.UNDERFLOW) rather than taken with zeros
+    assert default["skipped"] == 1 and f32["metric"] > 0.9
