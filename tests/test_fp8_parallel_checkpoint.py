@@ -159,7 +159,7 @@ def test_a_checkpoint_saved_before_uses_were_counted_restores():
 @pytest.mark.parametrize(
     "recipe",
     [
-        jdls.fp8.DelayedScaling(4),
+        pytest.param(jdls.fp8.DelayedScaling(4), marks=pytest.mark.full),
         pytest.param(jdls.fp8.nvfp4(measure_error=True), marks=pytest.mark.full),
     ],
     ids=["delayed", "nvfp4"],

@@ -46,7 +46,9 @@ def _qd(x, block):
 
 @with_and_without_jit
 @pytest.mark.parametrize(
-    "transform", [True, pytest.param(False, marks=pytest.mark.full)], ids=["rht", "no_rht"]
+    "transform",
+    [pytest.param(True, marks=pytest.mark.full), pytest.param(False, marks=pytest.mark.full)],
+    ids=["rht", "no_rht"],
 )
 def test_three_dots_are_the_public_pieces(jit, transform):
     """Forward: activations in 1x16 blocks along K, the weight in 16x16 tiles; input
@@ -321,6 +323,7 @@ def test_float16_with_loss_scaling_trains():
     assert 0 < float(site.value.grad.step) <= 30
 
 
+@pytest.mark.full
 def test_a_retried_step_draws_the_bits_of_the_step_it_retries():
     """jdls.retrying recomputes an overflowing float16 step at a lower scale: params and
     sites equal, bit for bit, the step taken directly at that scale (same random bits)."""
@@ -369,7 +372,12 @@ def test_accumulate_is_the_mean_of_the_micro_batches():
 
 
 @pytest.mark.parametrize(
-    "recipe", [fp8.nvfp4(), pytest.param(fp8.mx(), marks=pytest.mark.full)], ids=["nvfp4", "mx"]
+    "recipe",
+    [
+        pytest.param(fp8.nvfp4(), marks=pytest.mark.full),
+        pytest.param(fp8.mx(), marks=pytest.mark.full),
+    ],
+    ids=["nvfp4", "mx"],
 )
 def test_a_batch_sharded_on_an_explicit_mesh_trains_as_on_one_device(recipe):
     """jax.make_mesh's default (explicit) axes, the tokens sharded: blocks along the token
@@ -394,6 +402,7 @@ def test_a_batch_sharded_on_an_explicit_mesh_trains_as_on_one_device(recipe):
     )
 
 
+@pytest.mark.full
 def test_nnx_state_is_ranked_and_kept():
     """The layer tools take an NNX state (the site inside its SiteVariable): keep a layer
     with nnx.update."""
