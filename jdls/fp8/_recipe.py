@@ -41,6 +41,7 @@ __all__ = [
     "Role",
     "measure",
     "quantize_with_scale",
+    "register_fields",
     "scale_from_amax",
 ]
 
@@ -78,32 +79,36 @@ class Measurement:
         return jax.tree.map(jnp.maximum, self, other)
 
 
-def _measurement_from_state_dict(target: Measurement, state: dict[str, Any]) -> Measurement:
-    """A :class:`Measurement` restored field by field; ``error``, which states saved before
-    the field existed lack, comes from the target."""
-    names = [f.name for f in dataclasses.fields(Measurement)]
-    missing = sorted(set(names) - set(state) - {"error"})
-    unknown = sorted(set(state) - set(names))
-    if missing or unknown:
-        raise ValueError(
-            f"cannot restore a jdls.fp8.Measurement from the saved fields {sorted(state)}: "
-            f"unknown {unknown}, missing {missing}; restore into a target built with the same "
-            "FP8 recipe as the one that was saved"
-        )
-    values = {
-        name: serialization.from_state_dict(getattr(target, name), state[name], name)
-        for name in names
-        if name in state
-    }
-    return dataclasses.replace(target, **values)
+def register_fields(cls: type, name: str, optional: frozenset[str]) -> None:
+    """Registers ``cls`` (a dataclass) with Flax serialization field by field: a state saved
+    before one of the ``optional`` fields existed restores it from the target; an unknown or
+    other missing field is an error that names the fields."""
+    fields = [f.name for f in dataclasses.fields(cls)]
+
+    def to_state_dict(value: Any) -> dict[str, Any]:
+        return {f: serialization.to_state_dict(getattr(value, f)) for f in fields}
+
+    def from_state_dict(target: Any, state: dict[str, Any]) -> Any:
+        missing = sorted(set(fields) - set(state) - optional)
+        unknown = sorted(set(state) - set(fields))
+        if missing or unknown:
+            raise ValueError(
+                f"cannot restore a {name} from the saved fields {sorted(state)}: unknown "
+                f"{unknown}, missing {missing}; restore into a target built with the same "
+                "FP8 recipe as the one that was saved"
+            )
+        values = {
+            f: serialization.from_state_dict(getattr(target, f), state[f], f)
+            for f in fields
+            if f in state
+        }
+        return dataclasses.replace(target, **values)
+
+    serialization.register_serialization_state(cls, to_state_dict, from_state_dict, override=True)
 
 
-serialization.register_serialization_state(
-    Measurement,
-    lambda m: {f.name: getattr(m, f.name) for f in dataclasses.fields(Measurement)},
-    _measurement_from_state_dict,
-    override=True,
-)
+# ``error`` came after the other fields: a state saved before it restores the target's.
+register_fields(Measurement, "jdls.fp8.Measurement", frozenset({"error"}))
 
 
 @struct.dataclass

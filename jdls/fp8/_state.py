@@ -21,11 +21,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import serialization, struct
+from flax import struct
 
 from jdls._sites.site import Site, SiteKind, is_site
 from jdls._transforms.stats import step_applied
-from jdls.fp8._recipe import ROLES, Measurement, Recipe
+from jdls.fp8._recipe import ROLES, Measurement, Recipe, register_fields
 
 __all__ = ["DotState", "Fp8", "Meter", "init", "needs_key", "step_applied", "telemetry"]
 
@@ -77,35 +77,9 @@ class DotState:
     uses: jax.Array
 
 
-def _dot_state_dict(state: DotState) -> dict[str, Any]:
-    return {f.name: serialization.to_state_dict(getattr(state, f.name)) for f in _DOT_FIELDS}
-
-
-def _dot_from_state_dict(target: DotState, state: dict[str, Any]) -> DotState:
-    """A :class:`DotState` restored field by field; ``uses``, which a state saved before the
-    field existed lacks, comes from the target (a freshly initialised state counts none)."""
-    names = {f.name for f in _DOT_FIELDS}
-    unknown = sorted(set(state) - names)
-    missing = sorted(names - set(state) - {"uses"})
-    if unknown or missing:
-        raise ValueError(
-            f"cannot restore a jdls.fp8.DotState from the saved fields {sorted(state)}: "
-            f"unknown {unknown}, missing {missing}; restore into a target built with the same "
-            "FP8 recipe as the one that was saved"
-        )
-    values = {
-        name: serialization.from_state_dict(getattr(target, name), state[name], name)
-        if name in state
-        else getattr(target, name)
-        for name in names
-    }
-    return dataclasses.replace(target, **values)
-
-
-_DOT_FIELDS = dataclasses.fields(DotState)
-serialization.register_serialization_state(
-    DotState, _dot_state_dict, _dot_from_state_dict, override=True
-)
+# ``uses`` came after the other fields: a state saved before it restores the target's (a
+# freshly initialised state counts none).
+register_fields(DotState, "jdls.fp8.DotState", frozenset({"uses"}))
 
 
 @dataclasses.dataclass(frozen=True)
