@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from jdls._numerics.checks import is_float
 from jdls._numerics.handoff import remember_backward
+from jdls._sites.backward_scale import backward_scale, set_backward_scale
 from jdls._sites.measured import measured
 from jdls._sites.site import is_site
 
@@ -77,12 +78,16 @@ def scaled_value_and_grad(
             loss, aux = out, None
         seed = seed_scale(scale.loss_scale, loss)
         seeded = scale if seed is None else with_loss_scale(scale, seed)
+        # for the sites that measure the cotangents (FP8 output gradients): the scale the
+        # backward pass, traced next, is seeded with
+        set_backward_scale(jnp.asarray(seeded.loss_scale, jnp.float32))
         return seeded.scale(loss), (loss, aux, seed)
 
     grad_fn = differentiate(scaled)
 
     def value_and_grad_fn(*args: Any, **kwargs: Any) -> Any:
-        (_, (loss, aux, seed)), grads = grad_fn(*args, **kwargs)
+        with backward_scale():
+            (_, (loss, aux, seed)), grads = grad_fn(*args, **kwargs)
         grads = (scale if seed is None else with_loss_scale(scale, seed)).unscale(grads)
         # For the jdls.wrap that holds this scale: what this backward pass computed, whatever
         # a transformation in front of the wrap makes of it (jdls/_numerics/handoff.py). Only

@@ -20,6 +20,7 @@ Example:
 """
 
 from jdls.fp8 import linen, nnx
+from jdls.fp8._adaptive import AdaptiveScaling, AdaptiveState
 from jdls.fp8._block import BlockArray, block_stats, dequantize_blocks, quantize_blocks
 from jdls.fp8._block_dot import BlockScaling, BlockState, deepseek, mx
 from jdls.fp8._current import CurrentScaling, CurrentState
@@ -40,6 +41,8 @@ from jdls.fp8._state import DotState, Fp8, Meter, init, step_applied, telemetry
 
 __all__ = [
     "TE_SIGNS",
+    "AdaptiveScaling",
+    "AdaptiveState",
     "BlockArray",
     "BlockScaling",
     "BlockState",

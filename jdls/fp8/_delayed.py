@@ -116,6 +116,11 @@ class DelayedScaling:
         fmt = element_format(self.formats, role)
         return quantize_with_scale(x, state.scale, fmt, self.compute_dtype)
 
+    def rescaled(self, state: DelayedState, factor: jax.Array) -> DelayedState:
+        """``state`` for a tensor multiplied by ``factor`` (a loss scale): its scale times
+        ``factor``; the history keeps the amaxes of the unscaled tensor."""
+        return dataclasses.replace(state, scale=state.scale * factor)
+
     def update(
         self, state: DelayedState, measurement: Measurement, role: Role, skipped: Any = False
     ) -> DelayedState:

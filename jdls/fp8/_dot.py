@@ -23,6 +23,7 @@ import numpy as np
 from jax import lax
 
 from jdls._numerics.axes import sum_like, vary_like, varying_axes
+from jdls._sites.backward_scale import current_backward_scale
 from jdls._sites.site import Site
 from jdls.fp8._recipe import Quantized
 from jdls.fp8._state import DotState, Fp8, Meter
@@ -187,18 +188,29 @@ def _fp8_dot_bwd(
     lhs, rhs, ql, qr, state, ml, mr = residuals
     recipe = kind.recipe
     acc = _acc_dtype(kind, out_dtype)
+    # The output gradient of a loss-scaled backward pass is the gradient times the loss
+    # scale: a recipe that keeps a scale (``rescaled``) keeps it for the unscaled gradient,
+    # and every recipe reports the unscaled amax, so that the history does not move with the
+    # loss scale (jdls/_sites/backward_scale.py).
+    loss_scale = current_backward_scale()
+    grad_state = state.grad
+    rescaled = getattr(recipe, "rescaled", None)
+    if loss_scale is not None and rescaled is not None:
+        grad_state = rescaled(grad_state, loss_scale)
     if recipe.requantize_backward:
         # Block scales follow the contraction: quantize again along the backward dots' axes.
         _, g_axes_l, rhs_axes, _ = _transpose_dims(lhs.ndim, rhs.ndim, dims, True)
         _, g_axes_r, lhs_axes, _ = _transpose_dims(rhs.ndim, lhs.ndim, dims, False)
-        qg_l, mg_l = _quantize(recipe, g, state.grad, "grad", g_axes_l, "dgrad")
-        qg_r, mg_r = _quantize(recipe, g, state.grad, "grad", g_axes_r, "wgrad")
+        qg_l, mg_l = _quantize(recipe, g, grad_state, "grad", g_axes_l, "dgrad")
+        qg_r, mg_r = _quantize(recipe, g, grad_state, "grad", g_axes_r, "wgrad")
         qr, _ = _quantize(recipe, rhs, state.rhs, "rhs", tuple(rhs_axes), "dgrad")
         ql, _ = _quantize(recipe, lhs, state.lhs, "lhs", tuple(lhs_axes), "wgrad")
         mg = mg_l.combine(mg_r)
     else:
-        qg_l, mg = recipe.quantize(g, state.grad, "grad", ())
+        qg_l, mg = recipe.quantize(g, grad_state, "grad", ())
         qg_r = qg_l
+    if loss_scale is not None:
+        mg = dataclasses.replace(mg, amax=mg.amax / loss_scale)
     first = _dequantize_first(kind)
     grad_lhs = _grad_of(qg_l, qr, lhs, dims, True, acc, first).astype(lhs.dtype)
     grad_rhs = _grad_of(qg_r, ql, rhs, dims, False, acc, first)
