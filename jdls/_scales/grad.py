@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from jdls._numerics.checks import is_float
 from jdls._numerics.handoff import remember_backward
-from jdls._sites.backward_scale import backward_scale, set_backward_scale
+from jdls._sites.backward_scale import backward_scale, set_seed_cap
 from jdls._sites.measured import measured
 from jdls._sites.site import is_site
 
@@ -78,15 +78,15 @@ def scaled_value_and_grad(
             loss, aux = out, None
         seed = seed_scale(scale.loss_scale, loss)
         seeded = scale if seed is None else with_loss_scale(scale, seed)
-        # for the sites that measure the cotangents (FP8 output gradients): the scale the
-        # backward pass, traced next, is seeded with
-        set_backward_scale(jnp.asarray(seeded.loss_scale, jnp.float32))
+        # for the sites that measure the cotangents (FP8 output gradients): what caps the
+        # scale the backward pass, traced next, is seeded with
+        set_seed_cap(seed_cap(loss))
         return seeded.scale(loss), (loss, aux, seed)
 
     grad_fn = differentiate(scaled)
 
     def value_and_grad_fn(*args: Any, **kwargs: Any) -> Any:
-        with backward_scale():
+        with backward_scale(scale.loss_scale):
             (_, (loss, aux, seed)), grads = grad_fn(*args, **kwargs)
         grads = (scale if seed is None else with_loss_scale(scale, seed)).unscale(grads)
         # For the jdls.wrap that holds this scale: what this backward pass computed, whatever
@@ -108,16 +108,22 @@ def scaled_value_and_grad(
     return value_and_grad_fn
 
 
-def seed_scale(loss_scale: jax.Array, loss: Any) -> jax.Array | None:
-    """The scale a 16-bit (or narrower) floating-point loss is multiplied by: ``loss_scale``,
-    at most the largest power of two of the loss's format (``2**15`` for float16), so that
-    the cotangent that seeds the backward pass is finite; None for a wider loss (scaled by
-    ``loss_scale`` itself)."""
+def seed_cap(loss: Any) -> float | None:
+    """The largest scale a 16-bit (or narrower) floating-point loss can be multiplied by:
+    the largest power of two of its format (``2**15`` for float16), so that the cotangent
+    that seeds the backward pass is finite; None for a wider loss."""
     dtype = getattr(loss, "dtype", None)
     if dtype is None or not jnp.issubdtype(dtype, jnp.floating) or jnp.finfo(dtype).bits >= 32:
         return None
     _, exponent = math.frexp(float(jnp.finfo(dtype).max))
-    return jnp.minimum(loss_scale, jnp.float32(2.0 ** (exponent - 1)))
+    return 2.0 ** (exponent - 1)
+
+
+def seed_scale(loss_scale: jax.Array, loss: Any) -> jax.Array | None:
+    """The scale a 16-bit (or narrower) floating-point loss is multiplied by: ``loss_scale``,
+    at most :func:`seed_cap`; None for a wider loss (scaled by ``loss_scale`` itself)."""
+    cap = seed_cap(loss)
+    return None if cap is None else jnp.minimum(loss_scale, jnp.float32(cap))
 
 
 def with_loss_scale(scale: S, loss_scale: jax.Array) -> S:

@@ -6,11 +6,14 @@ loss scale does (a growth of the loss scale would clip the next step, a back-off
 history too high for a window), so it divides what it measures by the loss scale and
 multiplies its scale by it.
 
-jdls's scaled ``value_and_grad`` knows the loss scale the backward pass is seeded with only
-after the forward pass (a 16-bit loss caps it), so it opens a :func:`backward_scale` context
-around the whole differentiation and :func:`set_backward_scale` fills it in once the loss is
-known; a site reads it with :func:`current_backward_scale` in its backward rule, which JAX
-traces after the forward pass and inside the same ``value_and_grad`` call. Outside such a call
+jdls's scaled ``value_and_grad`` opens a :func:`backward_scale` context with its loss scale
+around the whole differentiation. A site reads it in its forward pass
+(:func:`current_loss_scale`) and passes it on as an argument of its ``custom_vjp`` (so that it
+reaches the backward rule as data, through ``lax.scan``, remat and ``jit``). A 16-bit loss is
+seeded with at most the format's largest power of two (its cotangent must be finite), which
+is known only once the forward pass returned the loss: the context then records that cap
+(:func:`set_seed_cap`, a Python number), and the backward rule, traced after the forward pass
+and inside the same ``value_and_grad`` call, applies it (:func:`seeded`). Outside such a call
 (``jax.grad`` by hand, per-layer and per-loss scales) there is no context and the site
 measures the cotangent as it is (a scale of 1).
 """
@@ -22,7 +25,9 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["backward_scale", "current_backward_scale", "set_backward_scale"]
+import jax.numpy as jnp
+
+__all__ = ["backward_scale", "current_loss_scale", "seeded", "set_seed_cap"]
 
 _local = threading.local()
 
@@ -35,26 +40,33 @@ def _stack() -> list[list[Any]]:
 
 
 @contextlib.contextmanager
-def backward_scale() -> Iterator[None]:
-    """A context for one differentiation at a loss scale (set with
-    :func:`set_backward_scale`)."""
+def backward_scale(loss_scale: Any) -> Iterator[None]:
+    """The context of one differentiation of a loss scaled by ``loss_scale``."""
     stack = _stack()
-    stack.append([None])
+    stack.append([loss_scale, None])
     try:
         yield
     finally:
         stack.pop()
 
 
-def set_backward_scale(loss_scale: Any) -> None:
-    """The loss scale the innermost :func:`backward_scale` context's backward pass is seeded
-    with (a float32 scalar)."""
+def current_loss_scale() -> Any:
+    """The innermost context's loss scale (float32), or None outside any."""
+    stack = _stack()
+    return jnp.asarray(stack[-1][0], jnp.float32) if stack else None
+
+
+def set_seed_cap(cap: float | None) -> None:
+    """The largest scale the innermost context's loss could be seeded with (a 16-bit
+    loss's largest power of two; None for a wider loss)."""
     stack = _stack()
     if stack:
-        stack[-1][0] = loss_scale
+        stack[-1][1] = cap
 
 
-def current_backward_scale() -> Any:
-    """The innermost context's loss scale, or None outside any (or before it is set)."""
+def seeded(loss_scale: Any) -> Any:
+    """The scale the backward pass is seeded with: ``loss_scale``, capped by the innermost
+    context's :func:`set_seed_cap`."""
     stack = _stack()
-    return stack[-1][0] if stack else None
+    cap = stack[-1][1] if stack else None
+    return loss_scale if cap is None else jnp.minimum(loss_scale, jnp.float32(cap))

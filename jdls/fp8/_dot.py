@@ -23,7 +23,7 @@ import numpy as np
 from jax import lax
 
 from jdls._numerics.axes import sum_like, vary_like, varying_axes
-from jdls._sites.backward_scale import current_backward_scale
+from jdls._sites.backward_scale import current_loss_scale, seeded
 from jdls._sites.site import Site
 from jdls.fp8._recipe import Quantized
 from jdls.fp8._state import DotState, Fp8, Meter
@@ -141,24 +141,28 @@ def _acc_dtype(kind: Fp8, out_dtype: Any) -> Any:
     return out_dtype if compute is None else compute
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
 def _fp8_dot(
     lhs: jax.Array,
     rhs: jax.Array,
     state: DotState,
+    loss_scale: jax.Array | None,
     kind: Fp8,
     dims: Dims,
     precision: Any,
     out_dtype: Any,
     out_sharding: Any,
 ) -> jax.Array:
-    return _fp8_dot_fwd(lhs, rhs, state, kind, dims, precision, out_dtype, out_sharding)[0]
+    return _fp8_dot_fwd(
+        lhs, rhs, state, loss_scale, kind, dims, precision, out_dtype, out_sharding
+    )[0]
 
 
 def _fp8_dot_fwd(
     lhs: jax.Array,
     rhs: jax.Array,
     state: DotState,
+    loss_scale: jax.Array | None,
     kind: Fp8,
     dims: Dims,
     precision: Any,
@@ -172,7 +176,7 @@ def _fp8_dot_fwd(
     acc = _acc_dtype(kind, out_dtype)
     first = _dequantize_first(kind)
     out = _scaled_dot(ql, qr, dims, acc, precision, first, out_sharding).astype(out_dtype)
-    return out, (lhs, rhs, ql, qr, state, ml, mr)
+    return out, (lhs, rhs, ql, qr, state, ml, mr, loss_scale)
 
 
 def _fp8_dot_bwd(
@@ -183,16 +187,17 @@ def _fp8_dot_bwd(
     out_sharding: Any,
     residuals: Any,
     g: jax.Array,
-) -> tuple[jax.Array, jax.Array, DotState]:
+) -> tuple[jax.Array, jax.Array, DotState, Any]:
     del precision, out_sharding
-    lhs, rhs, ql, qr, state, ml, mr = residuals
+    lhs, rhs, ql, qr, state, ml, mr, loss_scale = residuals
     recipe = kind.recipe
     acc = _acc_dtype(kind, out_dtype)
     # The output gradient of a loss-scaled backward pass is the gradient times the loss
     # scale: a recipe that keeps a scale (``rescaled``) keeps it for the unscaled gradient,
     # and every recipe reports the unscaled amax, so that the history does not move with the
     # loss scale (jdls/_sites/backward_scale.py).
-    loss_scale = current_backward_scale()
+    if loss_scale is not None:
+        loss_scale = seeded(loss_scale)  # a 16-bit loss caps it
     grad_state = state.grad
     rescaled = getattr(recipe, "rescaled", None)
     if loss_scale is not None and rescaled is not None:
@@ -227,7 +232,8 @@ def _fp8_dot_bwd(
     meter = jax.tree.map(lambda m, s: vary_like(_max_like(m, s), s), meter, state.meter)
     uses = _max_like(uses, state.uses)
     grad_lhs, grad_rhs = sum_like(grad_lhs, lhs), sum_like(grad_rhs, rhs)
-    return grad_lhs, grad_rhs, dataclasses.replace(zeros, meter=meter, uses=uses)
+    ls_cotangent = None if loss_scale is None else jnp.zeros_like(loss_scale)
+    return grad_lhs, grad_rhs, dataclasses.replace(zeros, meter=meter, uses=uses), ls_cotangent
 
 
 def _quantize(
@@ -337,4 +343,7 @@ def dot_general(
         else jnp.dtype(preferred_element_type)
     )
     dims = _normalize_dims(dimension_numbers)
-    return _fp8_dot(lhs, rhs, site.value, site.kind, dims, precision, out_dtype, out_sharding)
+    loss_scale = current_loss_scale()  # within jdls's value_and_grad: what g is scaled by
+    return _fp8_dot(
+        lhs, rhs, site.value, loss_scale, site.kind, dims, precision, out_dtype, out_sharding
+    )
