@@ -119,6 +119,15 @@ CASES = [
         r"rule=GrowBackoff\(growth_factor=2.0, .*\) and \['growth_interval'\]; set them on the rule",
     ),
     Case(
+        "unknown-option",
+        lambda: jdls.DynamicScale(initial_scale=1.0, growth_interval=1),
+        TypeError,
+        r"DynamicScale got unknown options \['initial_scale'\]: the default rule takes "
+        r"\['growth_factor', .*'growth_interval'.*\], and the first argument is the starting "
+        r"scale, jdls.DynamicScale\(loss_scale, \.\.\.\) \(jdls's names: initial_scale -> "
+        r"loss_scale\)",
+    ),
+    Case(
         "state-not-of-rule",
         lambda: jdls.DynamicScale(1.0, state={"counter": 3}),
         TypeError,

@@ -140,6 +140,7 @@ class DynamicScale(LossScale):
         **options: Any,
     ) -> None:
         if rule is None:
+            _check_options(options)
             rule = GrowBackoff(**options)
             # jdls's own scale starts within its bounds; a rule given explicitly (a preset)
             # accepts what the library it mirrors accepts, e.g. a start below the minimum.
@@ -349,3 +350,33 @@ def AdaptiveScale(
       True
     """
     return DynamicScale(loss_scale, Adaptive(compute_dtype, **options))
+
+
+#: Other libraries' names for the first argument and the default rule's options.
+_SPELLINGS = {
+    "initial_scale": "loss_scale",
+    "init_scale": "loss_scale",
+    "scale": "loss_scale",
+    "initial_loss_scale": "loss_scale",
+    "growth_rate": "growth_factor",
+    "backoff_rate": "backoff_factor",
+    "dynamic_growth_steps": "growth_interval",
+    "period": "growth_interval",
+    "factor": "growth_factor",
+}
+
+
+def _check_options(options: dict[str, Any]) -> None:
+    """Unknown options of the default rule: an error that names the accepted ones (and the
+    jdls spelling of another library's name)."""
+    accepted = [f.name for f in dataclasses.fields(GrowBackoff)]
+    unknown = sorted(set(options) - set(accepted))
+    if not unknown:
+        return
+    hints = [f"{n} -> {_SPELLINGS[n]}" for n in unknown if n in _SPELLINGS]
+    raise TypeError(
+        f"DynamicScale got unknown options {unknown}: the default rule takes "
+        f"{accepted}, and the first argument is the starting scale, "
+        "jdls.DynamicScale(loss_scale, ...)"
+        + (f" (jdls's names: {', '.join(hints)})" if hints else "")
+    )
