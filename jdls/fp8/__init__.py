@@ -37,7 +37,16 @@ from jdls.fp8._nvfp4 import TE_SIGNS, NVFP4Array, dequantize_nvfp4, hadamard, qu
 from jdls.fp8._nvfp4_recipe import NVFP4Scaling, NVFP4State, nvfp4
 from jdls.fp8._presets import flax_fp8_ops, transformer_engine
 from jdls.fp8._recipe import Measurement, Quantized, Recipe, scale_from_amax
-from jdls.fp8._state import DotState, Fp8, Meter, init, step_applied, telemetry
+from jdls.fp8._state import (
+    DotState,
+    Fp8,
+    Meter,
+    init,
+    replace_states,
+    states,
+    step_applied,
+    telemetry,
+)
 
 __all__ = [
     "TE_SIGNS",
@@ -78,7 +87,9 @@ __all__ = [
     "quantize_blocks",
     "quantize_nvfp4",
     "rank_layers",
+    "replace_states",
     "scale_from_amax",
+    "states",
     "step_applied",
     "suggest_high_precision",
     "telemetry",

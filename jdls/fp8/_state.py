@@ -27,7 +27,17 @@ from jdls._sites.site import Site, SiteKind, is_site
 from jdls._transforms.stats import step_applied
 from jdls.fp8._recipe import ROLES, Measurement, Recipe, register_fields
 
-__all__ = ["DotState", "Fp8", "Meter", "init", "needs_key", "step_applied", "telemetry"]
+__all__ = [
+    "DotState",
+    "Fp8",
+    "Meter",
+    "init",
+    "needs_key",
+    "replace_states",
+    "states",
+    "step_applied",
+    "telemetry",
+]
 
 
 @struct.dataclass
@@ -268,3 +278,59 @@ def telemetry(tree: Any) -> dict[str, dict[str, dict[str, Any]]]:
             stacklevel=2,
         )
     return rows
+
+
+def states(tree: Any) -> dict[str, DotState]:
+    """Every FP8 site's state in ``tree``, by path: one call instead of three levels of
+    attributes (``model.dot.site.get_value().value``).
+
+    ``tree`` is anything holding sites: Flax variables or a ``TrainState``'s ``sites``, an
+    NNX model or ``nnx.state(model)``, an Equinox model. A stack of sites (a scanned layer)
+    gives a stacked state (leading axis: the layers).
+
+    Example:
+      >>> import jdls
+      >>> sites = {"mlp": {"up": jdls.fp8.init(jdls.fp8.AdaptiveScaling())}}
+      >>> state = jdls.fp8.states(sites)["mlp/up"]
+      >>> float(state.grad.scale), state.grad.history.shape
+      (1.0, (16,))
+    """
+    return {
+        _path_name(path): site.value
+        for path, site in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_fp8)[0]
+        if _is_fp8(site)
+    }
+
+
+def replace_states(tree: Any, fn: Any) -> Any:
+    """``tree`` with every FP8 site's state replaced by ``fn(path, state)``: set a scale,
+    restore a history, reset a layer, in one call.
+
+    ``fn`` gets the path (as :func:`states` names it) and the :class:`DotState` (use its
+    ``.replace``) and returns the new state, of the same structure. For an NNX model, pass
+    its state and update the model with the result:
+    ``nnx.update(model, jdls.fp8.replace_states(nnx.state(model), fn))``.
+
+    Example:
+      >>> import jax.numpy as jnp, jdls
+      >>> sites = {"up": jdls.fp8.init(jdls.fp8.DelayedScaling(4))}
+      >>> def grad_scale(path, state):  # the output gradient's scale, set by hand
+      ...     return state.replace(grad=state.grad.replace(scale=jnp.float32(2.0**-10)))
+      >>> sites = jdls.fp8.replace_states(sites, grad_scale)
+      >>> float(jdls.fp8.states(sites)["up"].grad.scale)
+      0.0009765625
+    """
+
+    def one(path: Any, site: Any) -> Any:
+        if not _is_fp8(site):
+            return site
+        new = fn(_path_name(path), site.value)
+        old_shape = jax.tree_util.tree_structure(site.value)
+        if jax.tree_util.tree_structure(new) != old_shape:
+            raise ValueError(
+                f"replace_states: fn returned a state of another structure for "
+                f"{_path_name(path)!r}; return state.replace(...) of the state it gets"
+            )
+        return Site(site.kind, new)
+
+    return jax.tree_util.tree_map_with_path(one, tree, is_leaf=_is_fp8)
