@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _helpers import assert_bitwise_equal
 
 import jdls
 
@@ -99,16 +100,33 @@ def test_an_apply_used_as_init_without_jdls_in_mutable_is_named(sites):
     assert sorted(variables) == ["jdls", "params"]
 
 
-@pytest.mark.parametrize("sites", list(_MODELS))
-def test_an_evaluation_with_params_only_is_named(sites):
-    """An evaluator applying ``{"params": ...}`` only: the error shows the apply with the
-    sites, eagerly and under jit; with them the model runs."""
-    model = _MODELS[sites](("params", "jdls"))
+def test_an_fp8_evaluation_with_params_only_is_named():
+    """An evaluator applying ``{"params": ...}`` only to an FP8 model (whose dots compute
+    with their sites): the error shows the apply with the sites, eagerly and under jit; with
+    them the model runs."""
+    model = _MODELS["fp8"](("params", "jdls"))
     variables = model.init(jax.random.key(0), _X)
     params_only = {"params": variables["params"]}
     _raises(lambda: model.apply(params_only, _X), _EVAL_LINE)
     _raises(lambda: jax.jit(model.apply)(params_only, _X), _EVAL_LINE)
     assert model.apply(variables, _X).shape == _X.shape
+
+
+@pytest.mark.parametrize("sites", ["probes", "layer_scales"])
+def test_a_measuring_model_evaluated_with_params_only_is_the_bare_model(sites):
+    """Probes and per-layer scales only measure and scale the backward pass: an evaluator or
+    sampler applying ``{"params": ...}`` only gets the bare model's output, bit for bit,
+    eagerly and under jit (and the model with its sites gives the same)."""
+    model = _MODELS[sites](("params", "jdls"))
+    variables = model.init(jax.random.key(0), _X)
+    params_only = {"params": variables["params"]}
+    bare = _LM(("params", "jdls")).apply(params_only, _X)
+    assert_bitwise_equal(model.apply(params_only, _X), bare)
+    assert_bitwise_equal(
+        jax.jit(model.apply)(params_only, _X),
+        jax.jit(_LM(("params", "jdls")).apply)(params_only, _X),
+    )
+    assert_bitwise_equal(model.apply(variables, _X), bare)
 
 
 def test_the_error_inside_a_scan_names_the_scan_and_the_path():

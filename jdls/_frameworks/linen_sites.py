@@ -168,6 +168,11 @@ class _Sites(nn.Module):
         # gives the sites their forward positions when the call returns (_place_probes)
         given = bool(self.variables.get(SITES))
         making = self.is_mutable_collection(SITES) and not given
+        if not given and not making and not self.is_mutable_collection("params"):
+            # applied with {"params": ...} only (an evaluation, a sampler): probes and
+            # per-layer scales only measure and scale the backward pass, so the model is the
+            # bare one. (FP8 dots compute with their sites, and still ask for them.)
+            return self.jdls_wrapped(*args, **kwargs)
         outer = Outer(
             self.is_mutable_collection(SITES), given, self.is_mutable_collection("params")
         )
