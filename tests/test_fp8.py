@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,6 +13,7 @@ import optax
 import pytest
 from _helpers import assert_bitwise_equal, maybe_jit, with_and_without_jit
 from flax.linen import fp8_ops
+from flax.training import train_state
 
 import jdls
 from jdls import fp8
@@ -91,6 +96,86 @@ def test_flax_preset_is_bit_identical_to_flax(op, dtype, jit):
         for role in ("lhs", "rhs", "grad"):
             assert_bitwise_equal(getattr(used, role).scale, meta[f"{role}_scale"][0])
             assert_bitwise_equal(getattr(site.value, role).history, meta[f"{role}_amax_history"])
+
+
+_FLAX_OPS = {
+    "direct": nn.Fp8DirectDotGeneralOp,
+    "qdq": nn.Fp8DotGeneralOp,
+    "nanoo": nn.NANOOFp8DotGeneralOp,
+}
+
+
+class _Bf16Mlp(nn.Module):
+    """Two ``nn.Dense(dtype=bfloat16)`` with float32 parameters: each casts its kernel and
+    its input to bfloat16 before the dot (how mixed precision trains)."""
+
+    dot: Any
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = nn.Dense(48, dtype=jnp.bfloat16, dot_general_cls=self.dot)(x)
+        return nn.Dense(24, dtype=jnp.bfloat16, dot_general_cls=self.dot)(nn.gelu(h))
+
+
+@pytest.mark.parametrize(
+    "op",
+    [
+        "direct",
+        pytest.param("qdq", marks=pytest.mark.full),
+        pytest.param("nanoo", marks=pytest.mark.full),
+    ],
+)
+@with_and_without_jit
+@pytest.mark.filterwarnings("ignore:The Fp8DotGeneralOp is deprecated:DeprecationWarning")
+def test_flax_preset_trains_a_bfloat16_dense_as_flax(op, jit):
+    """Train steps of float32 parameters in bfloat16 Dense layers (each casts its kernel to
+    bfloat16), Flax's op against the preset: outputs, gradients, scales and histories bit for
+    bit. Jitted, XLA:CPU rounds a bfloat16 graph by its shape (jdls/fp8/_dot.py, _grad_of)."""
+    length = 4
+    flax_model = _Bf16Mlp(functools.partial(_FLAX_OPS[op], amax_history_length=length))
+    recipe = fp8.flax_fp8_ops(length, op=op)
+    jdls_model = _Bf16Mlp(functools.partial(fp8.linen.DotGeneral, recipe=recipe))
+    x = jnp.ones((32, 40))
+    variables = flax_model.init(jax.random.key(0), x)
+    params, sites = variables["params"], jdls_model.init(jax.random.key(0), x)["jdls"]
+    tx = optax.sgd(0.01)
+    flax_state = train_state.TrainState.create(apply_fn=flax_model.apply, params=variables, tx=tx)
+    opt_state = tx.init(params)
+
+    def flax_step(state, x, t):
+        def loss(variables):
+            y = state.apply_fn(variables, x)
+            return jnp.mean((y.astype(jnp.float32) - t) ** 2), y
+
+        (_, y), grads = jax.value_and_grad(loss, has_aux=True)(state.params)
+        return state.apply_gradients(grads=grads), y, grads["params"]
+
+    def jdls_step(params, sites, opt_state, x, t):
+        def loss(params, sites):
+            y = jdls_model.apply({"params": params, "jdls": sites}, x)
+            return jnp.mean((y.astype(jnp.float32) - t) ** 2), y
+
+        (_, y), (grads, measured) = jax.value_and_grad(loss, (0, 1), has_aux=True)(params, sites)
+        updates, opt_state = tx.update(grads, opt_state)
+        params = optax.apply_updates(params, updates)
+        return params, jdls.update_sites(sites, measured), opt_state, y, grads
+
+    flax_step, jdls_step = maybe_jit(flax_step, jit), maybe_jit(jdls_step, jit)
+    rng = np.random.default_rng(0)
+    for step in range(4):
+        x = rng.standard_normal((32, 40)).astype(np.float32) * 10.0 ** (step % 3 - 1)
+        t = rng.standard_normal((32, 24)).astype(np.float32)
+        used = sites  # jdls keeps the scales a step uses; Flax returns them as gradients
+        flax_state, y0, grads0 = flax_step(flax_state, x, t)
+        params, sites, opt_state, y1, grads1 = jdls_step(params, sites, opt_state, x, t)
+        assert_bitwise_equal(y1, y0)
+        assert_bitwise_equal(grads1, grads0)
+        for layer, dots in flax_state.params[fp8_ops.OVERWRITE_WITH_GRADIENT].items():
+            (meta,) = dots.values()
+            state, before = (s[layer]["DotGeneral_0"]["fp8"].value for s in (sites, used))
+            for role, name in (("lhs", "input"), ("rhs", "kernel"), ("grad", "output_grad")):
+                assert_bitwise_equal(getattr(before, role).scale, meta[f"{name}_scale"][0])
+                assert_bitwise_equal(getattr(state, role).history, meta[f"{name}_amax_history"])
 
 
 # --------------------------------------------------------------------------------------------

@@ -41,8 +41,9 @@ def _scaled_dot(
     precision: Any,
     dequantize_first: bool,
     out_sharding: Any = None,
+    perm: tuple[int, ...] | None = None,
 ) -> jax.Array:
-    """``dequantize(a) . dequantize(b)`` accumulated in ``acc``.
+    """``dequantize(a) . dequantize(b)`` accumulated in ``acc``, transposed by ``perm``.
 
     With one scale per operand the float8 values are multiplied and the product is scaled
     once; with block scales (or ``dequantize_first``) each operand is dequantized first.
@@ -53,8 +54,10 @@ def _scaled_dot(
         out = lax.dot_general(
             a.values, b.values, dims, precision=precision, preferred_element_type=acc, **sharding
         )
+        if perm is not None:  # transposed before it is scaled: see _grad_of
+            out = jnp.transpose(out, perm)
         return out.astype(acc) * (a.scale * b.scale).astype(acc)
-    return lax.dot_general(
+    out = lax.dot_general(
         a.dequantize(acc),
         b.dequantize(acc),
         dims,
@@ -62,6 +65,7 @@ def _scaled_dot(
         preferred_element_type=acc,
         **sharding,
     )
+    return out if perm is None else jnp.transpose(out, perm)
 
 
 def _sharding_of(x: jax.Array) -> tuple[Any, tuple[Any, ...] | None]:
@@ -123,10 +127,18 @@ def _grad_of(
     own_is_lhs: bool,
     acc: Any,
     dequantize_first: bool,
+    scale_last: bool = False,
 ) -> jax.Array:
+    """The gradient of one operand. ``scale_last``: the product of the float8 values is
+    transposed, then scaled, as Flax's ``fp8_ops`` (``quantized_dot_bwd``) do. The values are
+    the same, but in a 16-bit ``acc`` XLA:CPU computes the scaling in float32 and drops its
+    rounding to ``acc`` when a cast to float32 follows it (a float32 kernel cast to bfloat16
+    by ``nn.Dense(dtype=...)``), and keeps it when a transpose comes between them."""
     dot_dims, _, _, perm = _transpose_dims(own.ndim, other.values.ndim, dims, own_is_lhs)
     hp = lax.Precision.HIGHEST
     sharding = _sharding_before(own, perm, g.values, other.values)
+    if scale_last:
+        return _scaled_dot(g, other, dot_dims, acc, hp, dequantize_first, sharding, perm)
     out = _scaled_dot(g, other, dot_dims, acc, hp, dequantize_first, sharding)
     return jnp.transpose(out, perm)
 
@@ -217,8 +229,10 @@ def _fp8_dot_bwd(
     if loss_scale is not None:
         mg = dataclasses.replace(mg, amax=mg.amax / loss_scale)
     first = _dequantize_first(kind)
-    grad_lhs = _grad_of(qg_l, qr, lhs, dims, True, acc, first).astype(lhs.dtype)
-    grad_rhs = _grad_of(qg_r, ql, rhs, dims, False, acc, first)
+    # The arithmetic in the operands' dtype is Flax's (jdls.fp8.flax_fp8_ops): its graph too.
+    flax = recipe.compute_dtype is None
+    grad_lhs = _grad_of(qg_l, qr, lhs, dims, True, acc, first, flax).astype(lhs.dtype)
+    grad_rhs = _grad_of(qg_r, ql, rhs, dims, False, acc, first, flax)
     if getattr(recipe, "measures_error", False):
         mg = dataclasses.replace(mg, error=_wgrad_error(grad_rhs, g, lhs, rhs, dims, acc))
     grad_rhs = grad_rhs.astype(rhs.dtype)
