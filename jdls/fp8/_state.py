@@ -325,7 +325,7 @@ def replace_states(tree: Any, fn: Any) -> Any:
         if not _is_fp8(site):
             return site
         new = fn(_path_name(path), site.value)
-        old_shape = jax.tree_util.tree_structure(site.value)
+        old_shape: Any = jax.tree_util.tree_structure(site.value)
         if jax.tree_util.tree_structure(new) != old_shape:
             raise ValueError(
                 f"replace_states: fn returned a state of another structure for "
