@@ -93,6 +93,14 @@ SUITES: dict[str, Suite] = {
             in_all=False,
         ),
         Suite(
+            "fp8-quality",
+            "benchmarks.bench_fp8_quality",
+            "suite",
+            "FP8 scaling quality: 7 recipes x 8 tasks on an MLP (3 seeds) and 3 tasks on the"
+            " character LM (2 seeds): scale headroom, clipping, flushing, loss; not in all",
+            in_all=False,
+        ),
+        Suite(
             "default-cost",
             "benchmarks.bench_quality",
             "suite_step_cost",

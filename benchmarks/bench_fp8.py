@@ -77,20 +77,21 @@ class Block(nn.Module):
     dim: int
     heads: int
     dot: Any
+    dtype: Any = COMPUTE
 
     @nn.compact
     def __call__(self, x: jax.Array, _: Any) -> tuple[jax.Array, None]:
-        dense = functools.partial(nn.Dense, dtype=COMPUTE, dot_general_cls=self.dot)
+        dense = functools.partial(nn.Dense, dtype=self.dtype, dot_general_cls=self.dot)
         b, t, d = x.shape
-        h = nn.LayerNorm(dtype=jnp.float32)(x).astype(COMPUTE)
+        h = nn.LayerNorm(dtype=jnp.float32)(x).astype(self.dtype)
         q, k, v = jnp.split(dense(3 * d, name="qkv")(h), 3, axis=-1)
         q, k, v = (a.reshape(b, t, self.heads, d // self.heads) for a in (q, k, v))
         logits = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / np.sqrt(d // self.heads)
         mask = jnp.tril(jnp.ones((t, t), bool))
-        weights = jax.nn.softmax(jnp.where(mask, logits, -1e9), axis=-1).astype(COMPUTE)
+        weights = jax.nn.softmax(jnp.where(mask, logits, -1e9), axis=-1).astype(self.dtype)
         att = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(b, t, d)
         x = x + dense(d, name="out")(att).astype(jnp.float32)
-        h = nn.LayerNorm(dtype=jnp.float32)(x).astype(COMPUTE)
+        h = nn.LayerNorm(dtype=jnp.float32)(x).astype(self.dtype)
         up = nn.gelu(dense(4 * d, name="up")(h))
         return x + dense(d, name="down")(up).astype(jnp.float32), None
 
@@ -100,6 +101,7 @@ class CharLM(nn.Module):
     heads: int = 4
     layers: int = 4
     dot: Any = None
+    dtype: Any = COMPUTE  # of the blocks' computation
 
     @nn.compact
     def __call__(self, tokens: jax.Array, factor: jax.Array) -> jax.Array:
@@ -111,7 +113,7 @@ class CharLM(nn.Module):
             split_rngs={"params": True},
             length=self.layers,
         )
-        x = blocks(self.dim, self.heads, self.dot, name="blocks")(x, None)[0]
+        x = blocks(self.dim, self.heads, self.dot, self.dtype, name="blocks")(x, None)[0]
         x = event_gate(x, factor)
         return nn.Dense(256)(nn.LayerNorm()(x))
 
