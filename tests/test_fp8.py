@@ -276,6 +276,31 @@ def test_measurement_counts_saturated_and_flushed_values():
     assert q.values.astype(jnp.float32).tolist()[:3] == [448.0, -448.0, 1.0]
 
 
+@pytest.mark.parametrize(
+    ("role", "formats", "kept", "changed"),
+    [
+        # e4m3fn: 448 = 1.110b x 2**8, spacing 32: up to the tie 464 (to even: 448) unchanged
+        ("lhs", "hybrid", [448.00003, 460.0, 464.0], [464.0001, 500.0]),
+        # e5m2: 57344 = 1.11b x 2**15 (odd), spacing 8192: the tie 61440 rounds away
+        ("grad", "hybrid", [57344.004, 61439.996], [61440.0, 70000.0]),
+        # e4m3fnuz: 240 = 1.111b x 2**7 (odd), spacing 16: the tie 248 rounds away
+        ("lhs", "fnuz", [240.00002, 247.99998], [248.0, 300.0]),
+    ],
+)
+def test_saturated_counts_only_the_values_the_clip_changed(role, formats, kept, changed):
+    """A value above the format's maximum that rounds to it anyway (``x / scale`` one float32
+    ulp above ``fmax``, as current scaling gives) is not saturated: the clip changed nothing.
+    Each value's quantization with and without the clip shows which."""
+    recipe = fp8.DelayedScaling(4, formats=formats)
+    fmt = recipe.formats.backward if role == "grad" else recipe.formats.forward
+    fmax = fp8.format_max(fmt)
+    for value in kept + changed:
+        _, m = recipe.quantize(jnp.array([value], jnp.float32), recipe.init(role), role)
+        rounds_to_fmax = float(np.float32(value).astype(fmt).astype(np.float32)) == fmax
+        assert rounds_to_fmax == (value in kept), value
+        assert float(m.saturated) == (0.0 if value in kept else 1.0), value
+
+
 @pytest.mark.parametrize("algorithm", ["max", "most_recent"])
 @pytest.mark.parametrize("margin", [0, 1, 3])
 def test_transformer_engine_preset_follows_te_formulas(algorithm, margin):

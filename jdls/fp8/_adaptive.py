@@ -7,18 +7,18 @@ for the spike. In FP8 the two errors do not cost the same: the formats are float
 a scale a little too high only moves the flush threshold (a few of the smallest values),
 while a scale too low clips the largest ones.
 
-The recipe therefore keeps a short history of the finite amaxes (newest first) and maps
-``headroom`` times a robust level of it to the format's maximum:
+The recipe therefore keeps the last ``window`` finite amaxes (newest first) and maps
+``headroom`` times a robust level of them to the format's maximum:
 
-* the level is the largest amax of the window that is not an *outlier*, an amax more than
-  ``outlier`` times the window's median. A single spike is clipped where it happens (the
-  scale had no way to know) and never coarsens the steps after it;
+* an *outlier* is an amax more than ``outlier`` times the window's median, unless outliers
+  are frequent (over a quarter of the window: then they are part of the distribution);
+* the level is the largest of the newest ``recent`` (4) amaxes that are not outliers. A
+  single spike is clipped where it happens (the scale had no way to know) and never coarsens
+  the steps after it; a falling amax brings the scale down within ``recent`` steps;
 * two outliers in a row are a jump, not a spike: from the second step on the level follows
   the run of outliers, so a lasting jump clips two steps;
 * the headroom (2 by default, one binade) absorbs step-to-step noise and slow drift, so that
-  steady training clips nothing, at the cost of one bit at the bottom of the range;
-* the window (16 steps) and the median let the scale come down within about half a window
-  after the amax falls.
+  steady training rarely clips, at the cost of one bit at the bottom of the range.
 
 The cost is delayed scaling's: no pass over the tensor before the cast, one sort of
 ``window`` numbers per tensor per step.
@@ -62,19 +62,25 @@ class AdaptiveState:
     history: jax.Array
 
 
-def robust_level(history: jax.Array, outlier: float) -> jax.Array:
-    """The amax that the next step's scale is for: the largest entry of ``history`` (newest
-    first, 0 for empty entries) that is at most ``outlier`` times the entries' median, or,
-    when the two newest entries both exceed that, the largest of the newest run of such
-    outliers. 0 when the history is empty. Rank-polymorphic over leading axes.
+def robust_level(history: jax.Array, outlier: float, recent: int) -> jax.Array:
+    """The amax that the next step's scale is for, from ``history`` (newest first, 0 for
+    empty entries); rank-polymorphic over leading axes, 0 when the history is empty.
+
+    An entry more than ``outlier`` times the entries' median is an outlier, unless outliers
+    are frequent (two or more, and more than a quarter of the entries: then they are part
+    of the distribution). The level is the largest of the newest ``recent`` entries that are not
+    outliers (of the whole window where the newest are all outliers); when the two newest
+    entries are both outliers (a jump), the largest of the newest run of outliers.
 
     Example:
       >>> import jax.numpy as jnp
       >>> from jdls.fp8._adaptive import robust_level
-      >>> float(robust_level(jnp.array([1e4, 2.0, 3.0, 2.5]), 16.0))  # a spike: ignored
+      >>> float(robust_level(jnp.array([1e4, 2.0, 3.0, 2.5, 2.0]), 16.0, 4))  # a spike
       3.0
-      >>> float(robust_level(jnp.array([300.0, 250.0, 3.0, 2.5]), 16.0))  # a jump: followed
+      >>> float(robust_level(jnp.array([300.0, 250.0, 3.0, 2.5, 2.0]), 16.0, 4))  # a jump
       300.0
+      >>> float(robust_level(jnp.array([1.0, 1.5, 1.0, 1.0, 9.0]), 16.0, 4))  # forgotten
+      1.5
     """
     window = history.shape[-1]
     present = history > 0
@@ -83,11 +89,18 @@ def robust_level(history: jax.Array, outlier: float) -> jax.Array:
     lower_median = jnp.clip(window - count + (count - 1) // 2, 0, window - 1)
     median = jnp.take_along_axis(ascending, lower_median, axis=-1)
     outliers = present & (history > outlier * median)
-    regular = jnp.max(jnp.where(present & ~outliers, history, 0.0), axis=-1)
+    n_outliers = jnp.sum(outliers, axis=-1, keepdims=True)
+    frequent = (4 * n_outliers > count) & (n_outliers >= 2)
+    outliers = outliers & ~frequent
+    regular = present & ~outliers
+    newest = jnp.arange(window) < recent
+    level = jnp.max(jnp.where(regular & newest, history, 0.0), axis=-1)
+    anywhere = jnp.max(jnp.where(regular, history, 0.0), axis=-1)
+    level = jnp.where(level > 0, level, anywhere)
     run = jnp.cumprod(outliers, axis=-1).astype(bool)  # the newest entries, while outliers
-    jump = run[..., 1] if window > 1 else run[..., 0]
-    newest = jnp.max(jnp.where(run, history, 0.0), axis=-1)
-    return jnp.where(jump, jnp.maximum(regular, newest), regular)
+    jump = run[..., 1]
+    run_max = jnp.max(jnp.where(run, history, 0.0), axis=-1)
+    return jnp.where(jump, jnp.maximum(level, run_max), level)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,19 +109,21 @@ class AdaptiveScaling:
 
     Each step quantizes with the scale in the state (as :class:`DelayedScaling`: no pass
     before the cast). The next scale maps ``headroom`` times a robust level of the last
-    ``window`` finite amaxes to the format's maximum: their largest amax that is not an
-    outlier (more than ``outlier`` times their median), or, after two outliers in a row (a
-    jump), the newest outliers' largest. A spike is clipped in its own step and forgotten;
-    a jump is followed from the second step; a falling amax brings the scale down within
-    about ``window / 2`` steps. See docs/fp8.md for what it measures against delayed
-    scaling.
+    ``window`` finite amaxes to the format's maximum: the largest of the newest ``recent``
+    amaxes that is not an outlier (more than ``outlier`` times the window's median, where
+    outliers are rare), or, after two outliers in a row (a jump), the newest outliers'
+    largest. A spike is clipped in its own step and forgotten; a jump is followed from the
+    second step; a falling amax brings the scale down within ``recent`` steps. See
+    docs/fp8.md for what it measures against delayed scaling.
 
     With a loss scale (``jdls.DynamicScale`` and a ``value_and_grad`` of jdls), the output
     gradient's history holds unscaled amaxes and its scale follows the loss scale, as every
     per-tensor recipe's does.
 
     Args:
-      window: how many steps' amaxes are kept (at least 3).
+      window: how many steps' amaxes are kept (at least 3): the median's window.
+      recent: how many of the newest amaxes the level is taken from (default
+        ``min(4, window)``).
       headroom: the level times ``headroom`` maps to the format's maximum (> 0; 2 is one
         binade of room above the level).
       outlier: an amax more than ``outlier`` times the window's median is a spike (> 1).
@@ -130,6 +145,7 @@ class AdaptiveScaling:
     """
 
     window: int = 16
+    recent: int | None = None
     headroom: float = 2.0
     outlier: float = 16.0
     power_of_two: bool = False
@@ -141,6 +157,12 @@ class AdaptiveScaling:
         if not isinstance(self.window, int) or self.window < 3:
             raise ValueError(
                 f"window must be an int >= 3 (the median needs a few steps), got {self.window!r}"
+            )
+        if self.recent is None:
+            object.__setattr__(self, "recent", min(4, self.window))
+        if not isinstance(self.recent, int) or not 1 <= self.recent <= self.window:
+            raise ValueError(
+                f"recent must be an int in [1, window={self.window}], got {self.recent!r}"
             )
         if not self.headroom > 0:
             raise ValueError(f"headroom must be > 0, got {self.headroom!r}; 2.0 is one binade")
@@ -172,8 +194,12 @@ class AdaptiveScaling:
 
     def rescaled(self, state: AdaptiveState, factor: jax.Array) -> AdaptiveState:
         """``state`` for a tensor multiplied by ``factor`` (a loss scale): its scale times
-        ``factor``; the history keeps the amaxes of the unscaled tensor."""
-        return dataclasses.replace(state, scale=state.scale * factor)
+        ``factor``; the history keeps the amaxes of the unscaled tensor. Before the first
+        amax is recorded the scale (1) applies to the tensor as it comes, loss scale and all,
+        as without a loss scale: a fresh site keeps the range the loss scale gives small
+        gradients."""
+        recorded = jnp.any(state.history > 0, axis=-1)
+        return dataclasses.replace(state, scale=state.scale * jnp.where(recorded, factor, 1.0))
 
     def update(
         self, state: AdaptiveState, measurement: Measurement, role: Role, skipped: Any = False
@@ -185,7 +211,8 @@ class AdaptiveScaling:
         pushed = jnp.roll(state.history, 1, axis=-1).at[..., 0].set(amax)
         usable = jnp.isfinite(amax) & (amax > 0)
         history = jnp.where(usable[..., None], pushed, state.history)
-        level = robust_level(history, self.outlier)
+        assert self.recent is not None  # set in __post_init__
+        level = robust_level(history, self.outlier, self.recent)
         fmax = format_max(element_format(self.formats, role))
         scale = scale_from_amax(level * self.headroom, state.scale, fmax, 0, self.power_of_two)
         return AdaptiveState(scale=scale, history=history)

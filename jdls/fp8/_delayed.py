@@ -118,8 +118,12 @@ class DelayedScaling:
 
     def rescaled(self, state: DelayedState, factor: jax.Array) -> DelayedState:
         """``state`` for a tensor multiplied by ``factor`` (a loss scale): its scale times
-        ``factor``; the history keeps the amaxes of the unscaled tensor."""
-        return dataclasses.replace(state, scale=state.scale * factor)
+        ``factor``; the history keeps the amaxes of the unscaled tensor. Before the first
+        amax is recorded the scale (1) applies to the tensor as it comes, loss scale and all,
+        as without a loss scale: a fresh site keeps the range the loss scale gives small
+        gradients."""
+        recorded = jnp.any(state.history > 0, axis=-1)
+        return dataclasses.replace(state, scale=state.scale * jnp.where(recorded, factor, 1.0))
 
     def update(
         self, state: DelayedState, measurement: Measurement, role: Role, skipped: Any = False

@@ -9,6 +9,7 @@ and the format of the output gradient, the two roles every FP8 recipe distinguis
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -64,6 +65,27 @@ def format_max(fmt: Any) -> float:
     if isinstance(fmt, FloatFormat):  # IEEE-style: the all-ones exponent is inf and NaN
         return (2.0 - 2.0**-fmt.mantissa_bits) * 2.0**fmt.emax
     return float(jnp.finfo(fmt).max)
+
+
+def saturation_limit(fmt: Any) -> tuple[float, bool]:
+    """Where clipping to the format's largest value ``fmax`` starts to change a value:
+    ``(limit, inclusive)``. A value above ``fmax`` but below the midpoint to the next binade
+    step (``fmax`` plus half its spacing) rounds to ``fmax`` anyway; the midpoint itself
+    rounds away from ``fmax`` (round to nearest even) when ``fmax``'s last mantissa bit is
+    odd. So ``|x| > limit`` (``>=`` when ``inclusive``) is what the clip changes.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jdls.fp8._formats import saturation_limit
+      >>> saturation_limit(jnp.float8_e4m3fn), saturation_limit(jnp.float8_e5m2)
+      ((464.0, False), (61440.0, True))
+    """
+    fmax = format_max(fmt)
+    nmant = fmt.mantissa_bits if isinstance(fmt, FloatFormat) else int(jnp.finfo(fmt).nmant)
+    _, exponent = math.frexp(fmax)  # fmax = f * 2**exponent, f in [0.5, 1)
+    spacing = 2.0 ** (exponent - 1 - nmant)
+    odd = int(fmax / spacing) % 2 == 1
+    return fmax + spacing / 2, odd
 
 
 def cast(x: jax.Array, fmt: Any) -> jax.Array:

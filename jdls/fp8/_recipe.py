@@ -32,7 +32,7 @@ from flax import serialization, struct
 
 from jdls._floats.formats import FloatFormat
 from jdls._floats.lookup import canonical_format
-from jdls.fp8._formats import cast, format_max
+from jdls.fp8._formats import cast, format_max, saturation_limit
 
 __all__ = [
     "Measurement",
@@ -194,13 +194,27 @@ def scale_from_amax(
     return 1.0 / factor
 
 
-def measure(x: jax.Array, scaled: jax.Array, values: jax.Array, fmax: jax.Array) -> Measurement:
-    """The :class:`Measurement` of quantizing ``x``: ``scaled = x / scale`` became ``values``."""
+def measure(
+    x: jax.Array, scaled: jax.Array, values: jax.Array, fmax: jax.Array, fmt: Any = None
+) -> Measurement:
+    """The :class:`Measurement` of quantizing ``x``: ``scaled = x / scale`` became ``values``.
+
+    ``saturated`` counts the values the clip to ``fmax`` changed: with ``fmt``, a value just
+    above ``fmax`` that rounds to ``fmax`` anyway (``x / scale`` one float32 ulp above it) is
+    not counted (:func:`jdls.fp8._formats.saturation_limit`).
+    """
     finite = jnp.isfinite(scaled)
     amax = jnp.max(jnp.abs(x)).astype(jnp.float32) if x.size else jnp.float32(0)
     # A NaN can be dropped by a max reduction on some backends: test finiteness on its own.
     amax = jnp.where(jnp.all(jnp.isfinite(x)), amax, jnp.inf)
-    saturated = jnp.mean((jnp.abs(scaled) > fmax) & finite, dtype=jnp.float32)
+    if fmt is None:
+        beyond = jnp.abs(scaled) > fmax
+    else:
+        limit, inclusive = saturation_limit(fmt)
+        bound = jnp.asarray(limit, jnp.float32)
+        magnitude = jnp.abs(scaled).astype(jnp.float32)
+        beyond = magnitude >= bound if inclusive else magnitude > bound
+    saturated = jnp.mean(beyond & finite, dtype=jnp.float32)
     flushed = jnp.mean((x != 0) & (values == 0), dtype=jnp.float32)
     return Measurement(amax=amax, saturated=saturated, flushed=flushed)
 
@@ -222,7 +236,7 @@ def quantize_with_scale(
     clipped = jnp.where(jnp.isfinite(scaled), jnp.clip(scaled, -fmax, fmax), scaled)
     values = cast(clipped, fmt)
     return Quantized(values=values, scale=scale.astype(jnp.float32)), measure(
-        x, scaled, values, fmax
+        x, scaled, values, fmax, fmt
     )
 
 
