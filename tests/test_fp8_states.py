@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from _helpers import assert_bitwise_equal
 from flax import nnx
 
+import jdls
 from jdls import fp8
 
 
@@ -59,3 +61,20 @@ def test_a_state_of_another_structure_says_what_to_return():
     sites = {"up": fp8.init(fp8.DelayedScaling(4))}
     with pytest.raises(ValueError, match=r"another structure for 'up'; return state.replace"):
         fp8.replace_states(sites, lambda path, state: state.grad)
+
+
+def test_a_site_cast_to_float16_updates_in_float32():
+    """A model cast to float16 whole (the site too): the update computes in float32, where
+    an FP8 scale such as 0.027 / 57344 is a number (in float16, 57344 / 0.027 overflows and
+    the scale would stay 1)."""
+    site = jax.tree.map(lambda v: v.astype(jnp.float16), fp8.init(fp8.DelayedScaling(4)))
+    x, w = jnp.full((2, 4), 0.01, jnp.float16), jnp.ones((4, 2), jnp.float16)
+
+    def loss(s):
+        return jnp.sum(fp8.dot_general(x, w, (((1,), (0,)), ((), ())), site=s) * 0.027)
+
+    site = jdls.update_sites(site, jax.grad(loss)(site))
+    assert site.value.grad.scale.dtype == jnp.float32
+    assert float(site.value.grad.scale) == pytest.approx(
+        float(np.float32(0.027) / np.float32(57344)), rel=1e-3
+    )

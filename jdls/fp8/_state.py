@@ -141,6 +141,9 @@ class Fp8(SiteKind):
         nothing to the history or to ``pending``, as if the site had not been in it, and
         :func:`jdls.fp8.telemetry` reports its amax as NaN.
         """
+        # in float32 whatever the state was cast to (a model cast to float16 whole): an
+        # FP8 scale (2**-20 and below) is not a float16 number
+        value, measurement = (jax.tree.map(_float32, tree) for tree in (value, measurement))
         new = measurement.meter
         once = measurement.uses == 1
         usable = jax.tree.map(lambda m, e: jnp.where(once, m, e), new, Meter.empty())
@@ -159,6 +162,11 @@ class Fp8(SiteKind):
         empty = Meter.empty()
         pending = jax.tree.map(lambda e, p: jnp.where(applied, e, p), empty, pending)
         return DotState(**roles, meter=new, pending=pending, uses=measurement.uses)
+
+
+def _float32(x: Any) -> Any:
+    x = jnp.asarray(x)
+    return x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x
 
 
 def needs_key(recipe: Recipe) -> bool:
