@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _helpers import assert_bitwise_equal, with_and_without_jit
+from _helpers import assert_bitwise_equal, maybe_jit, with_and_without_jit
 
 import jdls
 from jdls import fp8
@@ -179,3 +179,30 @@ def test_wrap_with_multisteps_updates_sites_in_params_once_per_applied_step():
     assert counts == [0, 1, 1, 2]
     history = np.asarray(params["site"].value.lhs.history)
     assert sorted(history[history != 0].tolist()) == _expected_history(batches)
+
+
+@with_and_without_jit
+def test_accumulate_with_a_dropped_micro_batch_records_the_kept_ones(jit):
+    """One micro-batch overflows (an inf in its input) and is dropped, the step is applied
+    (max_dropped=1): the input's history records the largest amax of the kept micro-batches,
+    as the same micro-batches through optax.MultiSteps one at a time do; the meter still
+    shows the inf."""
+    x = jax.random.normal(jax.random.key(0), (3, 2, 8)).at[1, 0, 0].set(jnp.inf)
+    params = {"w": jnp.ones((8, 2)) * 0.1, "site": fp8.init(fp8.DelayedScaling(4))}
+    tx = jdls.wrap(optax.sgd(0.0))
+
+    def loss_fn(p, x):
+        return jnp.mean(fp8.dot_general(x, p["w"], DN, site=p["site"]) ** 2)
+
+    def step(params, opt_state):
+        scale = jdls.get_scale(opt_state)
+        _, grads, info = jdls.accumulate(loss_fn, scale, params, x, max_dropped=1)
+        _, opt_state = tx.update({"w": grads["w"]}, opt_state, {"w": params["w"]})
+        site = jdls.update_sites(params["site"], grads["site"], fp8.step_applied(opt_state))
+        return site, info
+
+    site, info = maybe_jit(step, jit)(params, tx.init({"w": params["w"]}))
+    assert int(info.dropped) == 1
+    kept = float(jnp.max(jnp.abs(x[jnp.array([0, 2])])))
+    assert float(site.value.lhs.history[0]) == kept
+    assert float(site.value.meter.lhs.amax) == np.inf

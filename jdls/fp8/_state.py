@@ -123,8 +123,17 @@ class Fp8(SiteKind):
     def accumulate(self, a: DotState, b: DotState) -> DotState:
         """Two micro-batches' measurements: the maximum of each (the step's amax is the
         largest of its micro-batches'; each micro-batch uses the site once, so the uses stay
-        1, and a micro-batch that used it twice flags the step)."""
-        return jax.tree.map(jnp.maximum, a, b)
+        1, and a micro-batch that used it twice flags the step). The largest *finite*
+        measurements ride in ``pending`` beside them, so that a micro-batch that overflowed
+        (an amax of inf in the meter, for telemetry) does not hide the others' from the
+        scales."""
+        both = jax.tree.map(jnp.maximum, a, b)
+        pending = jax.tree.map(
+            jnp.maximum,
+            jax.tree.map(jnp.maximum, _finite_part(a.pending), _finite_part(a.meter)),
+            jax.tree.map(jnp.maximum, _finite_part(b.pending), _finite_part(b.meter)),
+        )
+        return dataclasses.replace(both, pending=pending)
 
     def update(self, value: DotState, measurement: DotState, finite: jax.Array) -> DotState:
         """The next state from this step's measurement (``measurement.meter``).
@@ -152,6 +161,12 @@ class Fp8(SiteKind):
             return jnp.where(jnp.isfinite(m), jnp.maximum(p, m), p)
 
         pending = jax.tree.map(finite_max, value.pending, usable)
+        # micro-batches (:meth:`accumulate`): their finite measurements, kept apart from an
+        # overflowed one's inf (a single backward pass leaves zeros here)
+        accumulated = jax.tree.map(
+            lambda m, e: jnp.where(once, m, e), _finite_part(measurement.pending), Meter.empty()
+        )
+        pending = jax.tree.map(finite_max, pending, accumulated)
         applied = jnp.asarray(finite, bool)
         skipped = jnp.logical_not(applied)
         roles = {}
@@ -162,6 +177,17 @@ class Fp8(SiteKind):
         empty = Meter.empty()
         pending = jax.tree.map(lambda e, p: jnp.where(applied, e, p), empty, pending)
         return DotState(**roles, meter=new, pending=pending, uses=measurement.uses)
+
+
+def _finite_part(meter: Meter) -> Meter:
+    """``meter`` with every amax that is not a finite, positive number replaced by ``-inf``
+    (nothing, for a maximum): a cotangent's zeros and an overflow's inf are not amaxes."""
+
+    def one(m: Measurement) -> Measurement:
+        ok = jnp.isfinite(m.amax) & (m.amax > 0)
+        return dataclasses.replace(m, amax=jnp.where(ok, m.amax, -jnp.inf))
+
+    return Meter(lhs=one(meter.lhs), rhs=one(meter.rhs), grad=one(meter.grad))
 
 
 def _float32(x: Any) -> Any:
