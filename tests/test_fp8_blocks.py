@@ -585,7 +585,7 @@ def test_a_model_switches_between_per_tensor_and_block_scaling_by_its_recipe():
     def run(recipe):
         dot = functools.partial(fp8.linen.DotGeneral, recipe=recipe)
         model = nn.Dense(8, dot_general_cls=dot)
-        variables = model.init(jax.random.key(0), x)
+        variables = jax.jit(model.init)(jax.random.key(0), x)
         loss = lambda v: jnp.sum(model.apply(v, x) ** 2)  # noqa: E731
         value, grads = jax.jit(jax.value_and_grad(loss))(variables)
         return variables, value, grads

@@ -336,9 +336,10 @@ def block_dot_general(
       >>> import jdls.fp8._block_dot as bd
       >>> x, w = jnp.ones((4, 64)), jnp.full((64, 8), 0.5)
       >>> dn = (((1,), (0,)), ((), ()))
-      >>> float(bd.block_dot_general(x, w, dn)[0, 0])
+      >>> float(jax.jit(lambda x, w: bd.block_dot_general(x, w, dn))(x, w)[0, 0])
       32.0
-      >>> dx = jax.grad(lambda x: bd.block_dot_general(x, w, dn, bd.deepseek()).sum())(x)
+      >>> loss = lambda x: bd.block_dot_general(x, w, dn, bd.deepseek()).sum()
+      >>> dx = jax.jit(jax.grad(loss))(x)
       >>> float(dx[0, 0])
       4.0
     """
