@@ -42,6 +42,7 @@ from jdls.fp8._recipe import (
     check_role,
     element_format,
     quantize_with_scale,
+    rescaled_history_state,
     scale_from_amax,
 )
 
@@ -193,13 +194,9 @@ class AdaptiveScaling:
         return quantize_with_scale(x, state.scale, fmt, self.compute_dtype)
 
     def rescaled(self, state: AdaptiveState, factor: jax.Array) -> AdaptiveState:
-        """``state`` for a tensor multiplied by ``factor`` (a loss scale): its scale times
-        ``factor``; the history keeps the amaxes of the unscaled tensor. Before the first
-        amax is recorded the scale (1) applies to the tensor as it comes, loss scale and all,
-        as without a loss scale: a fresh site keeps the range the loss scale gives small
-        gradients."""
-        recorded = jnp.any(state.history > 0, axis=-1)
-        return dataclasses.replace(state, scale=state.scale * jnp.where(recorded, factor, 1.0))
+        """``state`` for a tensor multiplied by ``factor`` (a loss scale): see
+        :func:`rescaled_history_state`."""
+        return rescaled_history_state(state, factor)
 
     def update(
         self, state: AdaptiveState, measurement: Measurement, role: Role, skipped: Any = False

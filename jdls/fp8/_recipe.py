@@ -42,6 +42,7 @@ __all__ = [
     "measure",
     "quantize_with_scale",
     "register_fields",
+    "rescaled_history_state",
     "scale_from_amax",
 ]
 
@@ -192,6 +193,16 @@ def scale_from_amax(
     ok = (amax > 0.0) & jnp.isfinite(amax) & jnp.isfinite(factor)
     factor = jnp.where(ok, factor, 1.0 / previous)
     return 1.0 / factor
+
+
+def rescaled_history_state(state: Any, factor: jax.Array) -> Any:
+    """A per-tensor state (``scale`` and an amax ``history``, 0 where empty) for the tensor
+    multiplied by ``factor`` (a loss scale): its scale times ``factor``; the history keeps
+    the amaxes of the unscaled tensor. Before the first amax is recorded the scale (1)
+    applies to the tensor as it comes, loss scale and all, as without a loss scale: a fresh
+    site keeps the range the loss scale gives small gradients."""
+    recorded = jnp.any(state.history > 0, axis=-1)
+    return dataclasses.replace(state, scale=state.scale * jnp.where(recorded, factor, 1.0))
 
 
 def measure(
