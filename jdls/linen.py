@@ -9,6 +9,8 @@ already works with it. This module adds what is specific to linen:
   ``dynamic_scale`` field;
 * :func:`layer_scales`: a per-layer scale site after every top-level submodule;
 * :func:`probes`: a probe site after every submodule;
+* :func:`value_and_grad` and :func:`apply_gradients`: ``TrainState``'s two steps for a train
+  state of your own (a dict of variables and optimizer state);
 * :data:`SITES`: the name of the sites' variable collection, ``"jdls"``.
 
 Example:
@@ -31,5 +33,15 @@ from jdls._frameworks.linen_sites import layer_scales_linen as layer_scales
 from jdls._frameworks.linen_sites import probes_linen as probes
 from jdls._frameworks.linen_state import TrainState
 from jdls._frameworks.linen_state import from_flax_train_state as from_train_state
+from jdls._frameworks.linen_step import apply_gradients, split_gradients, value_and_grad
 
-__all__ = ["SITES", "TrainState", "from_train_state", "layer_scales", "probes"]
+__all__ = [
+    "SITES",
+    "TrainState",
+    "apply_gradients",
+    "from_train_state",
+    "layer_scales",
+    "probes",
+    "split_gradients",
+    "value_and_grad",
+]

@@ -10,7 +10,7 @@ with sites, their update), and :func:`from_flax_train_state` converts a Flax-exa
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -20,10 +20,10 @@ from flax import serialization
 from flax.training import train_state
 
 from jdls._frameworks.linen_sites import SITES
+from jdls._frameworks.linen_step import split_gradients
+from jdls._frameworks.linen_step import value_and_grad as variables_value_and_grad
 from jdls._scales.grad import reject_axis_name
-from jdls._scales.layer_scales import LayerScale, scale_layers
 from jdls._scales.scale import LossScale
-from jdls._sites.site import Site, is_site
 from jdls._sites.update import update_sites
 from jdls._transforms.stats import (
     Stats,
@@ -35,12 +35,6 @@ from jdls._transforms.stats import (
 )
 
 __all__ = ["TrainState", "from_flax_train_state"]
-
-
-def _same_structure(a: Any, b: Any) -> bool:
-    """Whether two pytrees have one structure."""
-    same: bool = jax.tree.structure(a) == jax.tree.structure(b)  # type: ignore[operator]
-    return same
 
 
 class TrainState(train_state.TrainState):
@@ -110,21 +104,7 @@ class TrainState(train_state.TrainState):
 
         ``step`` still counts every call, as in Flax.
         """
-        measured = None
-        if self.sites is not None:
-            if not isinstance(grads, Mapping) or set(grads) != {"params", SITES}:
-                raise ValueError(
-                    "this TrainState holds sites (its 'jdls' collection): pass the gradients "
-                    "of state.variables, {'params': ..., 'jdls': ...}, as "
-                    "state.value_and_grad(loss_fn)(state.variables) returns them"
-                )
-            grads, measured = grads["params"], grads[SITES]
-        elif (
-            isinstance(grads, Mapping)
-            and set(grads) == {"params"}
-            and _same_structure(grads["params"], self.params)
-        ):
-            grads = grads["params"]  # the gradients of state.variables, {"params": ...}
+        grads, measured = split_gradients(grads, self.params, self.sites)
         new = super().apply_gradients(grads=grads, **kwargs)
         kept = {k: keep_if_skipped(new.opt_state, v, getattr(self, k)) for k, v in kwargs.items()}
         if measured is not None:
@@ -195,29 +175,7 @@ class TrainState(train_state.TrainState):
                 "a TrainState with sites differentiates fun(variables, ...) in its first "
                 f"argument (state.variables); got argnums={argnums}"
             )
-        layered = any(
-            isinstance(site, Site) and isinstance(site.kind, LayerScale)
-            for site in jax.tree_util.tree_leaves(self.sites, is_leaf=is_site)
-        )
-        if not layered:
-            return self.scale.value_and_grad(fun, has_aux=has_aux)
-
-        def value_and_grad_fn(*args: Any, **kwargs: Any) -> Any:
-            # per-layer scales: the site at ("jdls", *path, "layer_scale") scales the
-            # parameters under ("params", *path)
-            value, (grads,) = scale_layers(
-                fun,
-                args,
-                kwargs,
-                (0,),
-                layer_of=lambda path: ("params", *path[2:-1]),
-                param_path=lambda path: path[1:],
-                has_aux=has_aux,
-                who="jdls.linen.TrainState.value_and_grad",
-            )
-            return value, grads
-
-        return value_and_grad_fn
+        return variables_value_and_grad(fun, self.scale, has_aux=has_aux)
 
 
 def from_flax_train_state(

@@ -1,0 +1,197 @@
+"""A linen step without a ``TrainState``: the model's variables in a dict of the user's own.
+
+Codebases that keep ``{"params": ..., "opt_state": ..., "step": ...}`` (a dict train state)
+need what :class:`jdls.linen.TrainState` does, as two functions: :func:`value_and_grad`
+differentiates the loss with respect to the model's variables (its parameters and its
+``"jdls"`` sites: probes, per-layer scales, FP8 state) at the loss scale, and
+:func:`apply_gradients` gives the parameters' gradients to the optimizer and updates every
+site from its measurement, knowing whether the step was taken. ``TrainState`` is built on
+them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import optax
+
+from jdls._frameworks.linen_sites import SITES
+from jdls._scales.layer_scales import LayerScale, scale_layers
+from jdls._scales.scale import LossScale, check_scale
+from jdls._sites.site import Site, is_site
+from jdls._sites.update import update_sites
+from jdls._transforms.stats import step_applied
+
+__all__ = ["apply_gradients", "split_gradients", "value_and_grad"]
+
+
+def _layered(sites: Any) -> bool:
+    """Whether ``sites`` hold a per-layer scale (the variables then differentiate layer by
+    layer)."""
+    return any(
+        isinstance(site, Site) and isinstance(site.kind, LayerScale)
+        for site in jax.tree_util.tree_leaves(sites, is_leaf=is_site)
+    )
+
+
+def value_and_grad(
+    fun: Callable[..., Any],
+    scale: LossScale,
+    *,
+    argnum: int = 0,
+    has_aux: bool = False,
+) -> Callable[..., Any]:
+    """``jax.value_and_grad`` of ``fun`` with respect to a linen model's variables
+    (``{"params": ..., "jdls": ...}``, argument ``argnum``), at the loss scale ``scale``.
+
+    The loss is scaled before differentiating and the gradients are unscaled after; the
+    gradients of ``"jdls"`` are the sites' measurements (a probe's amax, an FP8 dot's amaxes,
+    a per-layer scale's layer measurement), for :func:`apply_gradients`. With per-layer scales
+    (``jdls.linen.layer_scales``) each layer's parameters are differentiated at their own
+    scale. Variables without sites (``{"params": ...}``) are differentiated as any pytree.
+    ``jdls.linen.TrainState.value_and_grad`` is this function with the state's scale.
+
+    Args:
+      fun: the loss function; returns a scalar, or ``(loss, aux)`` with ``has_aux``.
+      scale: the loss scale, e.g. ``jdls.get_scale(opt_state)``.
+      argnum: the positional argument of ``fun`` that holds the variables.
+      has_aux: whether ``fun`` returns ``(loss, aux)``.
+
+    Returns:
+      A function with ``fun``'s arguments returning ``(loss, grads)`` (or
+      ``((loss, aux), grads)``), ``grads`` shaped like the variables; ``loss`` unscaled.
+
+    Example:
+      >>> import flax.linen as nn, jax, jax.numpy as jnp, optax, jdls
+      >>> model = jdls.linen.probes(nn.Sequential([nn.Dense(4), nn.relu, nn.Dense(1)]))
+      >>> variables = model.init(jax.random.key(0), jnp.ones((4, 3)))
+      >>> loss_fn = lambda v, x: jnp.sum(model.apply(v, x) ** 2)
+      >>> loss, grads = jdls.linen.value_and_grad(loss_fn, jdls.StaticScale(1024.0))(
+      ...     variables, jnp.ones((4, 3)))
+      >>> sorted(grads)
+      ['jdls', 'params']
+    """
+    check_scale(scale, "jdls.linen.value_and_grad")
+    if not isinstance(argnum, int):
+        raise TypeError(
+            "jdls.linen.value_and_grad differentiates one argument, the variables "
+            f"({{'params': ..., 'jdls': ...}}); got argnum={argnum!r}: pass its position"
+        )
+    plain = scale.value_and_grad(fun, argnums=argnum, has_aux=has_aux)
+
+    def value_and_grad_fn(*args: Any, **kwargs: Any) -> Any:
+        if len(args) <= argnum:
+            raise TypeError(
+                f"jdls.linen.value_and_grad: the variables are argument {argnum} of the loss "
+                f"function, but it was called with {len(args)} positional argument(s)"
+            )
+        variables = args[argnum]
+        sites = variables.get(SITES) if isinstance(variables, Mapping) else None
+        if not _layered(sites):
+            return plain(*args, **kwargs)
+        # per-layer scales: the site at ("jdls", *path, "layer_scale") scales the parameters
+        # under ("params", *path)
+        value, (grads,) = scale_layers(
+            fun,
+            args,
+            kwargs,
+            (argnum,),
+            layer_of=lambda path: ("params", *path[2:-1]),
+            param_path=lambda path: path[1:],
+            has_aux=has_aux,
+            who="jdls.linen.value_and_grad",
+        )
+        return value, grads
+
+    return value_and_grad_fn
+
+
+def _same_structure(a: Any, b: Any) -> bool:
+    """Whether two pytrees have one structure."""
+    same: bool = jax.tree.structure(a) == jax.tree.structure(b)  # type: ignore[operator]
+    return same
+
+
+def split_gradients(grads: Any, params: Any, sites: Any) -> tuple[Any, Any]:
+    """``(parameter gradients, site measurements)`` of the gradients of a linen model's
+    variables; ``sites`` is the model's ``"jdls"`` collection (None without sites).
+
+    Without sites ``grads`` may be the parameters' gradients themselves or
+    ``{"params": ...}``; with sites it must be ``{"params": ..., "jdls": ...}``, what
+    :func:`value_and_grad` returns (a ``ValueError`` says so otherwise).
+
+    Example:
+      >>> import jax.numpy as jnp, jdls
+      >>> params = {"w": jnp.ones(2)}
+      >>> jdls.linen.split_gradients({"params": params}, params, None)[1] is None
+      True
+    """
+    if sites is not None:
+        if not isinstance(grads, Mapping) or set(grads) != {"params", SITES}:
+            got = sorted(grads) if isinstance(grads, Mapping) else type(grads).__name__
+            raise ValueError(
+                "the model has sites (its 'jdls' collection), so the gradients must be those "
+                "of the variables, {'params': ..., 'jdls': ...}, as jdls.linen.value_and_grad "
+                f"(or TrainState.value_and_grad) of the variables returns them; got {got}"
+            )
+        return grads["params"], grads[SITES]
+    if (
+        isinstance(grads, Mapping)
+        and set(grads) == {"params"}
+        and _same_structure(grads["params"], params)
+    ):
+        return grads["params"], None  # the gradients of {"params": ...}
+    return grads, None
+
+
+def apply_gradients(tx: Any, variables: Any, grads: Any, opt_state: Any) -> tuple[Any, Any]:
+    """One optimizer step on a linen model's variables: ``(new variables, new opt_state)``.
+
+    The parameters' gradients ``grads["params"]`` go to ``tx`` (a chain with
+    ``jdls.wrap``, which skips a non-finite step and adjusts the scale) and
+    ``optax.apply_updates`` (each parameter keeps its dtype); every site in
+    ``variables["jdls"]`` is updated by its kind from its measurement ``grads["jdls"]``,
+    knowing whether the step was taken, and never given to the optimizer. Other collections
+    of ``variables`` (``"batch_stats"``, ``"cache"``) are returned as they are:
+    ``jdls.keep_if_skipped(opt_state, new, old)`` keeps their old value on a skipped step.
+    ``jdls.linen.TrainState.apply_gradients`` is this function on the state's fields.
+
+    Args:
+      tx: the optimizer (``jdls.wrap(...)`` or a chain holding it).
+      variables: ``{"params": ..., "jdls": ...}`` (``"jdls"`` only with sites), a dict or a
+        ``FrozenDict``.
+      grads: what :func:`value_and_grad` returned for ``variables``.
+      opt_state: ``tx``'s state.
+
+    Returns:
+      ``(variables, opt_state)`` after the step, ``variables`` of the type given.
+
+    Example:
+      >>> import flax.linen as nn, jax, jax.numpy as jnp, optax, jdls
+      >>> model = jdls.linen.probes(nn.Sequential([nn.Dense(4), nn.relu, nn.Dense(1)]))
+      >>> x = jnp.ones((4, 3))
+      >>> variables = model.init(jax.random.key(0), x)
+      >>> tx = jdls.wrap(optax.sgd(0.1))
+      >>> opt_state = tx.init(variables["params"])
+      >>> loss_fn = lambda v: jnp.sum(model.apply(v, x) ** 2)
+      >>> loss, grads = jdls.linen.value_and_grad(loss_fn, jdls.get_scale(opt_state))(variables)
+      >>> variables, opt_state = jdls.linen.apply_gradients(tx, variables, grads, opt_state)
+      >>> bool(jdls.stats(opt_state).finite), sorted(variables)
+      (True, ['jdls', 'params'])
+    """
+    if not isinstance(variables, Mapping) or "params" not in variables:
+        raise TypeError(
+            "jdls.linen.apply_gradients takes the model's variables, a dict with 'params' "
+            "(and 'jdls' with sites), as model.init returns them; got "
+            f"{type(variables).__name__}"
+            + (f" with keys {sorted(variables)}" if isinstance(variables, Mapping) else "")
+        )
+    params, sites = variables["params"], variables.get(SITES)
+    param_grads, measured = split_gradients(grads, params, sites)
+    updates, opt_state = tx.update(param_grads, opt_state, params)
+    new = {**variables, "params": optax.apply_updates(params, updates)}
+    if measured is not None:
+        new[SITES] = update_sites(sites, measured, step_applied(opt_state))
+    return (new if type(variables) is dict else type(variables)(new)), opt_state  # type: ignore[call-arg]
