@@ -28,12 +28,33 @@ from typing import Any
 
 import equinox as eqx
 
+from jdls._frameworks.equinox_sites import (
+    Sited,
+    applied_in_order,
+    checkpointed,
+    get_layer_scales,
+    set_layer_scales,
+    unwrap,
+)
+from jdls._frameworks.equinox_sites import layer_scales_equinox as layer_scales
+from jdls._frameworks.equinox_sites import probes_equinox as probes
 from jdls._scales.grad import scaled_value_and_grad
 from jdls._scales.layer_scales import scale_layers
 from jdls._scales.scale import LossScale, check_scale
 from jdls._transforms import apply as site_apply
 
-__all__ = ["apply_updates", "layer_scaled_value_and_grad", "value_and_grad"]
+__all__ = [
+    "Sited",
+    "apply_updates",
+    "checkpointed",
+    "get_layer_scales",
+    "layer_scaled_value_and_grad",
+    "layer_scales",
+    "probes",
+    "set_layer_scales",
+    "unwrap",
+    "value_and_grad",
+]
 
 
 def value_and_grad(
@@ -151,16 +172,22 @@ def layer_scaled_value_and_grad(
       True
     """
 
+    who = "jdls.equinox.layer_scaled_value_and_grad"
+
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        with applied_in_order(who):  # the wrappers of jdls.equinox.layer_scales in order
+            return fun(*args, **kwargs)
+
     def value_and_grad_fn(model: Any, *args: Any, **kwargs: Any) -> Any:
         value, (grads,) = scale_layers(
-            fun,
+            checked,
             (model, *args),
             kwargs,
             (0,),
             layer_of=lambda path: path[:-1],  # the module holding the site
             param_path=lambda path: path,
             has_aux=has_aux,
-            who="jdls.equinox.layer_scaled_value_and_grad",
+            who=who,
         )
         return value, grads
 

@@ -34,7 +34,7 @@ from jdls._scales.layer_scales import LayerScale, layer_site
 from jdls._scales.scale import LossScale, check_scale
 from jdls._sites.apply import apply_site
 from jdls._sites.probe import Probe
-from jdls._sites.site import Site
+from jdls._sites.site import Site, fresh_site
 
 __all__ = [
     "LAYER_SCALE",
@@ -221,7 +221,7 @@ class _Sites(nn.Module):
                 # the module's scope, not module.variable: a module without @compact (nn.Embed,
                 # setup-style modules) may not make variables in its __call__
                 require_site(module.scope, name, outer)
-                value = module.scope.variable(SITES, name, _fresh, site).value
+                value = module.scope.variable(SITES, name, fresh_site, site).value
                 out = apply_site(out, value)
             return out
 
@@ -407,12 +407,6 @@ def forward_order(
     return order(tree, ())
 
 
-def _fresh(site: Site) -> Site:
-    """``site`` with its arrays copied: every site's initial value its own buffer (sites made
-    from one scale would otherwise share arrays, which a donating ``jax.jit`` refuses)."""
-    return jax.tree.map(lambda x: jnp.array(x, copy=True), site)
-
-
 def _with_sites(
     model: nn.Module,
     make: Callable[[tuple[str, ...]], list[tuple[str, Site]]],
@@ -508,6 +502,6 @@ def layer_scales_linen(model: nn.Module, scale: LossScale) -> nn.Module:
 
     def place(position: int, made: Site) -> Site:
         stack = made.kind.stack_shape(made.value)
-        return _fresh(layer_site(scale, position).stacked(*stack))
+        return fresh_site(layer_site(scale, position).stacked(*stack))
 
     return _with_sites(model, make, place)

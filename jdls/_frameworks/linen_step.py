@@ -134,7 +134,8 @@ def split_gradients(grads: Any, params: Any, sites: Any) -> tuple[Any, Any]:
             raise ValueError(
                 "the model has sites (its 'jdls' collection), so the gradients must be those "
                 "of the variables, {'params': ..., 'jdls': ...}, as jdls.linen.value_and_grad "
-                f"(or TrainState.value_and_grad) of the variables returns them; got {got}"
+                "of the variables (or state.value_and_grad(loss_fn)(state.variables) with a "
+                f"TrainState) returns them; got {got}"
             )
         return grads["params"], grads[SITES]
     if (

@@ -30,7 +30,7 @@ from jdls._floats.lookup import canonical_format, finfo
 from jdls._numerics.paths import path_key
 from jdls._sites.site import Site, SiteKind, is_site
 
-__all__ = ["Probe", "Telemetry", "plot_headroom"]
+__all__ = ["WRAPPED", "Probe", "Telemetry", "plot_headroom"]
 
 _F32 = jnp.float32
 FIELDS = ("amax", "count", "nonzero", "flushed", "nonfinite", "uses")
@@ -202,6 +202,10 @@ class _Entry(NamedTuple):
     call: str  # which call of the module: "" (its __call__), ".decode", "#2", ".decode#2"
 
 
+#: The field in which a framework's wrapper holds the module it puts sites after
+#: (``jdls.equinox.Sited``): left out of a row's name, which is the wrapped module's.
+WRAPPED = "jdls_wrapped"
+
 #: A framework's probe variable after a module call (``jdls.linen.probes``): ``"probe"``, or
 #: ``"probe.decode"`` after its method ``decode``, ``"probe#2"`` after its second call.
 _CALL_PROBE = re.compile(r"(?:jdls_)?probe((?:\.[A-Za-z_]\w*)?(?:#\d+)?)")
@@ -281,7 +285,7 @@ class Telemetry(NamedTuple):
         entries = []
         for path, site in found:
             if isinstance(site, Site) and isinstance(site.kind, Probe):
-                keys = [str(path_key(k)) for k in path]
+                keys = [str(path_key(k)) for k in path if path_key(k) != WRAPPED]
                 if keys[-1:] == ["value"]:  # an NNX Variable's value
                     keys = keys[:-1]
                 call = ""

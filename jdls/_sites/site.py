@@ -38,7 +38,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-__all__ = ["Site", "SiteKind", "is_site"]
+__all__ = ["Site", "SiteKind", "fresh_site", "is_site"]
 
 
 class SiteKind:
@@ -183,6 +183,20 @@ def is_site(x: Any) -> bool:
       (True, False)
     """
     return isinstance(x, Site)
+
+
+def fresh_site(site: Site) -> Site:
+    """``site`` with its arrays copied: every site's initial value its own buffer (sites made
+    from one scale would otherwise share arrays, which a donating ``jax.jit`` refuses).
+
+    Example:
+      >>> import jdls
+      >>> from jdls._sites.site import fresh_site
+      >>> site = jdls.layer_site(jdls.StaticScale(2.0), 0)
+      >>> fresh_site(site).value["ratio"] is site.value["ratio"]
+      False
+    """
+    return jax.tree.map(lambda x: jnp.array(x, copy=True), site)
 
 
 @functools.cache

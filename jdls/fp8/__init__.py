@@ -26,6 +26,7 @@ from jdls.fp8._block_dot import BlockScaling, BlockState, deepseek, mx
 from jdls.fp8._current import CurrentScaling, CurrentState
 from jdls.fp8._delayed import DelayedScaling, DelayedState
 from jdls.fp8._dot import dot_general
+from jdls.fp8._einsum import einsum
 from jdls.fp8._formats import Formats, format_max
 from jdls.fp8._layers import (
     LayerError,
@@ -75,6 +76,7 @@ __all__ = [
     "dequantize_blocks",
     "dequantize_nvfp4",
     "dot_general",
+    "einsum",
     "flax_fp8_ops",
     "format_max",
     "hadamard",

@@ -25,12 +25,12 @@ from typing import Any
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 
 from jdls._frameworks.linen_sites import require_site
 from jdls._sites.site import Site
 from jdls.fp8._delayed import DelayedScaling
 from jdls.fp8._dot import dot_general
+from jdls.fp8._einsum import einsum
 from jdls.fp8._recipe import Recipe
 from jdls.fp8._state import init, needs_key
 
@@ -84,9 +84,15 @@ class DotGeneral(nn.Module):
 
 
 class Einsum(nn.Module):
-    """An einsum of two operands computed as one FP8 dot (the kernel is the right operand).
+    """A two-operand einsum computed as one FP8 dot, with its site in the ``"jdls"``
+    collection: ``x`` (the activation) in the site's ``lhs`` role, ``kernel`` in its ``rhs``
+    role, whatever order ``jnp.einsum`` would contract them in (:func:`jdls.fp8.einsum`).
 
-    Called as ``Einsum()(equation, lhs, rhs)``, like Flax's ``Fp8Einsum``.
+    Called as ``Einsum(recipe)(equation, x, kernel)``, like Flax's ``Fp8Einsum``. For a
+    hand-written projection (a ``self.param`` and ``jnp.einsum`` or ``jnp.dot``), make it
+    inline in the ``@nn.compact`` method with a name; its site is the variable
+    ``"jdls"/<name>/"fp8"`` of the calling module:
+    ``jdls.fp8.linen.Einsum(recipe, name="qkv_fp8")("BSD,3KDH->3BSKH", x, w)``.
 
     Attributes:
       recipe: the FP8 recipe.
@@ -106,25 +112,19 @@ class Einsum(nn.Module):
     def __call__(
         self,
         equation: str,
-        lhs: jax.Array,
-        rhs: jax.Array,
+        x: jax.Array,
+        kernel: jax.Array,
         precision: Any = None,
         preferred_element_type: Any = None,
     ) -> jax.Array:
         assert self.scope is not None
         require_site(self.scope, "fp8")  # a missing "jdls" collection: the error names the fix
         site = self.variable(COLLECTION, "fp8", _new_site, self, self.recipe)
-
-        def dot(a: Any, b: Any, dims: Any, precision: Any = None, **kwargs: Any) -> jax.Array:
-            pet = kwargs.get("preferred_element_type")
-            sharding = kwargs.get("out_sharding")
-            return dot_general(a, b, dims, precision, pet, site=site.value, out_sharding=sharding)
-
-        return jnp.einsum(
+        return einsum(
             equation,
-            lhs,
-            rhs,
+            x,
+            kernel,
+            site=site.value,
             precision=precision,
             preferred_element_type=preferred_element_type,
-            _dot_general=dot,
         )

@@ -24,13 +24,13 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from jdls._frameworks.nnx_sites import SiteVariable
 from jdls._sites.site import Site
 from jdls.fp8._delayed import DelayedScaling
 from jdls.fp8._dot import dot_general
+from jdls.fp8._einsum import einsum
 from jdls.fp8._recipe import Recipe
 from jdls.fp8._state import init, needs_key
 
@@ -79,22 +79,48 @@ class DotGeneral(nnx.Module):
 
 
 class Einsum(nnx.Module):
-    """An ``einsum_op`` for ``nnx.Einsum``: the two-operand einsum as one FP8 dot.
+    """A two-operand einsum as one FP8 dot: ``x`` (the activation) in the site's ``lhs``
+    role, ``kernel`` in its ``rhs`` role, whatever order ``jnp.einsum`` would contract them in
+    (:func:`jdls.fp8.einsum`).
+
+    An ``einsum_op`` for ``nnx.Einsum``, or, for a hand-written projection (an ``nnx.Param``
+    and ``jnp.einsum``), an attribute of the module called in place of ``jnp.einsum``:
+    ``self.qkv_fp8("BSD,3KDH->3BSKH", x, self.qkv[...])``.
 
     Args:
       recipe: the FP8 recipe.
       rngs: as for :class:`DotGeneral`.
+
+    Attributes:
+      site: a :class:`jdls.nnx.SiteVariable` holding the dot's FP8 site.
+
+    Example:
+      >>> import jax.numpy as jnp, jdls
+      >>> op = jdls.fp8.nnx.Einsum(jdls.fp8.CurrentScaling())
+      >>> x, w = jnp.ones((2, 5, 4)), jnp.full((3, 6, 4, 7), 0.5)
+      >>> op("BSD,3KDH->3BSKH", x, w).shape
+      (3, 2, 5, 6, 7)
     """
 
     def __init__(self, recipe: Recipe | None = None, *, rngs: nnx.Rngs | None = None) -> None:
         self.site = SiteVariable(_new_site(recipe, rngs))
 
-    def __call__(self, equation: str, *operands: Any, **kwargs: Any) -> jax.Array:
-        site = self.site.get_value()
-
-        def dot(a: Any, b: Any, dims: Any, precision: Any = None, **kw: Any) -> jax.Array:
-            pet, sharding = kw.get("preferred_element_type"), kw.get("out_sharding")
-            return dot_general(a, b, dims, precision, pet, site=site, out_sharding=sharding)
-
-        kwargs.pop("out_sharding", None)
-        return jnp.einsum(equation, *operands, _dot_general=dot, **kwargs)
+    def __call__(
+        self,
+        equation: str,
+        x: jax.Array,
+        kernel: jax.Array,
+        *,
+        precision: Any = None,
+        preferred_element_type: Any = None,
+        out_sharding: Any = None,
+    ) -> jax.Array:
+        return einsum(
+            equation,
+            x,
+            kernel,
+            site=self.site.get_value(),
+            precision=precision,
+            preferred_element_type=preferred_element_type,
+            out_sharding=out_sharding,
+        )
