@@ -29,8 +29,8 @@ from typing import Any
 import equinox as eqx
 
 from jdls._frameworks.equinox_sites import (
+    FIX_ORDER,
     Sited,
-    applied_in_order,
     checkpointed,
     get_layer_scales,
     set_layer_scales,
@@ -39,7 +39,7 @@ from jdls._frameworks.equinox_sites import (
 from jdls._frameworks.equinox_sites import layer_scales_equinox as layer_scales
 from jdls._frameworks.equinox_sites import probes_equinox as probes
 from jdls._scales.grad import scaled_value_and_grad
-from jdls._scales.layer_scales import scale_layers
+from jdls._scales.layer_scales import applied_in_order, scale_layers
 from jdls._scales.scale import LossScale, check_scale
 from jdls._transforms import apply as site_apply
 
@@ -175,7 +175,7 @@ def layer_scaled_value_and_grad(
     who = "jdls.equinox.layer_scaled_value_and_grad"
 
     def checked(*args: Any, **kwargs: Any) -> Any:
-        with applied_in_order(who):  # the wrappers of jdls.equinox.layer_scales in order
+        with applied_in_order(who, FIX_ORDER):  # jdls.equinox.layer_scales's wrappers
             return fun(*args, **kwargs)
 
     def value_and_grad_fn(model: Any, *args: Any, **kwargs: Any) -> Any:

@@ -12,7 +12,6 @@ the sites, skip-aware) and :func:`nnx_layer_scaled_value_and_grad` complete a tr
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import functools
 from collections.abc import Callable, Iterator
@@ -21,7 +20,13 @@ from typing import Any, cast
 import jax
 from flax import nnx
 
-from jdls._scales.layer_scales import LayerScale, layer_site, scale_layers
+from jdls._scales.layer_scales import (
+    LayerScale,
+    applied_in_order,
+    layer_site,
+    note_applied,
+    scale_layers,
+)
 from jdls._scales.scale import LossScale, check_scale
 from jdls._sites.apply import apply_site
 from jdls._sites.probe import Probe
@@ -41,11 +46,6 @@ __all__ = [
 PROBE = "jdls_probe"
 LAYER_SCALE = "jdls_layer_scale"
 _ORIGINAL = "_jdls_sites_of"
-# while jdls.nnx.layer_scaled_value_and_grad traces the loss: the positions of the per-layer
-# sites in the order the layers apply them (checked against the positions, never used)
-_APPLIED: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar(
-    "jdls_nnx_applied", default=None
-)
 
 
 class SiteVariable(nnx.Variable):  # type: ignore[type-arg]
@@ -75,9 +75,7 @@ def _with_sites(cls: type) -> type:
             variable = vars(self).get(name)
             if isinstance(variable, SiteVariable):
                 site = variable.get_value()
-                applied = _APPLIED.get()
-                if applied is not None and isinstance(site.kind, LayerScale):
-                    applied.append(site.kind.position)
+                note_applied(site)  # checked by jdls.nnx.layer_scaled_value_and_grad
                 out = apply_site(out, site)
         return out
 
@@ -344,18 +342,13 @@ class Optimizer(nnx.Optimizer):  # type: ignore[type-arg]
         return updates
 
 
-def _check_order(applied: list[int] | None) -> None:
-    """Refuse per-layer sites applied out of their positions' order (the layers numbered in
-    an order that is not the forward one): each layer would be unscaled by another's scale."""
-    if applied and applied != sorted(applied):
-        raise ValueError(
-            "jdls.nnx.layer_scaled_value_and_grad: the layers applied their per-layer sites in "
-            f"the order of positions {applied}, but the positions must follow the forward "
-            "order. jdls.nnx.layer_scales numbers the layers in the order their attributes "
-            "were assigned, which nnx.split / nnx.merge, nnx.jit and a restore rebuild sorted "
-            "by name: call it where the model is built (before any of those), or number the "
-            "layers with jdls.nnx.layer_scale(module, scale, position)"
-        )
+#: How to number NNX layers in forward order, in the error of :func:`applied_in_order`.
+_FIX_ORDER = (
+    "jdls.nnx.layer_scales numbers the layers in the order their attributes were assigned, "
+    "which nnx.split / nnx.merge, nnx.jit and a restore rebuild sorted by name: call it where "
+    "the model is built (before any of those), or number the layers with "
+    "jdls.nnx.layer_scale(module, scale, position)"
+)
 
 
 def nnx_layer_scaled_value_and_grad(
@@ -393,13 +386,8 @@ def nnx_layer_scaled_value_and_grad(
             nnx.replace_by_pure_dict(params_now, p)
             nnx.replace_by_pure_dict(sites_now, s)
             copy = nnx.merge(graphdef, params_now, sites_now, rest, copy=True)
-            token = _APPLIED.set([])
-            try:
+            with applied_in_order("jdls.nnx.layer_scaled_value_and_grad", _FIX_ORDER):
                 out = loss_fn(copy, *a, **kw)
-                applied = _APPLIED.get()
-            finally:
-                _APPLIED.reset(token)
-            _check_order(applied)
             loss, aux = out if has_aux else (out, None)
             return loss, (aux, nnx.state(copy, nnx.Not(nnx.Any(nnx.Param, SiteVariable))))
 

@@ -18,9 +18,11 @@ scanned stack) and the measurements come out as their gradients, so ``lax.scan``
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
 import jax
@@ -37,8 +39,10 @@ from jdls._sites.site import Site, SiteKind, is_site
 
 __all__ = [
     "LayerScale",
+    "applied_in_order",
     "layer_scaled_value_and_grad",
     "layer_site",
+    "note_applied",
     "rescale_boundary",
 ]
 
@@ -190,6 +194,39 @@ def layer_site(scale: LossScale, position: int) -> Site:
     if not isinstance(position, int | np.integer) or isinstance(position, bool):
         raise TypeError(f"position must be an int (the layer's forward order), got {position!r}")
     return Site(LayerScale(int(position)), _value(scale, 1.0))
+
+
+# while a framework's layer_scaled_value_and_grad traces the loss: the positions of the
+# per-layer sites in the order the model's layers apply them (checked, never used otherwise)
+_APPLIED: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar(
+    "jdls_layer_sites_applied", default=None
+)
+
+
+def note_applied(site: Site) -> None:
+    """Record, inside :func:`applied_in_order`, that a layer applies the per-layer ``site``
+    (a framework's layer calls it where it passes its output through its site)."""
+    applied = _APPLIED.get()
+    if applied is not None and isinstance(site.kind, LayerScale):
+        applied.append(site.kind.position)
+
+
+@contextlib.contextmanager
+def applied_in_order(who: str, fix: str) -> Iterator[None]:
+    """While tracing a loss: record the positions of the per-layer sites the layers apply
+    (:func:`note_applied`), and refuse an order other than the positions' (each layer would
+    be unscaled by another's scale); ``fix`` says how to number the layers right."""
+    token = _APPLIED.set([])
+    try:
+        yield
+        applied = _APPLIED.get()
+    finally:
+        _APPLIED.reset(token)
+    if applied and applied != sorted(applied):
+        raise ValueError(
+            f"{who}: the layers applied their per-layer sites in the order of positions "
+            f"{applied}, but the positions must follow the forward order. {fix}"
+        )
 
 
 def _layer_sites(tree: Any) -> list[tuple[Path, Site]]:

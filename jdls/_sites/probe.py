@@ -139,6 +139,11 @@ class Probe(SiteKind):
         restore alike.
       name: what :class:`Telemetry` calls a probe whose path in the tree is empty (the
         root module's probe in NNX: its class name).
+      stack: the path in the tree of the stack of layers the probe is inside, where that
+        stack has no probe of its own (``jdls.equinox.probes`` of modules inside an
+        ``eqx.filter_vmap`` stack), or None: :class:`Telemetry` then gives the stack's rows
+        layer by layer, each layer's probes in their order, as it does inside a probed
+        stack.
 
     Example:
       >>> import jax, jax.numpy as jnp, jdls
@@ -155,6 +160,7 @@ class Probe(SiteKind):
     compute_dtype: Any = "float16"
     position: int | None = None
     name: str | None = None
+    stack: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         finfo(self.compute_dtype)  # a clear error for a bad format
@@ -221,10 +227,13 @@ def _base(entries: Sequence[_Entry], n: int) -> tuple[int, int, int]:
 def _group(entries: Sequence[_Entry], n: int) -> _Entry:
     """The stack the ``n``-th probe is part of: the probe of the outermost module around it
     (or itself) stacked along the same leading axes (a scanned block, whose submodules'
-    probes are stacked with it); the probe itself where there is none."""
+    probes are stacked with it), or the stack its kind names (:class:`Probe`'s ``stack``);
+    the probe itself where there is none."""
     mine = entries[n]
     if not mine.stack:
         return mine
+    if mine.kind.stack is not None:  # inside a stack without a probe of its own
+        return _Entry(tuple(mine.kind.stack), mine.kind, mine.value, mine.stack, "")
     for other in sorted(entries, key=lambda e: len(e.keys)):
         if (
             other.stack
