@@ -127,6 +127,7 @@ class _Bf16Mlp(nn.Module):
 )
 @with_and_without_jit
 @pytest.mark.filterwarnings("ignore:The Fp8DotGeneralOp is deprecated:DeprecationWarning")
+@pytest.mark.full  # about 12 s; test_flax_preset_is_bit_identical_to_flax stays in the quick run
 def test_flax_preset_trains_a_bfloat16_dense_as_flax(op, jit):
     """Train steps of float32 parameters in bfloat16 Dense layers (each casts its kernel to
     bfloat16), Flax's op against the preset: outputs, gradients, scales and histories bit for

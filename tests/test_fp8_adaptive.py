@@ -189,7 +189,8 @@ def _train(recipe, scale, steps=6, jit=True):
 @pytest.mark.parametrize(
     "recipe",
     [
-        fp8.DelayedScaling(4),
+        # the quick run keeps adaptive: both recipes rescale through one rescaled_history_state
+        pytest.param(fp8.DelayedScaling(4), marks=pytest.mark.full),
         pytest.param(fp8.DelayedScaling(4, "most_recent"), marks=pytest.mark.full),
         fp8.AdaptiveScaling(window=4),
     ],

@@ -43,9 +43,9 @@ def _same(a, b) -> None:
 @pytest.mark.parametrize(
     "name",
     [
-        "both",
+        pytest.param("both", marks=pytest.mark.full),
         pytest.param("probes", marks=pytest.mark.full),
-        pytest.param("layer_scales", marks=pytest.mark.full),
+        "layer_scales",
         pytest.param("fp8", marks=pytest.mark.full),
     ],
 )

@@ -152,8 +152,8 @@ def telemetry_of(loss, scale, jit, *args):
 
 @pytest.mark.parametrize("name", list(COMPOSITIONS))
 @with_and_without_jit
-# the quick run keeps one composition; the capability matrix's quick cells hold each of them
-@pytest.mark.full(keep=1)
+# the capability matrix's quick cells hold each of these compositions
+@pytest.mark.full
 def test_probes_measure_each_layer_under(name: str, jit: bool) -> None:
     params, x, scale = _params(), _x(), jdls.StaticScale(2.0**6)
     value, grads, t = telemetry_of(COMPOSITIONS[name], scale, jit, params, probes(), x)
