@@ -467,6 +467,9 @@ def test_errors_name_the_fix():
         jdls.equinox.probes(model, stacked=lambda m: m)
     with pytest.raises(TypeError, match="not an eqx.Module"):
         jdls.equinox.probes(model, where=lambda m: m.head.weight)
+    not_a_stack = jdls.equinox.probes(model, where=lambda m: m.head, stacked=lambda m: m.head)
+    with pytest.raises(ValueError, match="called whole, not one layer at a time"):
+        not_a_stack.head(jnp.ones(WIDTH))
     with pytest.raises(ValueError, match="holds a probe already"):
         jdls.equinox.probes(probed(), **STACKED)
     with pytest.raises(ValueError, match=re.escape("has 7 layers with a scale")):

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
 import re
+
+import pytest
 
 import jdls
 
@@ -31,6 +34,27 @@ def test_framework_modules_hold_their_entry_points() -> None:
         for name in module.__all__:
             if name != "SITES":
                 assert callable(getattr(module, name)), (module.__name__, name)
+
+
+def test_equinox_module_holds_its_entry_points() -> None:
+    """``jdls.equinox`` names its entry points as ``jdls.linen`` and ``jdls.nnx`` do
+    (``probes``, ``layer_scales``, ``layer_scaled_value_and_grad``), without a suffix."""
+    pytest.importorskip("equinox")
+    module = importlib.import_module("jdls.equinox")
+    assert sorted(module.__all__) == [
+        "Sited",
+        "apply_updates",
+        "checkpointed",
+        "get_layer_scales",
+        "layer_scaled_value_and_grad",
+        "layer_scales",
+        "probes",
+        "set_layer_scales",
+        "unwrap",
+        "value_and_grad",
+    ]
+    for name in module.__all__:
+        assert callable(getattr(module, name)), name
 
 
 def test_top_level_names_carry_no_framework_suffix() -> None:

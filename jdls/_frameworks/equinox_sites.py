@@ -94,36 +94,24 @@ class Sited(eqx.Module):
 
 
 def _check_one(site: Site, module: Any) -> None:
-    """Refuse a site that does not fit the call: one site sliced by ``lax.scan`` (the module
-    is a stack that ``stacked=`` did not name), or a stack of sites in a whole call."""
+    """Refuse a site that does not fit the call: a site sliced by ``lax.scan`` (the module is
+    a stack that ``stacked=`` did not name), or a stack of sites in a whole call."""
     what = type(module).__name__
     try:
         stack = site.kind.stack_shape(site.value)
     except (ValueError, IndexError, KeyError):
-        stack = None
-    if stack is None or (stack == () and _sliced(site)):
         raise ValueError(
             f"jdls.equinox: the {type(site.kind).__name__} site of a {what} is sliced: the "
-            f"{what} is a stack of layers (made by eqx.filter_vmap) run one layer at a time "
-            "(lax.scan), but its site was made for one module. Name the stack when adding the "
-            "sites, e.g. jdls.equinox.probes(model, stacked=lambda m: m.layers)"
-        )
+            f"{what} is a stack of layers (made by eqx.filter_vmap) run one layer at a time, "
+            "but its site was made for one module. Name the stack when adding the sites, e.g. "
+            "jdls.equinox.probes(model, stacked=lambda m: m.layers)"
+        ) from None
     if stack:
         raise ValueError(
             f"jdls.equinox: a {what} holding a stack of {math.prod(stack)} sites is called "
             "whole, not one layer at a time: stacked= named a module that is not a stack run "
             "by lax.scan. Leave it out of stacked="
         )
-
-
-def _sliced(site: Site) -> bool:
-    one = jax.eval_shape(site.kind.init)
-    return any(
-        jnp.ndim(h) < len(o.shape)
-        for o, h in zip(
-            jax.tree_util.tree_leaves(one), jax.tree_util.tree_leaves(site.value), strict=False
-        )
-    )
 
 
 def _arrays(module: Any) -> list[Any]:
