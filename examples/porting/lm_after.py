@@ -28,6 +28,7 @@ import numpy as np
 import optax
 
 import jdls
+from jdls.fp8.linen import Einsum as Fp8Einsum
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,13 +77,13 @@ class Attention(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         c = self.config
         qkv = self.param("qkv_einsum", init(), (3, c.heads, c.dim, c.head_dim))
-        q, k, v = jdls.fp8.linen.Einsum(name="qkv_fp8")("BSD,3KDH->3BSKH", x, qkv.astype(c.dtype))
+        q, k, v = Fp8Einsum(name="qkv_fp8")("BSD,3KDH->3BSKH", x, qkv.astype(c.dtype))
         logits = jnp.einsum("BTKH,BSKH->BKTS", q, k).astype(jnp.float32) / np.sqrt(c.head_dim)
         causal = jnp.tril(jnp.ones((x.shape[1], x.shape[1]), bool))
         probs = jax.nn.softmax(jnp.where(causal, logits, -1e30), axis=-1).astype(c.dtype)
         encoded = jnp.einsum("BKTS,BSKH->BTKH", probs, v)
         out = self.param("attn_vec_einsum", init(), (c.heads, c.head_dim, c.dim))
-        return jdls.fp8.linen.Einsum(name="out_fp8")("BTKH,KHD->BTD", encoded, out.astype(c.dtype))
+        return Fp8Einsum(name="out_fp8")("BTKH,KHD->BTD", encoded, out.astype(c.dtype))
 
 
 class FeedForward(nn.Module):
@@ -92,12 +93,10 @@ class FeedForward(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         c = self.config
         gating = self.param("gating_einsum", init(), (2, c.dim, c.hidden))
-        gate = jdls.fp8.linen.Einsum(name="gating_fp8")("BTD,2DF->2BTF", x, gating.astype(c.dtype))
+        gate = Fp8Einsum(name="gating_fp8")("BTD,2DF->2BTF", x, gating.astype(c.dtype))
         hidden = nn.gelu(gate[0]) * gate[1]
         linear = self.param("linear", init(), (c.hidden, c.dim))
-        return jdls.fp8.linen.Einsum(name="linear_fp8")(
-            "BTF,FD->BTD", hidden, linear.astype(c.dtype)
-        )
+        return Fp8Einsum(name="linear_fp8")("BTF,FD->BTD", hidden, linear.astype(c.dtype))
 
 
 class Block(nn.Module):
