@@ -459,6 +459,9 @@ def test_a_stack_not_named_stacked_is_refused_by_scan():
     model = jdls.equinox.probes(Llama(jax.random.key(0)))
     with pytest.raises(ValueError, match="scan got values with different leading axis sizes"):
         model(batch()[0])
+    model = jdls.equinox.layer_scales(Llama(jax.random.key(0)), jdls.StaticScale(1.0))
+    with pytest.raises(IndexError):  # a per-layer scale's scalars: no leading axis
+        model(batch()[0])
 
 
 def test_errors_name_the_fix():
