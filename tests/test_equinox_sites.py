@@ -174,6 +174,8 @@ def test_probes_wrap_the_top_level_modules_and_keep_the_model_working():
     )
     assert model.layers.probe.value.shape == (DEPTH, 6)  # stacked with the layers
     assert model.head.weight is model.head.jdls_wrapped.weight  # attributes reach through
+    zeroed = eqx.tree_at(lambda m: m.head.weight, model, jnp.zeros((VOCAB, WIDTH)))
+    assert not bool(jnp.any(zeroed.head.jdls_wrapped.weight))  # and so does eqx.tree_at
     tokens, _ = batch()
     assert_bitwise_equal(model(tokens), bare(tokens))
     assert_bitwise_equal(jdls.equinox.unwrap(model), bare)
