@@ -18,6 +18,13 @@ adds jdls's float32 updates and so turns the parameters into float32.
 :func:`value_and_grad` is for code that wants Equinox's own differentiation, exactly: it is
 ``eqx.filter_value_and_grad`` with the loss scaled and the gradients unscaled.
 
+:func:`probes` and :func:`layer_scales` return the model with sites on the outputs of its
+submodules (each wrapped in a :class:`Sited`; a stack made by ``eqx.filter_vmap`` one site per
+layer): :func:`layer_scaled_value_and_grad` differentiates it with a scale per layer,
+``jdls.Telemetry.of`` reads the probes, :func:`get_layer_scales` and :func:`set_layer_scales`
+read and set the scales, :func:`unwrap` gives the bare model back, and :func:`checkpointed` is
+``eqx.filter(model, eqx.is_inexact_array)`` keeping the sites whole.
+
 ``import jdls`` does not import Equinox; this module does.
 """
 
