@@ -15,9 +15,12 @@ def test_framework_modules_hold_their_entry_points() -> None:
     assert sorted(jdls.linen.__all__) == [
         "SITES",
         "TrainState",
+        "apply_gradients",
         "from_train_state",
         "layer_scales",
         "probes",
+        "split_gradients",
+        "value_and_grad",
     ]
     assert sorted(jdls.nnx.__all__) == [
         "Optimizer",
