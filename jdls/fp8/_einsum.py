@@ -97,15 +97,15 @@ def _check_labels(labels: list[str], which: str, equation: str) -> None:
 
 
 def _output(spec: str | None, xl: list[str], kl: list[str], equation: str) -> list[str]:
-    ellipsis = sorted({n for n in (*xl, *kl) if n.startswith("...")}, reverse=True)
+    dots = {n for n in (*xl, *kl) if n.startswith("...")}
+    ellipsis = sorted(dots, key=lambda n: -int(n[3:]))  # the leftmost first
     if spec is None:  # implicit: the broadcast axes, then each label used once, sorted
         once = sorted(n for n in {*xl, *kl} if len(n) == 1 and (xl + kl).count(n) == 1)
         return [*ellipsis, *once]
     _check_syntax(spec, "the output", equation)
-    head, dots, tail = spec.partition("...")
-    if not dots and ellipsis:
-        ellipsis = []  # the broadcast axes are summed, as jnp.einsum does
-    out = [*head, *(ellipsis if dots else []), *tail]
+    head, has_dots, tail = spec.partition("...")
+    # without '...' in the output, the broadcast axes are summed, as jnp.einsum does
+    out = [*head, *(ellipsis if has_dots else []), *tail]
     _check_labels(out, "output", equation)
     unknown = [n for n in out if n not in xl and n not in kl]
     if unknown:
@@ -123,8 +123,9 @@ def einsum_plan(
     """The :class:`EinsumPlan` of a two-operand ``equation`` for operands of these shapes.
 
     Raises:
-      ValueError: the equation does not name two operands, a label repeats within an operand (a diagonal), a term's labels do not match its operand's
-        axes, or a contracted or batch label has two sizes neither of which is 1.
+      ValueError: the equation does not name two operands, a label repeats within an
+        operand (a diagonal), a term's labels do not match its operand's axes, or a label
+        on both operands has two sizes neither of which is 1.
 
     Example:
       >>> from jdls.fp8._einsum import einsum_plan
@@ -248,12 +249,15 @@ def einsum(
       ValueError: the equation is not one this einsum computes (:func:`einsum_plan`).
 
     Example:
-      >>> import jax.numpy as jnp, jdls
-      >>> site = jdls.fp8.init(jdls.fp8.CurrentScaling())
+      >>> import jax, jax.numpy as jnp, jdls
+      >>> site = jdls.fp8.init(jdls.fp8.CurrentScaling(power_of_two=True))
       >>> x, w = jnp.ones((2, 5, 4)), jnp.full((3, 6, 4, 7), 0.5)
-      >>> y = jdls.fp8.einsum("BSD,3KDH->3BSKH", x, w, site=site)  # w is the rhs
+      >>> y = jdls.fp8.einsum("BSD,3KDH->3BSKH", x, w, site=site)
       >>> y.shape, float(y[0, 0, 0, 0, 0])
       ((3, 2, 5, 6, 7), 2.0)
+      >>> loss = lambda site: jdls.fp8.einsum("BSD,3KDH->3BSKH", x, w, site=site).sum()
+      >>> float(jax.grad(loss)(site).value.meter.rhs.amax)  # the kernel's amax: the rhs
+      0.5
     """
     x, kernel = jnp.asarray(x), jnp.asarray(kernel)
     plan = einsum_plan(equation, tuple(x.shape), tuple(kernel.shape))

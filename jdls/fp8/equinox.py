@@ -10,6 +10,10 @@ as usual; the gradient's sites are the step's measurements::
     updates, opt_state = tx.update(grads, opt_state, params)
     model = jdls.equinox.apply_updates(model, updates)
     model = jdls.update_sites(model, measured, jdls.fp8.step_applied(opt_state))
+
+A hand-written projection needs no layer: keep a site (``jdls.fp8.init(recipe)``) as a field
+beside the weight and call ``jdls.fp8.einsum(equation, x, self.weight, site=self.site)``
+(or ``jdls.fp8.dot_general``); ``x`` is the site's ``lhs``, the weight its ``rhs``.
 """
 
 from __future__ import annotations
