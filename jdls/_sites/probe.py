@@ -349,8 +349,11 @@ class Telemetry(NamedTuple):
 
     def first_nonfinite(self) -> str | None:
         """The last row (in forward order, :meth:`of`) whose cotangent went non-finite (host
-        side), or None: the first probe the backward pass reached with an inf or a NaN, the
-        output of the layer where the overflow started.
+        side), or None: the first probe the backward pass reached with an inf or a NaN. The
+        cotangent at a row is what the backward pass of the code after it (in forward
+        order: the next row's module, or the loss after the last row) produced, so that is
+        where the overflow started: a row named ``"layers[1]"`` points at ``layers[2]``'s
+        backward pass, the last row at the loss and its scale.
 
         Example:
           >>> import jax.numpy as jnp, jdls
