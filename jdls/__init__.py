@@ -15,8 +15,9 @@ from jdls._scales.layer_scales import (
 from jdls._scales.multi_loss import adjust_loss_scales, multi_loss_value_and_grad
 from jdls._scales.scale import AdaptiveScale, DynamicScale, LossScale, NoOpScale, StaticScale
 from jdls._sites.apply import apply_site
-from jdls._sites.probe import Probe, Telemetry, plot_headroom
+from jdls._sites.probe import Probe
 from jdls._sites.site import Site, SiteKind, is_site
+from jdls._sites.telemetry import Telemetry, plot_headroom
 from jdls._sites.update import merge_sites, split_sites, update_sites
 from jdls._transforms.accumulate import AccumulateInfo, accumulate
 from jdls._transforms.apply import apply_updates

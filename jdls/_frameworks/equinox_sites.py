@@ -30,8 +30,9 @@ from jdls._numerics.paths import path_key
 from jdls._scales.layer_scales import LayerScale, layer_site, note_applied
 from jdls._scales.scale import LossScale, check_scale
 from jdls._sites.apply import apply_site
-from jdls._sites.probe import WRAPPED, Probe
+from jdls._sites.probe import Probe
 from jdls._sites.site import Site, fresh_site, is_site
+from jdls._sites.telemetry import WRAPPED
 
 __all__ = [
     "FIX_ORDER",
