@@ -16,13 +16,11 @@ skipped step returns); then the scale is adjusted and the step recorded (``jdls/
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax import lax
 
@@ -50,6 +48,7 @@ from jdls._sites.apart import sites_apart
 from jdls._transforms.retry import SkipCause, classify, first_attempt, flushed, model_overflow
 from jdls._transforms.skip import cond_branches, keep_dtypes, select
 from jdls._transforms.stats import Stats, WrapState, step_applied
+from jdls._transforms.wrap_arguments import check_inner, check_match, check_wrap_state, is_arrays
 
 __all__ = ["FLUSHED", "loss_nonzero", "wrap"]
 
@@ -165,7 +164,7 @@ def wrap(
       Micikevicius et al., `Mixed Precision Training <https://arxiv.org/abs/1710.03740>`_,
       2018; ``torch.amp.GradScaler.step``; ``optax.apply_if_finite``.
     """
-    inner_tx = _check_inner(inner)
+    inner_tx = check_inner(inner)
     scale0 = AdaptiveScale() if scale is None else check_scale(scale, wrapping=True)
     if max_norm is not None:
         max_norm = check_limit("max_norm", max_norm)
@@ -236,7 +235,7 @@ def wrap(
     ) -> tuple[Any, Any]:
         """The inner update on a finite step; on a skipped one, ``-0.0`` updates and the inner
         state as it was. ``clipped`` is the norm ``max_norm`` clips by."""
-        dynamic = {k: v for k, v in extra_args.items() if _is_arrays(v)}
+        dynamic = {k: v for k, v in extra_args.items() if is_arrays(v)}
         static = tuple(sorted((k, v) for k, v in extra_args.items() if k not in dynamic))
         try:
             apply = apply_branch(tree.treedef, tree.float_idx, static)
@@ -250,8 +249,8 @@ def wrap(
     def update_fn(
         updates: Any, state: WrapState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, WrapState]:
-        _check_state(state)
-        _check_match(updates, params)
+        check_wrap_state(state)
+        check_match(updates, params)
         if "value_fn" in extra_args:
             raise TypeError(_RETRIES_MOVED.format("tx.update(..., value_fn=...)"))
         underflow = extra_args.pop(FLUSHED, None)  # decided by jdls.wrap_groups' shared scale
@@ -410,103 +409,3 @@ def _fail_if_stuck(consecutive: jax.Array, limit: int) -> None:
         jax.debug.callback(fail, consecutive)
 
     lax.cond(consecutive >= limit, report, lambda: None)
-
-
-# --------------------------------------------------------------------------------------------
-# Arguments.
-# --------------------------------------------------------------------------------------------
-
-
-def _check_inner(inner: Any) -> optax.GradientTransformationExtraArgs:
-    if isinstance(inner, optax.GradientTransformation):
-        return optax.with_extra_args_support(inner)
-    if isinstance(inner, LossScale) or (isinstance(inner, type) and issubclass(inner, LossScale)):
-        raise TypeError(
-            "inner must be an optax transformation and comes first: "
-            "jdls.wrap(optax.adam(1e-3), jdls.DynamicScale()), got a loss scale "
-            f"({getattr(inner, '__name__', type(inner).__name__)})"
-        )
-    init = getattr(inner, "init", None)
-    update = getattr(inner, "update", None)
-    if callable(init) and callable(update) and not isinstance(inner, type):
-        # Objects with init/update methods, e.g. optax.MultiSteps.
-        params = inspect.signature(update).parameters.values()
-        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-            return optax.GradientTransformationExtraArgs(init, update)
-        return optax.with_extra_args_support(optax.GradientTransformation(init, update))
-    if callable(inner):
-        raise TypeError(
-            f"inner must be an optax transformation such as optax.adam(1e-3), got the function "
-            f"{getattr(inner, '__name__', inner)!r}: call it to build the transformation"
-        )
-    raise TypeError(
-        f"inner must be an optax transformation such as optax.adam(1e-3), got "
-        f"{type(inner).__name__}"
-    )
-
-
-def _check_state(state: Any) -> None:
-    if not isinstance(state, WrapState):
-        raise TypeError(
-            f"jdls.wrap's update expects its own WrapState, got {type(state).__name__}: "
-            "pass the state returned by this transformation's init"
-        )
-
-
-def _describe_mismatch(updates: Any, params: Any) -> str:
-    def paths(tree: Any) -> list[str]:
-        found, _ = jax.tree_util.tree_flatten_with_path(tree)
-        return [jax.tree_util.keystr(p) for p, _ in found]
-
-    u, p = paths(updates), paths(params)
-    only_u = [k for k in u if k not in set(p)]
-    only_p = [k for k in p if k not in set(u)]
-
-    def show(keys: list[str]) -> str:
-        head = ", ".join(k or "<root>" for k in keys[:5])
-        return head + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
-
-    parts = [f"gradients have {len(u)} leaves, params {len(p)}"]
-    if only_u:
-        parts.append(f"only in gradients: {show(only_u)}")
-    if only_p:
-        parts.append(f"only in params: {show(only_p)}")
-    if not only_u and not only_p:
-
-        def brief(tree: Any) -> str:
-            text = str(jax.tree_util.tree_structure(tree))
-            return text if len(text) <= 200 else text[:200] + "..."
-
-        parts.append(f"gradients: {brief(updates)}; params: {brief(params)}")
-    return "; ".join(parts)
-
-
-def _check_match(updates: Any, params: Any) -> None:
-    if params is None:
-        return
-    if isinstance(params, optax.LookaheadParams):
-        params = params.fast  # optax.lookahead: the gradients are those of the fast params
-    ours: Any = jax.tree_util.tree_structure(updates)
-    if ours != jax.tree_util.tree_structure(params):
-        raise ValueError(
-            "jdls.wrap: the gradients do not have the tree structure of the params ("
-            + _describe_mismatch(updates, params)
-            + "). Pass the gradients of the params given to tx.update"
-            + ("; " + hint if (hint := non_array_hint(params, "the params")) else "")
-            + "."
-        )
-    grads_found, _ = jax.tree_util.tree_flatten_with_path(updates)
-    for (path, g), p in zip(grads_found, jax.tree_util.tree_leaves(params), strict=True):
-        g_shape, p_shape = np.shape(g), np.shape(p)
-        if g_shape != p_shape:
-            raise ValueError(
-                f"jdls.wrap: the gradient at {jax.tree_util.keystr(path) or '<root>'} has shape "
-                f"{g_shape} but its parameter has shape {p_shape}; pass the gradients of the "
-                "params given to tx.update (optax.apply_updates would broadcast or fail)"
-            )
-
-
-def _is_arrays(x: Any) -> bool:
-    """Whether ``x`` is a non-empty pytree of arrays (an extra argument passed as an operand)."""
-    leaves = jax.tree_util.tree_leaves(x)
-    return bool(leaves) and all(isinstance(v, jax.Array | np.ndarray) for v in leaves)
