@@ -1,7 +1,8 @@
 """The port guide (docs/porting.md) tells the truth: examples/porting/lm_after.py is
-lm_before.py (Flax linen) and eqx_after.py is eqx_before.py (Equinox) with fewer than 20 changed
-lines each, the guide shows exactly those lines, and each ported program (float16, loss
-scaling, probes, FP8 projections) trains as its float32 original."""
+lm_before.py (Flax linen), eqx_after.py eqx_before.py (Equinox) and nnx_after.py
+nnx_before.py (Flax NNX), each with fewer than 20 changed lines; the guide shows exactly those
+lines, and each ported program (float16, loss scaling, probes, FP8 projections) trains as its
+float32 original."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def _lines(name: str) -> list[str]:
 
 # Each port: its program's name (``{name}_before.py``, ``{name}_after.py``) and the heading of
 # its section of docs/porting.md; the linen port takes every section no other port names.
-PORTS = {"lm": None, "eqx": "Equinox"}
+PORTS = {"lm": None, "eqx": "Equinox", "nnx": "Flax NNX"}
 
 
 def _changed(name: str) -> tuple[list[str], list[str]]:
@@ -116,4 +117,20 @@ def test_the_ported_equinox_program_trains_as_the_original(
     assert np.isfinite(before) and np.isfinite(after)
     assert abs(after - before) < 0.05, (before, after)
     for row in ("embed", "layers[0]", "layers[3]", "norm", "output"):
+        assert row in out
+
+
+@pytest.mark.full  # about 40 s: two short trainings
+def test_the_ported_nnx_program_trains_as_the_original(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """60 steps of each: the Flax NNX program in float16 with FP8 projections, loss scaling
+    and probes reaches the float32 program's held-out loss, prints a row per layer of its
+    list and per FP8 einsum, and its loop's guard never fires."""
+    before = _load("nnx_before").main(["--steps", "60"])
+    after = _load("nnx_after").main(["--steps", "60"])
+    out = capsys.readouterr().out
+    assert np.isfinite(before) and np.isfinite(after)
+    assert abs(after - before) < 0.05, (before, after)
+    for row in ("layers/0/attn/qkv_einsum/fp8", "layers/3 ", "final_norm", "Transformer"):
         assert row in out
