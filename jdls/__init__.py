@@ -12,7 +12,8 @@ from jdls._scales.layer_scales import (
     layer_site,
     rescale_boundary,
 )
-from jdls._scales.multi_loss import adjust_loss_scales, multi_loss_value_and_grad
+from jdls._scales.loss_adjust import adjust_loss_scales
+from jdls._scales.multi_loss import multi_loss_value_and_grad
 from jdls._scales.scale import AdaptiveScale, DynamicScale, LossScale, NoOpScale, StaticScale
 from jdls._sites.apply import apply_site
 from jdls._sites.probe import Probe

@@ -26,37 +26,21 @@ from jdls._numerics.checks import all_finite, is_float
 from jdls._numerics.norm import tree_amax
 from jdls._scales.filter import Split, is_jax_type, split_arguments
 from jdls._scales.grad import seed_scale, with_loss_scale
+from jdls._scales.loss_adjust import keyed_items, rebuilt
 from jdls._scales.loss_sets import EMPTY, Levels, all_sets, analyze, evaluate, var_set
-from jdls._scales.scale import LossScale, adjust_observed, check_scale, observes
+from jdls._scales.scale import LossScale, check_scale
 from jdls._sites.measured import measured as measured_sites
 from jdls._sites.site import is_site
 
-__all__ = ["adjust_loss_scales", "multi_loss_value_and_grad"]
+__all__ = ["multi_loss_value_and_grad"]
 
 _BACKWARDS = ("one", "per_loss")
 _F32 = jnp.float32
 
 
-def _items(tree: Any, what: str) -> tuple[list[Any], list[Any]]:
-    """Keys and values of a dict, tuple or list of losses or scales."""
-    if isinstance(tree, Mapping):
-        return list(tree.keys()), list(tree.values())
-    if isinstance(tree, tuple | list):
-        return list(range(len(tree))), list(tree)
-    raise TypeError(
-        f"{what} must be a dict, tuple or list (one entry per loss), got {type(tree).__name__}"
-    )
-
-
-def _rebuild(like: Any, values: list[Any]) -> Any:
-    if isinstance(like, Mapping):
-        return dict(zip(like.keys(), values, strict=True))
-    return type(like)(values) if isinstance(like, list) else tuple(values)
-
-
 def _loss_order(losses: Any, keys: list[Any]) -> tuple[list[Any], list[int]]:
     """The keys of ``fun``'s losses, and for each the index of its scale."""
-    loss_keys, _ = _items(losses, "fun's losses")
+    loss_keys, _ = keyed_items(losses, "fun's losses")
     if len(loss_keys) != len(keys) or set(loss_keys) != set(keys):
         raise ValueError(
             f"fun must return one loss per scale, with the keys of scales {keys}; got {loss_keys}"
@@ -191,7 +175,7 @@ def multi_loss_value_and_grad(
             f"backward must be 'one' (one backward pass, each loss's own region at its scale) "
             f"or 'per_loss' (one backward pass per loss), got {backward!r}"
         )
-    keys, scale_list = _items(scales, "scales")
+    keys, scale_list = keyed_items(scales, "scales")
     if not keys:
         raise ValueError("scales must hold one loss scale per loss, got none")
     for key, scale in zip(keys, scale_list, strict=True):
@@ -200,7 +184,7 @@ def multi_loss_value_and_grad(
     if weights is None:
         weight_list = [None] * len(keys)
     else:
-        weight_keys, weight_list = _items(weights, "weights")
+        weight_keys, weight_list = keyed_items(weights, "weights")
         if isinstance(weights, Mapping) and set(weight_keys) == set(keys):
             weight_list = [weights[k] for k in keys]
         elif weight_keys != keys:
@@ -231,8 +215,8 @@ def multi_loss_value_and_grad(
         grads = total[0] if isinstance(argnums, int) else tuple(total)
         value = (losses, aux) if has_aux else losses
         if with_amax:
-            return value, grads, _rebuild(scales, finite), _rebuild(scales, measured)
-        return value, grads, _rebuild(scales, finite)
+            return value, grads, rebuilt(scales, finite), rebuilt(scales, measured)
+        return value, grads, rebuilt(scales, finite)
 
     return value_and_grad_fn
 
@@ -306,7 +290,7 @@ def _per_loss(
                 out.append(_weighted(one, weight_list[j]) if i is None else one)
             else:
                 out.append(jnp.zeros_like(losses[k]))
-        return _rebuild(losses, out)
+        return rebuilt(losses, out)
 
     total: list[Any] = []
     tree: Any = None
@@ -457,85 +441,6 @@ def _one_pass(
         for a, t in zip(found["aux_leaves"], found["traced"], strict=True)
     ]
     aux = jax.tree_util.tree_unflatten(found["aux_tree"], aux_leaves)
-    losses = _rebuild(found["losses"], list(loss_values))
+    losses = rebuilt(found["losses"], list(loss_values))
     total = jax.tree_util.tree_unflatten(in_tree, grads)
     return losses, aux if has_aux else None, total, finite, [measured[i] for i in range(len(keys))]
-
-
-def adjust_loss_scales(
-    scales: Mapping[Any, LossScale] | Sequence[LossScale],
-    finite: Mapping[Any, Any] | Sequence[Any],
-    grad_amax: Mapping[Any, Any] | Sequence[Any] | None = None,
-) -> Any:
-    """The next per-loss scales after a step: each loss's scale adjusted by its own flag.
-
-    Each scale moves as :func:`jdls.wrap` would move it fed that loss's gradients, by the same
-    code (``adjust_observed``), all-zero gradients included: backs off
-    where ``finite[k]`` is False, follows its rule where it is True. A rule that observes
-    (:func:`jdls.AdaptiveScale`, ``rule.observes``) gets ``grad_amax[k]``, the largest
-    magnitude of loss ``k``'s unscaled gradients: ask
-    :func:`jdls.multi_loss_value_and_grad` for it with ``with_amax=True``. No global skip:
-    a loss whose gradients were finite moves even when another's overflowed (skipping the
-    step is the optimizer's business: ``jdls.wrap`` with a ``jdls.NoOpScale()`` skips a step
-    whose combined gradients are not finite). Pure and traceable: jit it with the step.
-
-    Args:
-      scales: one jdls loss scale per loss (a dict, tuple or list).
-      finite: per loss, a boolean scalar (the third output of
-        :func:`jdls.multi_loss_value_and_grad`), in the container of ``scales``.
-      grad_amax: per loss, a float scalar (its fourth output with ``with_amax=True``); needed
-        when a scale's rule observes, ignored by the others.
-
-    Returns:
-      The new scales, in the container of ``scales``.
-
-    Raises:
-      ValueError: the keys differ, or a rule observes and ``grad_amax`` is None.
-
-    Example:
-      >>> import jax.numpy as jnp, jdls
-      >>> def losses(p):
-      ...     return {"big": jnp.sum(p["a"] ** 2), "small": 1e-6 * jnp.sum(p["b"])}
-      >>> scales = {"big": jdls.AdaptiveScale(), "small": jdls.AdaptiveScale()}
-      >>> fn = jdls.multi_loss_value_and_grad(losses, scales, with_amax=True)
-      >>> _, grads, finite, amax = fn({"a": jnp.ones(2), "b": jnp.ones(2)})
-      >>> scales = jdls.adjust_loss_scales(scales, finite, amax)
-      >>> float(scales["big"].loss_scale), float(scales["small"].loss_scale) == 2.0**29
-      (256.0, True)
-    """
-    keys, scale_list = _items(scales, "scales")
-    flags = _matching(finite, keys, "finite")
-    amaxes = None if grad_amax is None else _matching(grad_amax, keys, "grad_amax")
-    out = []
-    for i, (key, scale) in enumerate(zip(keys, scale_list, strict=True)):
-        check_scale(scale, f"scales[{key!r}]")
-        if observes(scale) and amaxes is None:
-            raise ValueError(
-                f"scales[{key!r}]'s rule {type(scale.rule).__name__} sets the scale from the "
-                "largest magnitude of that loss's unscaled gradients, and grad_amax was not "
-                "given: build the function with jdls.multi_loss_value_and_grad(..., "
-                "with_amax=True) and pass its fourth output, "
-                "jdls.adjust_loss_scales(scales, finite, grad_amax)"
-            )
-        # the global path's adjustment (jdls.wrap), fed this loss's flag and measurement
-        amax = None if amaxes is None else amaxes[i]
-        out.append(adjust_observed(scale, flags[i], functools.partial(_given, amax)))
-    return _rebuild(scales, out)
-
-
-def _given(value: Any) -> Any:
-    """``value``: a measurement already made, as :func:`adjust_observed` asks for one."""
-    return value
-
-
-def _matching(tree: Any, keys: list[Any], what: str) -> list[Any]:
-    """The values of ``tree`` in the order of ``keys`` (a dict by key, a sequence by position)."""
-    got, values = _items(tree, what)
-    if isinstance(tree, Mapping) and set(got) == set(keys):
-        return [tree[k] for k in keys]
-    if got != keys:
-        raise ValueError(
-            f"{what} must have the keys of scales, {keys}, got {got}: pass the outputs of "
-            "jdls.multi_loss_value_and_grad built with these scales"
-        )
-    return values
