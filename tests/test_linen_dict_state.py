@@ -108,6 +108,60 @@ def test_without_sites_the_gradients_are_the_parameters_or_the_variables() -> No
     _same(new["params"], expected)
 
 
+def test_a_nan_loss_is_told_from_an_overflow_when_the_loss_is_passed() -> None:
+    """apply_gradients(..., value=loss) and TrainState.apply_gradients(value=loss): a NaN
+    batch is FORWARD (a loop's guard stops), an overflow of the scaled gradients GRADIENTS
+    (handled)."""
+    model = jdls.linen.probes(nn.Sequential([nn.Dense(4), nn.Dense(1)]))
+    x = jnp.ones((2, 3))
+    variables = model.init(jax.random.key(0), x)
+    tx = jdls.wrap(optax.sgd(0.1), jdls.StaticScale(2.0**15))
+    opt_state = tx.init(variables["params"])
+    ts = jdls.linen.TrainState.create(
+        apply_fn=model.apply, params=variables["params"], sites=variables["jdls"], tx=tx
+    )
+
+    def loss_fn(v, x, weight):
+        return jnp.sum(model.apply(v, x).astype(jnp.float16) * weight).astype(jnp.float32)
+
+    for x_, weight, cause in ((x.at[0, 0].set(jnp.nan), 1.0, "FORWARD"), (x, 1e4, "GRADIENTS")):
+        loss, grads = jdls.linen.value_and_grad(loss_fn, jdls.get_scale(opt_state))(
+            variables, x_, weight
+        )
+        _, new_state = jdls.linen.apply_gradients(tx, variables, grads, opt_state, value=loss)
+        assert jdls.skip_cause(new_state).name == cause
+        assert jdls.skip_cause(new_state).handled is (cause == "GRADIENTS")
+        loss, grads = ts.value_and_grad(loss_fn)(ts.variables, x_, weight)
+        assert jdls.skip_cause(ts.apply_gradients(grads=grads, value=loss)).name == cause
+
+
+def test_other_collections_are_held_fixed_from_init_to_the_update() -> None:
+    """The variables as model.init returns them, batch_stats included: value_and_grad
+    differentiates params and sites only, apply_gradients passes batch_stats through."""
+
+    class Norm(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(1)(nn.BatchNorm(use_running_average=True)(nn.Dense(3)(x)))
+
+    model = jdls.linen.probes(Norm())
+    x = jnp.arange(12.0).reshape(4, 3)
+    variables = model.init(jax.random.key(0), x)
+    assert set(variables) == {"params", "jdls", "batch_stats"}
+    tx = jdls.wrap(optax.sgd(0.1))
+    opt_state = tx.init(variables["params"])
+
+    def loss_fn(v):
+        return jnp.sum(model.apply(v, x) ** 2)
+
+    loss, grads = jdls.linen.value_and_grad(loss_fn, jdls.get_scale(opt_state))(variables)
+    assert set(grads) == {"params", "jdls"}
+    ref = jax.grad(loss_fn)(variables)["params"]
+    _same(grads["params"], ref)
+    new, _ = jdls.linen.apply_gradients(tx, variables, grads, opt_state)
+    _same(new["batch_stats"], variables["batch_stats"])
+
+
 @pytest.mark.full  # about 4 s
 def test_other_collections_pass_through_and_can_be_kept_on_a_skipped_step() -> None:
     class Norm(nn.Module):

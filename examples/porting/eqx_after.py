@@ -198,7 +198,7 @@ def train(config: Config, steps: int, seed: int = 0) -> float:
             return cross_entropy(eqx.combine(params, static)(tokens), targets)
 
         loss, grads = jdls.get_scale(opt_state).value_and_grad(loss_fn)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
+        updates, opt_state = tx.update(grads, opt_state, params, value=loss)
         params = jdls.equinox.apply_updates(params, updates, opt_state)
         return params, opt_state, loss, optax.tree.norm(grads)
 

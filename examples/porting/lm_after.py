@@ -177,7 +177,7 @@ def train(config: Config, steps: int, seed: int = 0) -> float:
 
         params, opt_state = state["params"], state["opt_state"]
         loss, grads = jdls.linen.value_and_grad(loss_fn, jdls.get_scale(opt_state))(params)
-        params, opt_state = jdls.linen.apply_gradients(tx, params, grads, opt_state)
+        params, opt_state = jdls.linen.apply_gradients(tx, params, grads, opt_state, value=loss)
         new = {"params": params, "opt_state": opt_state, "step": state["step"] + 1}
         return new, loss, optax.tree.norm(grads["params"])
 

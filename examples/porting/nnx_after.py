@@ -161,7 +161,7 @@ def train(config: Config, steps: int, seed: int = 0) -> float:
             return cross_entropy(model(tokens), targets)
 
         loss, grads = jdls.nnx.value_and_grad(loss_fn, jdls.get_scale(optimizer))(model)
-        optimizer.update(model, grads)
+        optimizer.update(model, grads, value=loss)
         return loss, optax.tree.norm(grads)
 
     @nnx.jit

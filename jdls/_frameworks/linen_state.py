@@ -16,6 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import serialization
 from flax.training import train_state
 
@@ -91,7 +92,7 @@ class TrainState(train_state.TrainState):
         e.g. ``variables["jdls"]`` of a model from ``jdls.linen.probes``), None without."""
         return super().create(apply_fn=apply_fn, params=params, tx=tx, sites=sites, **kwargs)
 
-    def apply_gradients(self, *, grads: Any, **kwargs: Any) -> TrainState:
+    def apply_gradients(self, *, grads: Any, value: Any = None, **kwargs: Any) -> TrainState:
         """Flax's ``apply_gradients``; other fields given (e.g. ``batch_stats``) keep their old
         values on a skipped step, as the parameters and the optimizer state do.
 
@@ -102,10 +103,19 @@ class TrainState(train_state.TrainState):
         Without sites, ``grads`` is either the parameters' gradients or shaped like
         :attr:`variables`, ``{"params": ...}``.
 
+        ``value=loss`` passes the step's loss to the wrap (``tx.update(..., value=loss)``), so
+        that ``jdls.skip_cause`` tells a non-finite loss from an overflow of the scaled
+        gradients (see docs/guides/debugging.md).
+
         ``step`` still counts every call, as in Flax.
         """
         grads, measured = split_gradients(grads, self.params, self.sites)
-        new = super().apply_gradients(grads=grads, **kwargs)
+        if value is None:
+            new = super().apply_gradients(grads=grads, **kwargs)
+        else:
+            updates, opt_state = self.tx.update(grads, self.opt_state, self.params, value=value)
+            params = optax.apply_updates(self.params, updates)
+            new = self.replace(step=self.step + 1, params=params, opt_state=opt_state, **kwargs)
         kept = {k: keep_if_skipped(new.opt_state, v, getattr(self, k)) for k, v in kwargs.items()}
         if measured is not None:
             kept["sites"] = update_sites(self.sites, measured, step_applied(new.opt_state))

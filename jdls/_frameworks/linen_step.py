@@ -51,7 +51,9 @@ def value_and_grad(
     a per-layer scale's layer measurement), for :func:`apply_gradients`. With per-layer scales
     (``jdls.linen.layer_scales``) each layer's parameters are differentiated at their own
     scale. Variables without sites (``{"params": ...}``) are differentiated as any pytree.
-    ``jdls.linen.TrainState.value_and_grad`` is this function with the state's scale.
+    Other collections of the variables (``"batch_stats"``, ``"cache"``) are held fixed:
+    ``fun`` sees them, the gradients leave them out. ``jdls.linen.TrainState.value_and_grad``
+    is this function with the state's scale.
 
     Args:
       fun: the loss function; returns a scalar, or ``(loss, aux)`` with ``has_aux``.
@@ -61,7 +63,8 @@ def value_and_grad(
 
     Returns:
       A function with ``fun``'s arguments returning ``(loss, grads)`` (or
-      ``((loss, aux), grads)``), ``grads`` shaped like the variables; ``loss`` unscaled.
+      ``((loss, aux), grads)``), ``grads`` shaped like the variables' ``"params"`` and
+      ``"jdls"``; ``loss`` unscaled.
 
     Example:
       >>> import flax.linen as nn, jax, jax.numpy as jnp, optax, jdls
@@ -88,6 +91,18 @@ def value_and_grad(
                 f"function, but it was called with {len(args)} positional argument(s)"
             )
         variables = args[argnum]
+        if isinstance(variables, Mapping) and set(variables) - {"params", SITES}:
+            # other collections ("batch_stats", "cache") are held fixed, as apply_gradients
+            # passes them through: differentiate {"params", "jdls"} only
+            held = {k: v for k, v in variables.items() if k not in ("params", SITES)}
+            trained = {k: v for k, v in variables.items() if k in ("params", SITES)}
+
+            def with_held(*a: Any, **kw: Any) -> Any:
+                a = (*a[:argnum], {**held, **a[argnum]}, *a[argnum + 1 :])
+                return fun(*a, **kw)
+
+            args = (*args[:argnum], trained, *args[argnum + 1 :])
+            return value_and_grad(with_held, scale, argnum=argnum, has_aux=has_aux)(*args, **kwargs)
         sites = variables.get(SITES) if isinstance(variables, Mapping) else None
         if not _layered(sites):
             return plain(*args, **kwargs)
@@ -147,7 +162,9 @@ def split_gradients(grads: Any, params: Any, sites: Any) -> tuple[Any, Any]:
     return grads, None
 
 
-def apply_gradients(tx: Any, variables: Any, grads: Any, opt_state: Any) -> tuple[Any, Any]:
+def apply_gradients(
+    tx: Any, variables: Any, grads: Any, opt_state: Any, *, value: Any = None
+) -> tuple[Any, Any]:
     """One optimizer step on a linen model's variables: ``(new variables, new opt_state)``.
 
     The parameters' gradients ``grads["params"]`` go to ``tx`` (a chain with
@@ -165,6 +182,10 @@ def apply_gradients(tx: Any, variables: Any, grads: Any, opt_state: Any) -> tupl
         ``FrozenDict``.
       grads: what :func:`value_and_grad` returned for ``variables``.
       opt_state: ``tx``'s state.
+      value: the step's loss, passed to ``tx.update(..., value=loss)``: the wrap then tells a
+        non-finite loss (``jdls.SkipCause.FORWARD``: bad data, a forward overflow; not
+        ``handled``) from an overflow of the scaled gradients (loss scaling at work), which
+        ``jdls.skip_cause(opt_state)`` reports to a loop's own NaN guard.
 
     Returns:
       ``(variables, opt_state)`` after the step, ``variables`` of the type given.
@@ -191,7 +212,8 @@ def apply_gradients(tx: Any, variables: Any, grads: Any, opt_state: Any) -> tupl
         )
     params, sites = variables["params"], variables.get(SITES)
     param_grads, measured = split_gradients(grads, params, sites)
-    updates, opt_state = tx.update(param_grads, opt_state, params)
+    extra = {} if value is None else {"value": value}
+    updates, opt_state = tx.update(param_grads, opt_state, params, **extra)
     new = {**variables, "params": optax.apply_updates(params, updates)}
     if measured is not None:
         new[SITES] = update_sites(sites, measured, step_applied(opt_state))
