@@ -8,6 +8,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from _helpers import maybe_jit, with_and_without_jit
 
@@ -235,3 +236,39 @@ def test_a_probe_at_the_root_of_the_tree_has_a_name() -> None:
     assert jdls.Telemetry.of(jdls.Site(jdls.Probe(name="Net"))).names == ("Net",)
     with pytest.raises(TypeError, match="takes an int"):
         jdls.Probe(position=1.5)
+
+
+def test_a_lost_measurement_is_shown_as_lost_not_as_a_crash() -> None:
+    """A measurement multiplied by 0 or NaN (optax.clip_by_global_norm in front of the wrap on
+    a step that overflowed) decodes to NaN: the table says it was lost and names the fix."""
+    z = jnp.zeros(2)
+    nan = jnp.array([jnp.nan, 0.0])
+    t = jdls.Telemetry(
+        ("lost", "kept"), jnp.array([jnp.nan, 3.0]), z, z, nan, jnp.array([jnp.nan, 1.0])
+    )
+    lost, kept = t.table().splitlines()[1:]
+    assert "measurement lost" in lost and "jdls.clip keeps it" in lost
+    assert lost.split()[5:7] == ["?", "?"]
+    assert kept.split()[5:7] == ["no", "1"]
+
+
+def test_optax_clip_in_front_loses_an_overflowing_steps_measurement_and_jdls_clip_keeps_it() -> (
+    None
+):
+    params = {"w": jnp.ones(3), "probe": jdls.Site(jdls.Probe())}
+
+    def loss(p, x):
+        return jnp.sum(jdls.apply_site(p["w"] * x, p["probe"]).astype(jnp.float16) * 2.0**15)
+
+    x = jnp.full(3, 4.0)  # the float16 cotangent 2**15 * ... overflows: a skipped step
+    rows = {}
+    for name, clip in (("optax", optax.clip_by_global_norm(1.0)), ("jdls", jdls.clip(1.0))):
+        tx = optax.chain(clip, jdls.wrap(optax.sgd(0.1), jdls.StaticScale(2.0**4)))
+        state = tx.init(params)
+        _, grads = jdls.get_scale(state).value_and_grad(loss)(params, x)
+        updates, state = tx.update(grads, state, params)
+        assert not bool(jdls.stats(state).finite)
+        new = jdls.apply_updates(params, updates, state)  # the probe records the step
+        rows[name] = jdls.Telemetry.of({"probe": new["probe"]}).table().splitlines()[1]
+    assert "measurement lost" in rows["optax"]
+    assert "measurement lost" not in rows["jdls"] and " yes " in rows["jdls"]

@@ -261,9 +261,11 @@ class Telemetry(NamedTuple):
             line = (
                 f"{name:<{width}}  {at(amax, i):>8.3g}  {at(headroom, i):>8.1f}  "
                 f"{at(flushed, i):>7.1%}  {at(zeros, i):>6.1%}  "
-                f"{'yes' if at(nonfinite, i) > 0 else 'no':>9}"
+                f"{_flag(at(nonfinite, i)):>9}"
             )
-            if uses is not None:
+            if uses is not None and np.isnan(at(uses, i)):
+                line += f"  {'?':>4}  {_LOST}"
+            elif uses is not None:
                 n = round(at(uses, i))
                 line += f"  {n:>4}"
                 if n > 1:
@@ -275,6 +277,18 @@ class Telemetry(NamedTuple):
                     line += "  not used this step (a branch not taken): nothing measured"
             lines.append(line)
         return "\n".join(lines)
+
+
+def _flag(x: float) -> str:
+    """A row's non-finite flag: ``yes``, ``no``, or ``?`` where the measurement was lost."""
+    return "?" if np.isnan(x) else ("yes" if x > 0 else "no")
+
+
+#: A measurement that decodes to NaN (its ``uses`` too): something multiplied it by 0 or NaN.
+_LOST = (
+    "measurement lost: something multiplied the gradients by 0 or NaN before jdls saw them "
+    "(optax.clip_by_global_norm in front of jdls.wrap on a non-finite step); jdls.clip keeps it"
+)
 
 
 #: The fix for a site shared by several uses, in :meth:`Telemetry.as_dict`'s warning.
