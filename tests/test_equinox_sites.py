@@ -481,3 +481,24 @@ def test_errors_name_the_fix():
         jdls.equinox.set_layer_scales(scaled(), [1.0, 2.0])
     with pytest.raises(ValueError, match="holds no per-layer scale"):
         jdls.equinox.set_layer_scales(probed(), jdls.StaticScale(1.0))
+
+
+def test_a_layer_called_twice_is_refused_with_per_layer_scales() -> None:
+    class Twice(eqx.Module):
+        embed: eqx.nn.Linear
+        shared: eqx.nn.Linear
+        head: eqx.nn.Linear
+
+        def __init__(self, key):
+            k = jax.random.split(key, 3)
+            self.embed = eqx.nn.Linear(3, 4, key=k[0])
+            self.shared = eqx.nn.Linear(4, 4, key=k[1])
+            self.head = eqx.nn.Linear(4, 1, key=k[2])
+
+        def __call__(self, x):
+            return self.head(jnp.tanh(self.shared(jnp.tanh(self.shared(self.embed(x))))))
+
+    model = jdls.equinox.layer_scales(Twice(jax.random.key(0)), jdls.StaticScale(2.0))
+    loss = lambda m: jnp.sum(m(jnp.ones(3)))  # noqa: E731
+    with pytest.raises(ValueError, match=r"position\(s\) \[1\] was applied more than once"):
+        jdls.equinox.layer_scaled_value_and_grad(loss)(model)

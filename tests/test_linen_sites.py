@@ -491,3 +491,18 @@ def test_probes_inside_nn_jit_blocks_follow_the_forward_order() -> None:
     expected = tuple(n for b in ("b0", "b1", "b2") for n in (*(f"{b}/{i}" for i in inner), b))
     assert jdls.Telemetry.of(grads["jdls"]).names == expected
     assert jdls.Telemetry.of(variables["jdls"]).names == expected
+
+
+class _CalledTwice(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        shared = nn.Dense(4, name="shared")
+        return nn.Dense(1, name="head")(jnp.tanh(shared(jnp.tanh(shared(nn.Dense(4)(x))))))
+
+
+def test_a_layer_called_twice_is_refused_with_per_layer_scales() -> None:
+    """Its cotangent would cross its scale's boundary twice and its gradients be unscaled by
+    the wrong scale: refused while tracing, naming the layer."""
+    model = jdls.linen.layer_scales(_CalledTwice(), jdls.AdaptiveScale())
+    with pytest.raises(ValueError, match="layer 'shared' was called 2 times in one step"):
+        model.init(jax.random.key(0), jnp.ones((2, 3)))

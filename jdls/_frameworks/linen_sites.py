@@ -218,6 +218,14 @@ class _Sites(nn.Module):
                         returned.setdefault((*path, name), len(returned))
                 elif method != "__call__":
                     continue  # a per-layer scale: after the layer's __call__ only
+                elif use > 1:
+                    raise ValueError(
+                        f"jdls.linen.layer_scales: the layer {'/'.join(path)!r} was called "
+                        f"{use} times in one step (a shared module, or weights tied to another "
+                        "layer): per-layer scales need each layer called once, in a chain, or "
+                        "its gradients are unscaled by the wrong scale. Move the shared module "
+                        "inside one layer, or train with one global scale"
+                    )
                 # the module's scope, not module.variable: a module without @compact (nn.Embed,
                 # setup-style modules) may not make variables in its __call__
                 require_site(module.scope, name, outer)

@@ -222,6 +222,15 @@ def applied_in_order(who: str, fix: str) -> Iterator[None]:
         applied = _APPLIED.get()
     finally:
         _APPLIED.reset(token)
+    twice = sorted({p for p in applied if applied.count(p) > 1})
+    if twice:
+        raise ValueError(
+            f"{who}: the per-layer site at position(s) {twice} was applied more than once in "
+            "one step (a layer called twice, e.g. a shared module or weights tied to another "
+            "layer): per-layer scales need each layer applied once, in a chain, or its "
+            "gradients are unscaled by the wrong scale. Leave that module out of the layers "
+            "(select the others with where=...), or train with one global scale"
+        )
     if applied and applied != sorted(applied):
         raise ValueError(
             f"{who}: the layers applied their per-layer sites in the order of positions "
