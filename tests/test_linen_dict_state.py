@@ -154,7 +154,7 @@ def test_other_collections_are_held_fixed_from_init_to_the_update() -> None:
     def loss_fn(v):
         return jnp.sum(model.apply(v, x) ** 2)
 
-    loss, grads = jdls.linen.value_and_grad(loss_fn, jdls.get_scale(opt_state))(variables)
+    _, grads = jdls.linen.value_and_grad(loss_fn, jdls.get_scale(opt_state))(variables)
     assert set(grads) == {"params", "jdls"}
     ref = jax.grad(loss_fn)(variables)["params"]
     _same(grads["params"], ref)

@@ -222,6 +222,7 @@ def applied_in_order(who: str, fix: str) -> Iterator[None]:
         applied = _APPLIED.get()
     finally:
         _APPLIED.reset(token)
+    applied = applied or []
     twice = sorted({p for p in applied if applied.count(p) > 1})
     if twice:
         raise ValueError(
