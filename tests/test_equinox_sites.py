@@ -327,7 +327,7 @@ CLIPS = {
 
 
 @pytest.mark.parametrize("clip", list(CLIPS))
-@pytest.mark.full(keep=1)
+@pytest.mark.full  # about 5 s; the rows and gradients tests stay quick
 def test_float16_trains_with_a_scale_per_layer(clip):
     tx = CLIPS[clip](jdls.wrap(optax.adam(1e-2), jdls.NoOpScale()))
     traces = []

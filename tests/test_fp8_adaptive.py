@@ -189,13 +189,13 @@ def _train(recipe, scale, steps=6, jit=True):
 @pytest.mark.parametrize(
     "recipe",
     [
-        # the quick run keeps adaptive: both recipes rescale through one rescaled_history_state
         pytest.param(fp8.DelayedScaling(4), marks=pytest.mark.full),
         pytest.param(fp8.DelayedScaling(4, "most_recent"), marks=pytest.mark.full),
         fp8.AdaptiveScaling(window=4),
     ],
     ids=["max", "most_recent", "adaptive"],
 )
+@pytest.mark.full  # about 12 s; the backed-off loss scale test stays quick
 def test_a_growing_loss_scale_changes_nothing_of_the_fp8_training(recipe, jit):
     """A loss scale that grows every step (2**0 .. 2**5, powers of two) gives the parameters
     and FP8 states of a run without loss scaling, bit for bit: the output gradient's history

@@ -305,6 +305,7 @@ def test_blocks_in_two_dimensions_and_padding():
     np.testing.assert_array_equal(np.asarray(q.values).view(np.uint8), back.view(np.uint8))
 
 
+@pytest.mark.full  # about 4 s
 def test_a_non_finite_value_makes_its_block_nan_and_only_its_block():
     x = jnp.array([[1.0, jnp.inf, 2.0, 3.0], [1.0, 2.0, jnp.nan, 4.0]])
     q = quantize_blocks(x, (1, 2), "e2m1", "up")  # FP4 has no NaN: the scale carries it

@@ -105,6 +105,7 @@ def test_transformations_after_the_wrap_leave_the_sites_alone(jit):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-6, atol=1e-7)
 
 
+@pytest.mark.full  # about 4 s
 def test_apply_updates_without_the_state_names_the_fix():
     model = _Mlp(jax.random.key(0))
     tx = jdls.wrap(optax.sgd(0.1))

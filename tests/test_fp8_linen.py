@@ -180,6 +180,7 @@ def test_scanned_rematerialised_stack_has_one_site_per_layer():
     assert len(rows["blocks/Dense_0/DotGeneral_0/fp8"]["lhs"]["amax"]) == 3
 
 
+@pytest.mark.full  # about 8 s; the linen FP8 einsum and dict-state tests stay quick
 def test_train_state_updates_fp8_sites_with_no_extra_line():
     """jdls.linen.TrainState: value_and_grad and apply_gradients, nothing FP8-specific; the
     FP8 state never reaches clipping, weight decay or the optimizer's state."""

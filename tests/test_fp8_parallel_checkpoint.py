@@ -115,6 +115,7 @@ def test_checkpoint_resume_continues_bit_for_bit(tmp_path):
     assert np.count_nonzero(np.asarray(site.lhs.history)) == 4
 
 
+@pytest.mark.full  # about 5 s
 def test_a_checkpoint_saved_before_uses_were_counted_restores():
     """``flax.serialization`` of FP8 sites saved before a site counted its uses (no ``uses``
     field): they restore, ``uses`` from the target, and training goes on bit for bit."""

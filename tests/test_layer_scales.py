@@ -217,6 +217,7 @@ def test_errors_say_what_to_pass() -> None:
         jdls.rescale_boundary(jnp.ones(2), jnp.ones(2))
 
 
+@pytest.mark.full  # about 3 s
 def test_the_rule_finds_per_layer_scales_that_beat_the_global_adaptive_scale() -> None:
     """From jdls.AdaptiveScale(2**15) per layer, update_sites reaches in three steps >= 10x
     less flushing than one global jdls.AdaptiveScale adjusted on the same gradients. (Each

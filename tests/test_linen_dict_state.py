@@ -135,6 +135,7 @@ def test_a_nan_loss_is_told_from_an_overflow_when_the_loss_is_passed() -> None:
         assert jdls.skip_cause(ts.apply_gradients(grads=grads, value=loss)).name == cause
 
 
+@pytest.mark.full  # about 5 s
 def test_other_collections_are_held_fixed_from_init_to_the_update() -> None:
     """The variables as model.init returns them, batch_stats included: value_and_grad
     differentiates params and sites only, apply_gradients passes batch_stats through."""

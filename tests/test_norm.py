@@ -43,6 +43,7 @@ def test_norm_is_optax_bit_for_bit(jit):
 
 
 @jitted_in_quick_run  # eager about 18 s, jitted 5
+@pytest.mark.full  # about 5 s jitted
 def test_many_leaves_keep_optax_order(jit):
     """Past a few leaves the per-leaf sums and maxima are combined over one stacked vector
     (a loop for the sum): the norm is still optax's bit for bit, the largest magnitude

@@ -223,6 +223,7 @@ class _Stack(nn.Module):
         return nn.Dense(1)(x)
 
 
+@pytest.mark.full  # about 8 s
 def test_scanned_linen_layers_own_seeds_rank_and_keep():
     """nn.scan(nn.remat) of NVFP4 layers: one seed per layer, the weight-gradient error per
     layer from telemetry, and the worst layer kept in bfloat16 through its site state."""

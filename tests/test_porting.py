@@ -91,12 +91,12 @@ def test_the_guide_shows_every_changed_line(name: str) -> None:
     assert sorted(shown_removed) == sorted(removed)
 
 
-@pytest.mark.full  # about 30 s: two short trainings
+@pytest.mark.full  # about 15 s: two short trainings
 def test_the_ported_program_trains_as_the_original(capsys: pytest.CaptureFixture[str]) -> None:
-    """60 steps of each: the float16 + FP8 program with jdls reaches the float32 program's
+    """30 steps of each: the float16 + FP8 program with jdls reaches the float32 program's
     held-out loss, its probes print a row per layer, and its loop's guard never fires."""
-    before = _load("lm_before").main(["--steps", "60"])
-    after = _load("lm_after").main(["--steps", "60"])
+    before = _load("lm_before").main(["--steps", "30"])
+    after = _load("lm_after").main(["--steps", "30"])
     out = capsys.readouterr().out
     assert np.isfinite(before) and np.isfinite(after)
     assert abs(after - before) < 0.05, (before, after)
@@ -104,15 +104,15 @@ def test_the_ported_program_trains_as_the_original(capsys: pytest.CaptureFixture
         assert row in out
 
 
-@pytest.mark.full  # about 40 s: two short trainings
+@pytest.mark.full  # about 20 s: two short trainings
 def test_the_ported_equinox_program_trains_as_the_original(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """60 steps of each: the Equinox program in float16 with FP8 projections, loss scaling and
+    """30 steps of each: the Equinox program in float16 with FP8 projections, loss scaling and
     probes reaches the float32 program's held-out loss, prints a row per layer of the
     ``eqx.filter_vmap`` stack, and its loop's guard never fires."""
-    before = _load("eqx_before").main(["--steps", "60"])
-    after = _load("eqx_after").main(["--steps", "60"])
+    before = _load("eqx_before").main(["--steps", "30"])
+    after = _load("eqx_after").main(["--steps", "30"])
     out = capsys.readouterr().out
     assert np.isfinite(before) and np.isfinite(after)
     assert abs(after - before) < 0.05, (before, after)
@@ -120,15 +120,15 @@ def test_the_ported_equinox_program_trains_as_the_original(
         assert row in out
 
 
-@pytest.mark.full  # about 40 s: two short trainings
+@pytest.mark.full  # about 20 s: two short trainings
 def test_the_ported_nnx_program_trains_as_the_original(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """60 steps of each: the Flax NNX program in float16 with FP8 projections, loss scaling
+    """30 steps of each: the Flax NNX program in float16 with FP8 projections, loss scaling
     and probes reaches the float32 program's held-out loss, prints a row per layer of its
     list and per FP8 einsum, and its loop's guard never fires."""
-    before = _load("nnx_before").main(["--steps", "60"])
-    after = _load("nnx_after").main(["--steps", "60"])
+    before = _load("nnx_before").main(["--steps", "30"])
+    after = _load("nnx_after").main(["--steps", "30"])
     out = capsys.readouterr().out
     assert np.isfinite(before) and np.isfinite(after)
     assert abs(after - before) < 0.05, (before, after)

@@ -109,6 +109,7 @@ def torch_trajectory(flags, init_scale, growth_factor, backoff_factor, growth_in
 @with_and_without_jit
 @SETTINGS
 @given(flags=flag_sequences, g=factors, b=backoffs, n=intervals, s0=init_scales)
+@pytest.mark.full  # about 15 s; the presets' own rule tests stay quick
 def test_pytorch_matches_torch_kernel(jit, flags, g, b, n, s0):
     kwargs = dict(init_scale=s0, growth_factor=g, backoff_factor=b, growth_interval=n)
     theirs = torch_trajectory(flags, **kwargs)

@@ -162,6 +162,7 @@ def test_argnums_and_has_aux():
     assert float(t.amax[0]) == 2.0
 
 
+@pytest.mark.full  # about 5 s (matplotlib)
 def test_plot_headroom(tmp_path):
     pytest.importorskip("matplotlib")
     z = jnp.zeros(2)
