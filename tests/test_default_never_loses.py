@@ -108,6 +108,7 @@ def test_optax_clip_in_front_skips_no_step_as_max_norm_does():
     assert fused == 0 and used == fused_used  # the scales of wrap(max_norm=...)
 
 
+@pytest.mark.full  # about 3 s
 def test_a_gradient_computed_where_the_wrap_cannot_see_is_learned_after_one_run():
     # value_and_grad under an inner jit: its gradients are new arrays of another trace, so the
     # wrap measures the clipped ones it receives; the first prediction overflows, the run of

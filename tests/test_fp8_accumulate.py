@@ -134,6 +134,7 @@ def test_train_state_with_multisteps_records_one_amax_per_applied_step(jit):
     assert sorted(history[history != 0].tolist()) == _expected_history(batches)
 
 
+@pytest.mark.full  # about 3 s; the MultiSteps-in-the-wrap test stays quick
 def test_a_hand_written_step_with_multisteps_records_one_amax_per_applied_step():
     """The hand-written step of docs/fp8.md: sites kept apart from the parameters and
     updated with ``jdls.fp8.step_applied(opt_state)``, right with and without MultiSteps

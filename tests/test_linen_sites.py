@@ -254,6 +254,7 @@ def _with_levels(sites, levels):
 
 
 @jitted_in_quick_run  # eager about 5 s, jitted 2
+@pytest.mark.full  # about 5 s; the nn.jit probe-order test stays quick
 def test_layer_scales_of_blocks_each_in_nn_jit_are_exact(jit: bool) -> None:
     """Blocks of one class each in nn.jit: each block its own place in the chain, set by the
     wrapper outside the blocks' (shared) trace; the gradients and the adjusted scales equal

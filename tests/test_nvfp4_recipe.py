@@ -92,6 +92,7 @@ def test_hadamard_leaves_a_dot_unchanged_and_pads_the_tokens():
 
 
 @with_and_without_jit
+@pytest.mark.full  # about 6 s; tests/test_nvfp4.py keeps stochastic rounding bit for bit
 def test_stochastic_rounding_is_reproducible_and_seeded(jit):
     x, w = _operands()
     g = _cotangent()

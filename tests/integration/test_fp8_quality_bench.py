@@ -45,6 +45,7 @@ def test_clip_limit_is_half_an_ulp_above_fmax():
     assert fq.clip_limit(formats.backward) == pytest.approx(61440 / 57344)  # e5m2: next 65536
 
 
+@pytest.mark.full  # about 4 s
 def test_event_dot_scales_what_the_dot_sees_and_nothing_else():
     x = jax.random.normal(jax.random.key(0), (8, 16))
     w = jax.random.normal(jax.random.key(1), (16, 4))
