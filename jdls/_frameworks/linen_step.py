@@ -18,22 +18,12 @@ import jax
 import optax
 
 from jdls._frameworks.linen_sites import SITES
-from jdls._scales.layer_scales import LayerScale, scale_layers
+from jdls._scales.layer_scales import layer_sites, scale_layers
 from jdls._scales.scale import LossScale, check_scale
-from jdls._sites.site import Site, is_site
 from jdls._sites.update import update_sites
 from jdls._transforms.stats import step_applied
 
 __all__ = ["apply_gradients", "split_gradients", "value_and_grad"]
-
-
-def _layered(sites: Any) -> bool:
-    """Whether ``sites`` hold a per-layer scale (the variables then differentiate layer by
-    layer)."""
-    return any(
-        isinstance(site, Site) and isinstance(site.kind, LayerScale)
-        for site in jax.tree_util.tree_leaves(sites, is_leaf=is_site)
-    )
 
 
 def value_and_grad(
@@ -104,7 +94,7 @@ def value_and_grad(
             args = (*args[:argnum], trained, *args[argnum + 1 :])
             return value_and_grad(with_held, scale, argnum=argnum, has_aux=has_aux)(*args, **kwargs)
         sites = variables.get(SITES) if isinstance(variables, Mapping) else None
-        if not _layered(sites):
+        if not layer_sites(sites):
             return plain(*args, **kwargs)
         # per-layer scales: the site at ("jdls", *path, "layer_scale") scales the parameters
         # under ("params", *path)

@@ -42,6 +42,7 @@ __all__ = [
     "applied_in_order",
     "layer_scaled_value_and_grad",
     "layer_site",
+    "layer_sites",
     "note_applied",
     "rescale_boundary",
 ]
@@ -239,7 +240,8 @@ def applied_in_order(who: str, fix: str) -> Iterator[None]:
         )
 
 
-def _layer_sites(tree: Any) -> list[tuple[Path, Site]]:
+def layer_sites(tree: Any) -> list[tuple[Path, Site]]:
+    """The per-layer sites of ``tree`` with their paths (keys as text), in tree order."""
     found = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_site)[0]
     return [
         (tuple(path_key(k) for k in path), site)
@@ -338,7 +340,7 @@ def scale_layers(
     maps a site's path (argument index first) to its layer's path, ``param_path`` a
     parameter's path to the same space."""
     diff = tuple(args[n] for n in argnums)
-    sites = _layer_sites(diff)
+    sites = layer_sites(diff)
     if not sites:
         raise ValueError(
             f"{who} found no per-layer site (jdls.layer_site) in the differentiated "

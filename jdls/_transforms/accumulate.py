@@ -25,7 +25,7 @@ from jax import lax
 from jdls._numerics.axes import agree, vary_like
 from jdls._numerics.checks import check_int
 from jdls._numerics.norm import FloatLeaves, GlobalNorm, flatten_floats, tree_norm
-from jdls._scales.layer_scales import LayerScale
+from jdls._scales.layer_scales import layer_sites
 from jdls._scales.scale import DynamicScale, LossScale, check_scale
 from jdls._sites.measured import measured, raw
 from jdls._sites.site import Site, is_site
@@ -214,12 +214,7 @@ def _of_scale(scale: LossScale) -> Callable[..., Callable[..., Any]]:
 
 
 def _refuse_layer_sites(params: Any) -> None:
-    layered = any(
-        isinstance(site.kind, LayerScale)
-        for site in jax.tree_util.tree_leaves(params, is_leaf=is_site)
-        if is_site(site)
-    )
-    if layered:
+    if layer_sites(params):
         raise ValueError(
             "accumulate: the parameters hold per-layer scales, which the wrap's scale cannot "
             "apply (it would differentiate at one scale and measure nothing per layer). "
