@@ -64,6 +64,21 @@ _sd_cerebras = {
     "num_skipped_steps": 0,
 }
 
+_SITED = {"w": jnp.ones(3), "probe": jdls.Site(jdls.Probe())}
+
+
+def _sited_loss(p):
+    return jnp.sum(jdls.apply_site(p["w"] * 2.0, p["probe"]) ** 2)
+
+
+def _sited_step(tx, apply=optax.apply_updates):
+    """One step of ``tx`` on parameters holding a probe, applied by ``apply``."""
+    state = tx.init(_SITED)
+    _, grads = jdls.get_scale(state).value_and_grad(_sited_loss)(_SITED)
+    updates, state = tx.update(grads, state, _SITED)
+    return apply(_SITED, updates)
+
+
 CASES = [
     # -- the scales: wrong types --------------------------------------------------------------
     Case(
@@ -833,6 +848,24 @@ CASES = [
         lambda: jdls.finfo("cbfloat17"),
         TypeError,
         r"finfo expects a floating-point dtype, a jdls.FloatFormat or one of \['cbfloat16'\], got 'cbfloat17'",
+    ),
+    Case(
+        "sites-optax-apply-updates",
+        lambda: _sited_step(jdls.wrap(optax.sgd(0.1))),
+        ValueError,
+        r"a jdls site.*Apply updates with jdls.apply_updates\(params, updates, opt_state\)",
+    ),
+    Case(
+        "sites-multisteps-around-wrap",
+        lambda: _sited_step(optax.MultiSteps(jdls.wrap(optax.sgd(0.1)), 2)),
+        ValueError,
+        r"a jdls site.*jdls.wrap\(optax.MultiSteps\(...\)\)",
+    ),
+    Case(
+        "sites-params-reader-in-front",
+        lambda: _sited_step(optax.chain(optax.adaptive_grad_clip(0.1), jdls.wrap(optax.sgd(0.1)))),
+        ValueError,
+        r"a jdls site.*jdls.wrap\(optax.chain\(optax.adaptive_grad_clip",
     ),
 ]
 

@@ -242,3 +242,65 @@ def test_accumulate_keeps_one_use_per_micro_batch(twice):
     site = jdls.update_sites(variables["site"], grads["site"])
     expected = [0.0, 0.0, 0.0, 0.0] if twice else [10.5, 0.0, 0.0, 0.0]
     assert site.value.lhs.history.tolist() == expected
+
+
+@with_and_without_jit
+def test_the_step_warns_where_a_shared_site_records_nothing(jit):
+    """Nothing is silent: where a site served several uses (here one unbatched site under
+    ``jax.vmap`` over examples), ``jdls.update_sites`` warns at run time, naming it; a site
+    used once never warns, and the warning changes nothing in the state."""
+    sites = {"up": fp8.init(fp8.DelayedScaling(4)), "down": fp8.init(fp8.DelayedScaling(4))}
+
+    def loss(s):
+        per_example = jax.vmap(lambda x: _dot(x, s["up"]))(XS)  # "up" closed over: shared
+        return jnp.sum(per_example) + jnp.sum(_dot(X, s["down"]))
+
+    step = maybe_jit(lambda s: jdls.update_sites(s, jax.grad(loss)(s)), jit)
+    with pytest.warns(UserWarning, match=r"site\(s\) up served more than one use") as record:
+        new = jax.block_until_ready(step(sites))
+    assert not any("down" in str(w.message) for w in record)
+    assert_bitwise_equal(new["up"].value.lhs, sites["up"].value.lhs)  # nothing recorded
+    assert new["down"].value.lhs.history.tolist() == [3.5, 0.0, 0.0, 0.0]
+
+    once = maybe_jit(
+        lambda s: jdls.update_sites(s, jax.grad(lambda s: jnp.sum(_dot(X, s)))(s)), jit
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jax.block_until_ready(once(sites["down"]))
+
+
+def test_an_equinox_model_called_per_example_warns_in_its_step():
+    """The Equinox idiom, ``jax.vmap(model)(x)`` with the model's FP8 layer closed over:
+    every example uses the one site, so the step warns (it used to train with scales that
+    never moved, silently); called on the batch, the same layer records and does not."""
+    eqx = pytest.importorskip("equinox")
+    import optax
+
+    import jdls.equinox
+    import jdls.fp8.equinox
+
+    layer = jdls.fp8.equinox.Linear(2, 1, recipe=fp8.DelayedScaling(4), key=jax.random.key(0))
+    tx = jdls.wrap(optax.sgd(0.1))
+
+    @eqx.filter_jit
+    def step(model, opt_state, per_example):
+        def loss_fn(m):
+            y = jax.vmap(m)(XS[:, 0]) if per_example else m(XS[:, 0])
+            return jnp.sum(y**2)
+
+        _, grads = jdls.equinox.value_and_grad(loss_fn, jdls.get_scale(opt_state))(model)
+        updates, opt_state = tx.update(grads, opt_state, model)
+        return jdls.equinox.apply_updates(model, updates, opt_state), opt_state
+
+    opt_state = tx.init(eqx.filter(layer, eqx.is_inexact_array))
+    with pytest.warns(UserWarning, match=r"site\(s\) site served more than one use.*jax.vmap"):
+        shared, _ = step(layer, opt_state, True)
+        jax.block_until_ready(shared)
+    assert float(shared.site.value.uses) == 3.0
+    assert shared.site.value.lhs.history.tolist() == [0.0] * 4
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        batched, _ = step(layer, opt_state, False)
+        jax.block_until_ready(batched)
+    assert batched.site.value.lhs.history.tolist() == [10.5, 0.0, 0.0, 0.0]

@@ -96,9 +96,36 @@ class SiteKind:
         del measurement, finite
         return value
 
+    def unrecorded(self, measurement: Any) -> jax.Array | None:
+        """Whether ``measurement`` is one that :meth:`update` refuses to record because the
+        site served more than one use in the step (JAX summed the uses' measurements): a
+        boolean array with the stack's shape, or ``None`` for a kind whose measurements add
+        up meaningfully. ``jdls.update_sites`` warns, naming the site, where it is true.
+        Default: ``None``."""
+        del measurement
+        return None
+
+
+class _SiteType(type):
+    """The type of sites, whose ``repr`` names jdls's fix: optax and Equinox report a site
+    where they expected an update (``optax.apply_updates``, ``optax.MultiSteps`` around the
+    wrap, ``optax.adaptive_grad_clip`` in front) by the types of the two subtrees, in JAX's
+    "pytree structure error"; the error then says what to use instead."""
+
+    def __repr__(cls) -> str:
+        return (
+            f"<class '{cls.__module__}.{cls.__qualname__}'> (a jdls site, a probe, a per-layer "
+            "scale or FP8 state, where an optax function expected a parameter, a gradient or "
+            "an update: jdls.wrap's update at a site is None. Apply updates with "
+            "jdls.apply_updates(params, updates, opt_state) (Equinox: "
+            "jdls.equinox.apply_updates); put optax.MultiSteps and transformations that read "
+            "the params inside the wrap: jdls.wrap(optax.MultiSteps(...)), "
+            "jdls.wrap(optax.chain(optax.adaptive_grad_clip(...), ...)))"
+        )
+
 
 @dataclasses.dataclass(frozen=True)
-class Site:
+class Site(metaclass=_SiteType):
     """A site's kind (static) and value (arrays): a pytree whose leaves are the value's.
 
     Args:

@@ -4,12 +4,16 @@ gradients), merged back, and updated by their kinds from their measurements.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
 
+from jdls._numerics.paths import path_key
 from jdls._sites.measured import Measured
 from jdls._sites.site import Site, is_site
 
@@ -109,6 +113,45 @@ def update_sites(sites: Any, measurements: Any, finite: Any = True, axis_name: A
     def one(site: Any, measured: Any) -> Any:
         return _update_one(site, measured, finite, axis_name) if is_site(site) else site
 
+    _warn_unrecorded(measured_sites)
     return jax.tree_util.tree_map(
         one, sites, measured_sites, is_leaf=lambda x: is_site(x) or x is None
+    )
+
+
+def _warn_unrecorded(measured: Any) -> None:
+    """Warn (once per set of sites, at run time) where a site's kind refuses this step's
+    measurement because the site served several uses (an FP8 dot's site shared by two
+    dots, or closed over by ``jax.vmap`` over examples): without it the site's scales never
+    move, silently. One ``lax.cond`` on a scalar; the host is called only when it happens."""
+    names, flags = [], []
+    for path, m in jax.tree_util.tree_flatten_with_path(measured, is_leaf=is_site)[0]:
+        if not is_site(m):
+            continue
+        flag = m.kind.unrecorded(m.value)
+        if flag is not None:
+            names.append("/".join(str(path_key(k)) for k in path) or "(root)")
+            flags.append(jnp.any(jnp.asarray(flag, bool)))
+    if not flags:
+        return
+    flags_array = jnp.stack(flags)
+
+    def report(values: Any) -> None:
+        shared = [n for n, f in zip(names, np.asarray(values), strict=True) if f]
+        if shared:
+            warnings.warn(
+                f"site(s) {', '.join(shared)} served more than one use in this step, and JAX "
+                "summed their measurements, so nothing was recorded and their scales did not "
+                "move. A site serves one use: one jdls.fp8 site per dot (a layer applied "
+                "once); under jax.vmap over examples, call the layer on the whole batch "
+                "(jax.vmap inside the layer, or a batched layer) instead of closing over its "
+                "site; in a loop, sites stacked along the loop axis.",
+                stacklevel=1,
+            )
+
+    lax.cond(
+        jnp.any(flags_array),
+        lambda v: jax.debug.callback(report, v),
+        lambda v: None,
+        flags_array,
     )

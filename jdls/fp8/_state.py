@@ -135,6 +135,11 @@ class Fp8(SiteKind):
         )
         return dataclasses.replace(both, pending=pending)
 
+    def unrecorded(self, measurement: DotState) -> jax.Array:
+        """Where the site served more than one use in the step: :meth:`update` records
+        nothing there, and ``jdls.update_sites`` warns."""
+        return jnp.asarray(measurement.uses) > 1
+
     def update(self, value: DotState, measurement: DotState, finite: jax.Array) -> DotState:
         """The next state from this step's measurement (``measurement.meter``).
 
