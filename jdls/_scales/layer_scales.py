@@ -32,8 +32,14 @@ import numpy as np
 from jdls._numerics.paths import path_key
 from jdls._numerics.scalars import one_kernel, pick
 from jdls._scales.filter import filtered_value_and_grad
-from jdls._scales.grad import seed_scale
+from jdls._scales.grad import seed_cap, seed_scale
 from jdls._scales.scale import DynamicScale, LossScale, adjust_observed, check_scale
+from jdls._sites.backward_scale import (
+    backward_scale,
+    set_seed_cap,
+    tell_sites,
+    untell_sites,
+)
 from jdls._sites.measured import measured as measured_sites
 from jdls._sites.site import Site, SiteKind, is_site
 
@@ -358,10 +364,35 @@ def scale_layers(
 
         return jax.tree_util.tree_map_with_path(one, tree, is_leaf=is_site)
 
+    last_scale = jax.lax.stop_gradient(last)
+    own_levels = [jnp.asarray(site.value["scale"].loss_scale, _F32) for site in linked]
+    unplaced: list[str] = []
+
+    def factor_of(path: Path, site: Site) -> Any:
+        """A site that reads the loss scale (an FP8 dot) is told its layer's scale over the
+        loss's: its cotangent carries its layer's scale (jdls/_sites/backward_scale.py)."""
+        del site
+        layer = _of_layer(param_path(path), layers)
+        if layer is None:
+            layer = _of_layer(layer_of(path), layers)
+        if layer is None:
+            unplaced.append("/".join(map(str, path[1:])))
+            return None
+        return own_levels[layer] / last_scale
+
+    def factor_in(i: int) -> Callable[[Path, Site], Any]:
+        return lambda path, site: factor_of((i, *path), site)
+
     prepared = list(args)
     for i, n in enumerate(argnums):
-        prepared[n] = put(args[n], (i,))
-    last_scale = jax.lax.stop_gradient(last)
+        prepared[n] = tell_sites(put(args[n], (i,)), factor_in(i))
+    if unplaced:
+        raise ValueError(
+            f"{who}: these FP8 sites are in no layer with a per-layer site: {unplaced}. The "
+            "scale of an FP8 dot's output gradient is its layer's: keep each dot's site under "
+            "its layer (by hand: in the layer's parameters, params[layer]), or give the "
+            "module holding it a per-layer site"
+        )
 
     def scaled(*a: Any, **kw: Any) -> Any:
         out = fun(*a, **kw)
@@ -370,13 +401,17 @@ def scale_layers(
         # largest power of two, so that the backward pass starts finite)
         seed = seed_scale(last_scale, loss)
         level = last_scale if seed is None else seed
+        set_seed_cap(seed_cap(loss))  # the told sites' backward pass starts at ``seed``
         wide = jnp.asarray(loss).astype(jnp.promote_types(jnp.result_type(loss), _F32))
         return (wide * level).astype(jnp.result_type(loss)), (loss, aux, seed)
 
-    (_, (loss, aux, seed)), grads = filtered_value_and_grad(scaled, argnums, True, who)(
-        *prepared, **kwargs
-    )
-    levels = [jnp.asarray(site.value["scale"].loss_scale, _F32) for site in linked]
+    # the loss's scale for the sites that read it (told their layer's factor above)
+    with backward_scale(last_scale):
+        (_, (loss, aux, seed)), grads = filtered_value_and_grad(scaled, argnums, True, who)(
+            *prepared, **kwargs
+        )
+    grads = untell_sites(grads)
+    levels = own_levels
     if seed is not None:  # every layer computed at its scale times seed / last (ratios kept)
         levels = [level * (seed / last_scale) for level in levels]
     members: list[list[jax.Array]] = [[] for _ in linked]

@@ -29,6 +29,7 @@ from jdls._scales.grad import seed_scale, with_loss_scale
 from jdls._scales.loss_adjust import keyed_items, rebuilt
 from jdls._scales.loss_sets import EMPTY, Levels, all_sets, analyze, evaluate, var_set
 from jdls._scales.scale import LossScale, check_scale
+from jdls._sites.backward_scale import ToldSite, tell_sites, untell_sites
 from jdls._sites.measured import measured as measured_sites
 from jdls._sites.site import is_site
 
@@ -55,6 +56,34 @@ def _site_leaves(tree: Any) -> list[bool]:
     for x in jax.tree_util.tree_leaves(tree, is_leaf=is_site):
         out.extend([True] * len(jax.tree_util.tree_leaves(x)) if is_site(x) else [False])
     return out
+
+
+def _factor_leaves(tree: Any) -> list[bool]:
+    """Per leaf of ``tree`` (flattened), whether it is the factor of a told site
+    (``jdls/_sites/backward_scale.py``)."""
+    out: list[bool] = []
+    for x in jax.tree_util.tree_leaves(tree, is_leaf=is_site):
+        if isinstance(x, ToldSite):
+            out.extend([False] * len(jax.tree_util.tree_leaves(x.value)))
+            out.extend([True] * len(jax.tree_util.tree_leaves(x.factor)))
+        elif is_site(x):
+            out.extend([False] * len(jax.tree_util.tree_leaves(x)))
+        else:
+            out.append(False)
+    return out
+
+
+def _unit(levels: Levels, weights: list[Any], s: frozenset[int]) -> jax.Array:
+    """What the cotangent of a region of loss set ``s`` is scaled by, against the gradient of
+    the weighted sum of the losses: the set's level; in one loss's own region, whose
+    cotangent is that loss's gradient without its weight, the level over the weight."""
+    if not s:
+        return jnp.ones((), _F32)
+    level = levels.level(s)
+    if len(s) == 1 and weights[next(iter(s))] is not None:
+        w = weights[next(iter(s))]
+        level = jnp.where(w != 0, level / jnp.where(w != 0, w, 1.0), level)
+    return level
 
 
 def _seeded(scale: LossScale, loss: Any) -> LossScale:
@@ -337,6 +366,9 @@ def _one_pass(
     measure: bool,
 ) -> tuple[Any, Any, list[Any], list[jax.Array], list[Any]]:
     """One backward pass, each value's cotangent at the scale of the losses depending on it."""
+    # The sites that read the loss scale (FP8 dots) are told their region's scale: traced with
+    # a factor of 1 each, given their region's once the regions are known (below).
+    primals = tell_sites(primals, lambda path, site: jnp.ones((), _F32))
     flat, in_tree = jax.tree_util.tree_flatten(primals)
     found: dict[str, Any] = {}
 
@@ -373,6 +405,12 @@ def _one_pass(
         outs = evaluate(scope, levels, closed.consts, leaves)
         return outs[:n], outs[n:]
 
+    # a told site's cotangent runs at the level of the region of the equation reading it
+    # (the set of its factor: the equations it feeds), measured against the weighted sum
+    flat = [
+        jnp.broadcast_to(_unit(levels, weights, var_set(scope, v)), jnp.shape(x)) if told else x
+        for x, v, told in zip(flat, closed.jaxpr.invars, _factor_leaves(primals), strict=True)
+    ]
     sinks = [jnp.zeros((len(sets),), _F32)] * 2 + [jnp.zeros((len(keys),), _F32)] * 2
     manual = tuple(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
     if manual:  # inside shard_map: each device blames its own overflows
@@ -442,5 +480,5 @@ def _one_pass(
     ]
     aux = jax.tree_util.tree_unflatten(found["aux_tree"], aux_leaves)
     losses = rebuilt(found["losses"], list(loss_values))
-    total = jax.tree_util.tree_unflatten(in_tree, grads)
+    total = untell_sites(jax.tree_util.tree_unflatten(in_tree, grads))
     return losses, aux if has_aux else None, total, finite, [measured[i] for i in range(len(keys))]

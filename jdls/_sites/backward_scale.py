@@ -13,21 +13,54 @@ reaches the backward rule as data, through ``lax.scan``, remat and ``jit``). A 1
 seeded with at most the format's largest power of two (its cotangent must be finite), which
 is known only once the forward pass returned the loss: the context then records that cap
 (:func:`set_seed_cap`, a Python number), and the backward rule, traced after the forward pass
-and inside the same ``value_and_grad`` call, applies it (:func:`seeded`). Outside such a call
-(``jax.grad`` by hand, per-layer and per-loss scales) there is no context and the site
-measures the cotangent as it is (a scale of 1).
+and inside the same ``value_and_grad`` call, applies it (:func:`seeded`).
+
+Where the cotangent's scale differs from place to place, one context cannot say it: per-layer
+scales (``jdls/_scales/layer_scales.py``: inside layer ``k`` the cotangent carries layer
+``k``'s scale) and per-loss scales with one backward pass (``jdls/_scales/multi_loss.py``:
+each region of the backward pass runs at its own level). There the differentiation *tells*
+each site that reads the loss scale (a kind with ``reads_loss_scale``, the FP8 dot's) the
+factor between its cotangent and the loss's scale: :func:`tell_sites` replaces such a site of
+the differentiated arguments by a :class:`ToldSite`, whose ``factor`` is data (an array,
+stacked like the site's value, so that ``lax.scan`` slices it with the site), and
+:func:`untell_sites` turns the gradients back into plain sites. The site passes the factor on
+beside the context's loss scale (:func:`site_factor`), and its backward rule measures at
+:func:`backward_level`: the seeded loss scale times the factor (the factor alone without a
+context). The three paths share this one rule; the global path tells no site (its factor is
+None: the context's scale alone, as before).
+
+Outside any such call (``jax.grad`` by hand) there is no context and no factor, and the site
+measures the cotangent as it is (a scale of 1). With ``backward="per_loss"`` no site is told
+either: each loss's backward pass runs at its own scale, and the pass that measures the sites
+sums several losses' cotangents at their different scales, which no single factor unscales.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
-__all__ = ["backward_scale", "current_loss_scale", "seeded", "set_seed_cap"]
+from jdls._numerics.paths import path_key
+from jdls._sites.site import Site, is_site
+
+__all__ = [
+    "ToldSite",
+    "backward_level",
+    "backward_scale",
+    "current_loss_scale",
+    "reads_loss_scale",
+    "seeded",
+    "set_seed_cap",
+    "site_factor",
+    "tell_sites",
+    "untell_sites",
+]
 
 _local = threading.local()
 
@@ -70,3 +103,85 @@ def seeded(loss_scale: Any) -> Any:
     stack = _stack()
     cap = stack[-1][1] if stack else None
     return loss_scale if cap is None else jnp.minimum(loss_scale, jnp.float32(cap))
+
+
+def backward_level(loss_scale: Any, factor: Any) -> Any:
+    """What a site's cotangent is scaled by, in its backward rule: the seeded loss scale
+    (:func:`seeded`) times the site's ``factor`` (:func:`site_factor`); the factor alone
+    without a loss scale, the seeded loss scale alone without a factor (the global path, as
+    it always was), None without either (the cotangent as it is)."""
+    if factor is None:
+        return None if loss_scale is None else seeded(loss_scale)
+    factor = jnp.asarray(factor, jnp.float32)
+    return factor if loss_scale is None else seeded(loss_scale) * factor
+
+
+def reads_loss_scale(x: Any) -> bool:
+    """Whether ``x`` is a site whose kind measures its cotangent unscaled (``reads_loss_scale``
+    on the kind: the FP8 dot's), and so is told its factor on the per-layer and per-loss
+    paths."""
+    return is_site(x) and bool(getattr(x.kind, "reads_loss_scale", False))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ToldSite(Site):
+    """A site told, for one differentiation, the factor between its cotangent and the loss
+    scale of the context (:func:`tell_sites`): a float32 array of the site's stack shape.
+    Only the differentiation that made it sees it; the gradients it returns are plain sites
+    again (:func:`untell_sites`)."""
+
+    factor: Any = None
+
+
+def _told_flatten(site: ToldSite) -> tuple[tuple[tuple[Any, Any], ...], Any]:
+    keys = (jax.tree_util.GetAttrKey("value"), jax.tree_util.GetAttrKey("factor"))
+    return tuple(zip(keys, (site.value, site.factor), strict=True)), site.kind
+
+
+def _told_unflatten(kind: Any, children: Iterable[Any]) -> ToldSite:
+    value, factor = children
+    site = object.__new__(ToldSite)
+    object.__setattr__(site, "kind", kind)
+    object.__setattr__(site, "value", value)
+    object.__setattr__(site, "factor", factor)
+    return site
+
+
+jax.tree_util.register_pytree_with_keys(
+    ToldSite, _told_flatten, _told_unflatten, lambda s: ((s.value, s.factor), s.kind)
+)
+
+
+def site_factor(site: Any) -> Any:
+    """The factor ``site`` was told (a float32 array), or None (the global path, or no
+    differentiation that tells)."""
+    return site.factor if isinstance(site, ToldSite) else None
+
+
+def tell_sites(tree: Any, factor_of: Callable[[tuple[Any, ...], Site], Any]) -> Any:
+    """``tree`` with each site that reads the loss scale told ``factor_of(path, site)`` (its
+    path: the keys as text, as ``jdls/_numerics/paths.py`` gives them), broadcast to the
+    site's stack shape in float32; a site for which it returns None is left as it is."""
+
+    def one(path: Any, x: Any) -> Any:
+        if not reads_loss_scale(x) or isinstance(x, ToldSite):
+            return x
+        factor = factor_of(tuple(path_key(k) for k in path), x)
+        if factor is None:
+            return x
+        stack = x.kind.stack_shape(x.value)
+        factor = jnp.asarray(factor, jnp.float32)
+        factor = factor.reshape(factor.shape + (1,) * (len(stack) - factor.ndim))
+        return ToldSite(x.kind, x.value, jnp.broadcast_to(factor, stack))
+
+    return jax.tree_util.tree_map_with_path(one, tree, is_leaf=is_site)
+
+
+def untell_sites(tree: Any) -> Any:
+    """``tree`` (the gradients of told sites, say) with every :class:`ToldSite` a plain site
+    again, its factor dropped."""
+
+    def one(x: Any) -> Any:
+        return Site(x.kind, x.value) if isinstance(x, ToldSite) else x
+
+    return jax.tree_util.tree_map(one, tree, is_leaf=is_site)

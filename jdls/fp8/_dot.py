@@ -23,7 +23,7 @@ import numpy as np
 from jax import lax
 
 from jdls._numerics.axes import sum_like, vary_like, varying_axes
-from jdls._sites.backward_scale import current_loss_scale, seeded
+from jdls._sites.backward_scale import backward_level, current_loss_scale, site_factor
 from jdls._sites.site import Site
 from jdls.fp8._recipe import Quantized
 from jdls.fp8._state import DotState, Fp8, Meter
@@ -153,12 +153,13 @@ def _acc_dtype(kind: Fp8, out_dtype: Any) -> Any:
     return out_dtype if compute is None else compute
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
 def _fp8_dot(
     lhs: jax.Array,
     rhs: jax.Array,
     state: DotState,
     loss_scale: jax.Array | None,
+    factor: jax.Array | None,
     kind: Fp8,
     dims: Dims,
     precision: Any,
@@ -166,7 +167,7 @@ def _fp8_dot(
     out_sharding: Any,
 ) -> jax.Array:
     return _fp8_dot_fwd(
-        lhs, rhs, state, loss_scale, kind, dims, precision, out_dtype, out_sharding
+        lhs, rhs, state, loss_scale, factor, kind, dims, precision, out_dtype, out_sharding
     )[0]
 
 
@@ -175,6 +176,7 @@ def _fp8_dot_fwd(
     rhs: jax.Array,
     state: DotState,
     loss_scale: jax.Array | None,
+    factor: jax.Array | None,
     kind: Fp8,
     dims: Dims,
     precision: Any,
@@ -188,7 +190,7 @@ def _fp8_dot_fwd(
     acc = _acc_dtype(kind, out_dtype)
     first = _dequantize_first(kind)
     out = _scaled_dot(ql, qr, dims, acc, precision, first, out_sharding).astype(out_dtype)
-    return out, (lhs, rhs, ql, qr, state, ml, mr, loss_scale)
+    return out, (lhs, rhs, ql, qr, state, ml, mr, loss_scale, factor)
 
 
 def _fp8_dot_bwd(
@@ -199,21 +201,22 @@ def _fp8_dot_bwd(
     out_sharding: Any,
     residuals: Any,
     g: jax.Array,
-) -> tuple[jax.Array, jax.Array, DotState, Any]:
+) -> tuple[jax.Array, jax.Array, DotState, Any, Any]:
     del precision, out_sharding
-    lhs, rhs, ql, qr, state, ml, mr, loss_scale = residuals
+    lhs, rhs, ql, qr, state, ml, mr, loss_scale, factor = residuals
     recipe = kind.recipe
     acc = _acc_dtype(kind, out_dtype)
     # The output gradient of a loss-scaled backward pass is the gradient times the loss
     # scale: a recipe that keeps a scale (``rescaled``) keeps it for the unscaled gradient,
     # and every recipe reports the unscaled amax, so that the history does not move with the
-    # loss scale (jdls/_sites/backward_scale.py).
-    if loss_scale is not None:
-        loss_scale = seeded(loss_scale)  # a 16-bit loss caps it
+    # loss scale (jdls/_sites/backward_scale.py). The scale is the context's, seeded (a
+    # 16-bit loss caps it), times the factor the site was told on the per-layer and
+    # per-loss paths (its layer's or its region's scale over the loss's).
+    level = backward_level(loss_scale, factor)
     grad_state = state.grad
     rescaled = getattr(recipe, "rescaled", None)
-    if loss_scale is not None and rescaled is not None:
-        grad_state = rescaled(grad_state, loss_scale)
+    if level is not None and rescaled is not None:
+        grad_state = rescaled(grad_state, level)
     if recipe.requantize_backward:
         # Block scales follow the contraction: quantize again along the backward dots' axes.
         _, g_axes_l, rhs_axes, _ = _transpose_dims(lhs.ndim, rhs.ndim, dims, True)
@@ -226,8 +229,8 @@ def _fp8_dot_bwd(
     else:
         qg_l, mg = recipe.quantize(g, grad_state, "grad", ())
         qg_r = qg_l
-    if loss_scale is not None:
-        mg = dataclasses.replace(mg, amax=mg.amax / loss_scale)
+    if level is not None:
+        mg = dataclasses.replace(mg, amax=mg.amax / level)
     first = _dequantize_first(kind)
     # The arithmetic in the operands' dtype is Flax's (jdls.fp8.flax_fp8_ops): its graph too.
     flax = recipe.compute_dtype is None
@@ -247,7 +250,9 @@ def _fp8_dot_bwd(
     uses = _max_like(uses, state.uses)
     grad_lhs, grad_rhs = sum_like(grad_lhs, lhs), sum_like(grad_rhs, rhs)
     ls_cotangent = None if loss_scale is None else jnp.zeros_like(loss_scale)
-    return grad_lhs, grad_rhs, dataclasses.replace(zeros, meter=meter, uses=uses), ls_cotangent
+    factor_cotangent = None if factor is None else jnp.zeros_like(factor)
+    state_cotangent = dataclasses.replace(zeros, meter=meter, uses=uses)
+    return grad_lhs, grad_rhs, state_cotangent, ls_cotangent, factor_cotangent
 
 
 def _quantize(
@@ -357,7 +362,18 @@ def dot_general(
         else jnp.dtype(preferred_element_type)
     )
     dims = _normalize_dims(dimension_numbers)
-    loss_scale = current_loss_scale()  # within jdls's value_and_grad: what g is scaled by
+    # within jdls's value_and_grad: what g is scaled by (the loss's scale, times the
+    # factor the per-layer and per-loss paths told the site; jdls/_sites/backward_scale.py)
+    loss_scale, factor = current_loss_scale(), site_factor(site)
     return _fp8_dot(
-        lhs, rhs, site.value, loss_scale, site.kind, dims, precision, out_dtype, out_sharding
+        lhs,
+        rhs,
+        site.value,
+        loss_scale,
+        factor,
+        site.kind,
+        dims,
+        precision,
+        out_dtype,
+        out_sharding,
     )

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import warnings
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -105,6 +105,9 @@ class Fp8(SiteKind):
     """
 
     recipe: Recipe
+    #: its output gradient is measured unscaled: told the loss scale of its cotangent
+    #: (``jdls/_sites/backward_scale.py``) on the global, per-layer and per-loss paths
+    reads_loss_scale: ClassVar[bool] = True
 
     def init(self) -> DotState:
         lhs, rhs, grad = (self.recipe.init(role) for role in ROLES)

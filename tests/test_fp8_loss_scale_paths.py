@@ -1,0 +1,298 @@
+"""FP8 dots told the scale of their cotangent on the per-layer and per-loss paths: the output
+gradient's recorded amax is the unscaled one (that of the global path at scale 1), and the
+scales do not change the gradients (jdls/_sites/backward_scale.py)."""
+
+from __future__ import annotations
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _helpers import assert_bitwise_equal, maybe_jit, with_and_without_jit
+
+import jdls
+from jdls import fp8
+
+DN = (((1,), (0,)), ((), ()))
+RECIPE = fp8.DelayedScaling(4)
+
+
+def _grad_amaxes(grads):
+    """The recorded output-gradient amax of every FP8 site of ``grads``, by path."""
+    return {k: np.asarray(v["grad"]["amax"]) for k, v in fp8.telemetry(grads).items()}
+
+
+def _assert_amaxes(got, want):
+    assert sorted(got) == sorted(want)
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-6, err_msg=k)
+
+
+# --------------------------------------------------------------------------------------------
+# Per-layer scales, Flax linen.
+# --------------------------------------------------------------------------------------------
+
+
+class _Linen(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        dot = functools.partial(fp8.linen.DotGeneral, recipe=RECIPE)
+        x = jnp.tanh(nn.Dense(16, dot_general_cls=dot, dtype=jnp.float16, name="a")(x))
+        return nn.Dense(4, dot_general_cls=dot, dtype=jnp.float16, name="b")(x)
+
+
+def _with_layer_scales(sites, exponents):
+    def one(path, s):
+        if isinstance(s, jdls.Site) and isinstance(s.kind, jdls.LayerScale):
+            scale = jdls.StaticScale(2.0 ** exponents[path[0].key])
+            return jdls.layer_site(scale, s.kind.position)
+        return s
+
+    return jax.tree_util.tree_map_with_path(one, sites, is_leaf=jdls.is_site)
+
+
+@with_and_without_jit
+@pytest.mark.parametrize("exponents", [(4, 14), (10, 20)], ids=["apart", "past_the_cap"])
+def test_linen_layers_record_the_unscaled_output_gradient_amax(exponents, jit):
+    """A float16 model, layer scales far apart (the second case: the last layer's past
+    float16's seed cap of 2**15, every layer then computing at its scale times 2**15 over it):
+    each dot's recorded amax is the global path's at scale 1, not times its layer's scale."""
+    model = jdls.linen.layer_scales(_Linen(), jdls.StaticScale(1.0))
+    x = 0.25 * jax.random.normal(jax.random.key(1), (8, 8))
+    variables = model.init(jax.random.key(0), x)
+    sites = _with_layer_scales(variables["jdls"], dict(zip("ab", exponents, strict=True)))
+    variables = {**variables, "jdls": sites}
+
+    def loss(v, x):  # output gradients below 1: 2**15 times them stays in float16
+        return (jnp.sum(model.apply(v, x).astype(jnp.float32) ** 2) / 16).astype(jnp.float16)
+
+    fn = maybe_jit(jdls.linen.value_and_grad(loss, jdls.NoOpScale()), jit)
+    _, grads = fn(variables, x)
+    _, reference = jdls.StaticScale(1.0).value_and_grad(loss)(variables, x)
+    got, want = _grad_amaxes(grads["jdls"]), _grad_amaxes(reference["jdls"])
+    _assert_amaxes(got, want)
+    assert all(0 < v < 1 for v in want.values())  # unscaled: not 2**4 or 2**14 times larger
+
+
+# --------------------------------------------------------------------------------------------
+# Per-layer scales by hand: a chain and a scanned stack.
+# --------------------------------------------------------------------------------------------
+
+
+def _chain(exponents):
+    keys = jax.random.split(jax.random.key(3), 3)
+    params = {
+        name: {"w": jax.random.normal(k, (8, 8)) / 3, "fp8": fp8.init(RECIPE)}
+        for name, k in zip("abc", keys, strict=True)
+    }
+    sites = {
+        name: jdls.layer_site(jdls.StaticScale(2.0**e), i)
+        for i, (name, e) in enumerate(zip("abc", exponents, strict=True))
+    }
+    return params, sites
+
+
+def _chain_loss(params, sites, x):
+    for name in "abc":
+        layer = params[name]
+        x = jnp.tanh(fp8.dot_general(x, layer["w"], DN, site=layer["fp8"]))
+        x = jdls.apply_site(x, sites[name])
+    return jnp.sum(x**2)
+
+
+def _fp8_only(tree):
+    return jax.tree_util.tree_map(
+        lambda s: s if jdls.is_site(s) and isinstance(s.kind, fp8.Fp8) else None,
+        tree,
+        is_leaf=jdls.is_site,
+    )
+
+
+@with_and_without_jit
+def test_layer_scales_change_neither_the_gradients_nor_the_fp8_states(jit):
+    """Per-layer scales that move every step (powers of two, far apart) give the gradients and
+    the FP8 states (histories, scales) of layer scales of 1, bit for bit, from the first step
+    on whose scales were 1 (a fresh site quantizes as its cotangent comes)."""
+    fn = maybe_jit(jdls.layer_scaled_value_and_grad(_chain_loss), jit)
+    runs = {"ones": [(0, 0, 0)] * 4, "moving": [(0, 0, 0), (4, 14, 9), (20, 2, 11), (6, 6, 16)]}
+    out = {}
+    for name, schedule in runs.items():
+        params, _ = _chain((0, 0, 0))
+        grads_seen, states_seen = [], []
+        for step, exponents in enumerate(schedule):
+            _, sites = _chain(exponents)
+            x = jax.random.normal(jax.random.key(10 + step), (4, 8)) * (1 + step)
+            _, (grads, _) = fn(params, sites, x)
+            g, measured = jdls.split_sites(grads)
+            params = jdls.update_sites(params, measured, jnp.bool_(True))
+            grads_seen.append(g)
+            states_seen.append(_fp8_only(params))
+        out[name] = (grads_seen, states_seen)
+    assert_bitwise_equal(out["moving"], out["ones"])
+    # and the histories hold unscaled amaxes: the global path's at scale 1
+    params, sites = _chain((4, 14, 9))
+    x = jax.random.normal(jax.random.key(5), (4, 8))
+    _, (grads, _) = fn(params, sites, x)
+    reference = jdls.StaticScale(1.0).value_and_grad(_chain_loss)(params, _chain((0, 0, 0))[1], x)
+    _assert_amaxes(_grad_amaxes(grads), _grad_amaxes(reference[1]))
+
+
+@with_and_without_jit
+def test_a_scanned_stack_tells_each_layer_its_own_scale(jit):
+    """``lax.scan`` over stacked layers: each layer's dot is told its own scale (the factor
+    rides stacked with the FP8 site and is sliced with it)."""
+    n = 3
+    w = jax.random.normal(jax.random.key(0), (n, 8, 8)) / 3
+    params = {"stack": {"w": w, "fp8": fp8.init(RECIPE).stacked(n)}}
+    site = jdls.layer_site(jdls.StaticScale(1.0), 0).stacked(n)
+    levels = jnp.asarray([2.0**3, 2.0**15, 2.0**8], jnp.float32)
+    value = {**site.value, "scale": jax.tree.map(lambda _: levels, site.value["scale"])}
+    sites = {"stack": jdls.Site(site.kind, value)}
+    plain = {"stack": jdls.Site(site.kind, site.value)}
+
+    def loss(params, sites, x):
+        def body(h, layer):
+            p, s = layer
+            h = jnp.tanh(fp8.dot_general(h, p["w"], DN, site=p["fp8"]))
+            return jdls.apply_site(h, s), None
+
+        h, _ = jax.lax.scan(body, x, (params["stack"], sites["stack"]))
+        return jnp.sum(h**2)
+
+    x = jax.random.normal(jax.random.key(1), (4, 8))
+    _, (grads, _) = maybe_jit(jdls.layer_scaled_value_and_grad(loss), jit)(params, sites, x)
+    _, reference = jdls.StaticScale(1.0).value_and_grad(loss)(params, plain, x)
+    got, want = _grad_amaxes(grads), _grad_amaxes(reference)
+    _assert_amaxes(got, want)
+    assert np.shape(got["stack/fp8"]) == (n,)
+
+
+def test_an_fp8_site_in_no_layer_is_refused():
+    """By hand, an FP8 site must sit in its layer's parameters: one elsewhere (beside the
+    per-layer sites, under a key of no layer) has no known scale, and is refused as a
+    parameter in no layer is."""
+    params, sites = _chain((0, 0, 0))
+    head = fp8.init(RECIPE)
+    sites = {**sites, "head_fp8": head}
+
+    def loss(params, sites, x):
+        y = _chain_loss(params, sites, x)
+        return jnp.sum(fp8.dot_general(x, params["a"]["w"], DN, site=sites["head_fp8"])) + y
+
+    with pytest.raises(ValueError, match="FP8 sites are in no layer.*head_fp8"):
+        jdls.layer_scaled_value_and_grad(loss)(params, sites, jnp.ones((4, 8)))
+
+
+# --------------------------------------------------------------------------------------------
+# Per-layer scales, NNX and Equinox.
+# --------------------------------------------------------------------------------------------
+
+
+def test_nnx_layers_record_the_unscaled_output_gradient_amax():
+    from flax import nnx
+
+    def linear(i):
+        return nnx.Linear(8, 8, dot_general=fp8.nnx.DotGeneral(RECIPE), rngs=nnx.Rngs(i))
+
+    model = nnx.Sequential(linear(0), nnx.tanh, linear(1))
+    model = jdls.nnx.layer_scales(model, jdls.StaticScale(1.0))
+    x = jax.random.normal(jax.random.key(2), (4, 8))
+
+    def loss(m, x):
+        return jnp.sum(m(x) ** 2)
+
+    _, reference = jdls.nnx.value_and_grad(loss, jdls.StaticScale(1.0))(model, x)
+    for layer, e in zip((model.layers[0], model.layers[2]), (4, 14), strict=True):
+        position = layer.jdls_layer_scale.get_value().kind.position
+        layer.jdls_layer_scale.set_value(jdls.layer_site(jdls.StaticScale(2.0**e), position))
+    _, grads = jdls.nnx.layer_scaled_value_and_grad(loss)(model, x)
+    _assert_amaxes(_grad_amaxes(grads), _grad_amaxes(reference))
+
+
+def test_equinox_layers_record_the_unscaled_output_gradient_amax():
+    eqx = pytest.importorskip("equinox")
+    import jdls.equinox
+    import jdls.fp8.equinox
+
+    class Net(eqx.Module):
+        a: eqx.Module
+        b: eqx.Module
+
+        def __call__(self, x):
+            return self.b(jnp.tanh(self.a(x)))
+
+    ka, kb = jax.random.split(jax.random.key(0))
+    net = Net(
+        fp8.equinox.Linear(8, 8, recipe=RECIPE, key=ka),
+        fp8.equinox.Linear(8, 4, recipe=RECIPE, key=kb),
+    )
+    model = jdls.equinox.layer_scales(net, jdls.StaticScale(1.0))
+    model = jdls.equinox.set_layer_scales(model, [2.0**4, 2.0**14])
+    x = jax.random.normal(jax.random.key(2), (4, 8))
+
+    def loss(m, x):
+        return jnp.sum(m(x) ** 2)
+
+    _, grads = jdls.equinox.layer_scaled_value_and_grad(loss)(model, x)
+    plain = jdls.equinox.set_layer_scales(model, [1.0, 1.0])
+    _, reference = jdls.equinox.value_and_grad(loss, jdls.StaticScale(1.0))(plain, x)
+    _assert_amaxes(_grad_amaxes(grads), _grad_amaxes(reference))
+
+
+# --------------------------------------------------------------------------------------------
+# Per-loss scales.
+# --------------------------------------------------------------------------------------------
+
+
+def _two_heads():
+    k = jax.random.split(jax.random.key(0), 3)
+    return {
+        "trunk": {"w": jax.random.normal(k[0], (8, 16)), "fp8": fp8.init(RECIPE)},
+        "a": {"w": jax.random.normal(k[1], (16, 4)), "fp8": fp8.init(RECIPE)},
+        "b": {"w": jax.random.normal(k[2], (16, 2)), "fp8": fp8.init(RECIPE)},
+    }
+
+
+def _losses(p, x):
+    h = jnp.tanh(fp8.dot_general(x, p["trunk"]["w"], DN, site=p["trunk"]["fp8"]))
+    ya = fp8.dot_general(h, p["a"]["w"], DN, site=p["a"]["fp8"])
+    yb = fp8.dot_general(h, p["b"]["w"], DN, site=p["b"]["fp8"])
+    return {"a": jnp.sum(ya**2), "b": 1e-3 * jnp.sum(yb**3)}
+
+
+@with_and_without_jit
+@pytest.mark.parametrize("weights", [None, {"a": 2.0, "b": 0.5}], ids=["unweighted", "weighted"])
+def test_one_backward_pass_tells_each_dot_its_regions_scale(weights, jit):
+    """``backward="one"``: a head's dot runs at its loss's scale, the trunk's at the smaller
+    of the two; each records the amax of the gradient of the weighted sum of the losses, as
+    the global path at scale 1 does on that sum; the gradients are those of before (the told
+    scale moves measurements only)."""
+    p, x = _two_heads(), jax.random.normal(jax.random.key(3), (8, 8))
+    scales = {"a": jdls.StaticScale(2.0**4), "b": jdls.StaticScale(2.0**12)}
+    fn = maybe_jit(jdls.multi_loss_value_and_grad(_losses, scales, weights), jit)
+    _, grads, _ = fn(p, x)
+    w = weights or {"a": 1.0, "b": 1.0}
+
+    def total(p, x):
+        return sum(w[k] * v for k, v in _losses(p, x).items())
+
+    _, reference = jdls.StaticScale(1.0).value_and_grad(total)(p, x)
+    _assert_amaxes(_grad_amaxes(grads), _grad_amaxes(reference))
+
+
+def test_per_loss_backward_passes_measure_the_summed_scaled_cotangent():
+    """``backward="per_loss"``: the pass that measures the sites sums the losses' cotangents
+    at their own scales, which no single scale unscales: the sites are not told, and the
+    trunk's dot records the scaled sum, as documented (docs/fp8.md)."""
+    p, x = _two_heads(), jax.random.normal(jax.random.key(3), (8, 8))
+    scales = {"a": jdls.StaticScale(2.0**4), "b": jdls.StaticScale(2.0**12)}
+    _, grads, _ = jdls.multi_loss_value_and_grad(_losses, scales, backward="per_loss")(p, x)
+    _, reference = jdls.StaticScale(1.0).value_and_grad(lambda p, x: sum(_losses(p, x).values()))(
+        p, x
+    )
+    got, want = _grad_amaxes(grads), _grad_amaxes(reference)
+    np.testing.assert_allclose(got["a/fp8"], 2.0**4 * want["a/fp8"], rtol=1e-6)
+    np.testing.assert_allclose(got["b/fp8"], 2.0**12 * want["b/fp8"], rtol=1e-6)
