@@ -104,10 +104,12 @@ def make_step(
     return step
 
 
-def hlo_copies(runner: bench_step.Runner) -> int:
-    """``copy`` instructions in the compiled HLO module of ``runner``'s step."""
-    text = runner.fn.lower(runner.params, runner.state, runner.batch).compile().as_text()
-    return len(re.findall(r"\bcopy\(", text))
+def compiled_facts(runner: bench_step.Runner) -> tuple[int, int]:
+    """``(copy instructions, temporary bytes)`` of the compiled HLO module of ``runner``'s
+    step, from one compilation."""
+    compiled = runner.fn.lower(runner.params, runner.state, runner.batch).compile()
+    copies = len(re.findall(r"\bcopy\(", compiled.as_text()))
+    return copies, compiled.memory_analysis().temp_size_in_bytes
 
 
 def mlp_512_workload(quick: bool) -> bench_step.Workload:
@@ -128,6 +130,7 @@ def run(
     rounds: int,
     warmup: int,
     clock: Callable[[], float] = time.perf_counter,
+    ablations: bool = True,
 ) -> h.Section:
     loss = with_probe(work.loss)
     params = {"model": work.params, "probe": jnp.zeros((), jnp.float32)}
@@ -144,8 +147,10 @@ def run(
         ("jdls.retrying(retries=2) without barriers, finite", 2, "barriers", finite, 0),
         ("jdls.retrying(retries=2), retries once", 2, "", outlier, 1),
     ]
+    if not ablations:  # --quick: the cases as shipped
+        specs = [spec for spec in specs if spec[2] == ""]
     h.log(f"{work.title}: compiling {len(specs)} cases")
-    runners = []
+    runners, facts = [], []
     for _, retries, variant, batch, _ in specs:
         tx = jdls.wrap(bench_step.adam())
         # read when the step is traced, in Runner()
@@ -155,19 +160,14 @@ def run(
             step = make_step(loss, tx, retries, check=variant == "check")
             method = bench_step.Method(tx.init, step)
             runners.append(bench_step.Runner(method, params, batch))
-            copies = hlo_copies(runners[-1])
+            facts.append(compiled_facts(runners[-1]))
         finally:
             _retrying._BARRIERS = _retrying._CHECK = True
-        runners[-1].copies = copies  # type: ignore[attr-defined]
     grad_bytes = 4 * (work.n_params + 1)  # one float32 gradient buffer
-    temps = [r.temp_bytes() for r in runners]
+    base = facts[0][1]
     cases = [
-        h.Case(
-            label,
-            r,
-            info={**h.temp_info(temp, temps[0], grad_bytes), "hlo_copies": r.copies},  # type: ignore[attr-defined]
-        )
-        for (label, *_), r, temp in zip(specs, runners, temps, strict=True)
+        h.Case(label, r, info={**h.temp_info(temp, base, grad_bytes), "hlo_copies": copies})
+        for (label, *_), r, (copies, temp) in zip(specs, runners, facts, strict=True)
     ]
     rows = h.time_cases(cases, rounds=rounds, warmup=warmup, clock=clock)
     for row, r, spec in zip(rows, runners, specs, strict=True):
@@ -198,23 +198,21 @@ def run(
 
 def suite(quick: bool = False, rounds: int | None = None) -> list[h.Section]:
     """The ``retries`` suite: the MLP 512-1024-1024-1024-10, and the MLP and the transformer
-    of ``bench_step``."""
+    of ``bench_step``. ``quick``: the first workload at a tiny size, the cases as shipped
+    (no ablations): a smoke run of the code, not a measurement."""
+    works = [
+        (mlp_512_workload, 25),
+        (bench_step.mlp_workload, 20),
+        (bench_step.transformer_workload, 12),
+    ]
     return [
         run(
-            mlp_512_workload(quick),
-            rounds=rounds or (3 if quick else 25),
+            make(quick),
+            rounds=rounds or (3 if quick else full_rounds),
             warmup=1 if quick else 2,
-        ),
-        run(
-            bench_step.mlp_workload(quick),
-            rounds=rounds or (3 if quick else 20),
-            warmup=1 if quick else 2,
-        ),
-        run(
-            bench_step.transformer_workload(quick),
-            rounds=rounds or (3 if quick else 12),
-            warmup=1 if quick else 2,
-        ),
+            ablations=not quick,
+        )
+        for make, full_rounds in (works[:1] if quick else works)
     ]
 
 
@@ -247,6 +245,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             rounds=args.rounds or (3 if args.quick else rounds),
             warmup=1 if args.quick else 2,
             clock=clock,
+            ablations=not args.quick,
         )
         print(section.markdown(), flush=True)
 
