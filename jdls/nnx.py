@@ -11,7 +11,8 @@ This module adds what is specific to NNX:
   parameters;
 * :func:`layer_scales`, :func:`layer_scale` and :func:`layer_scaled_value_and_grad`:
   per-layer scales;
-* :func:`probes`: a probe site after every submodule.
+* :func:`probes`: a probe site after every submodule, and with example inputs after every
+  call of a module's ``__call__`` or public method (``embedder.decode``, ``dropout#2``).
 
 Example:
   >>> import jax.numpy as jnp, optax, jdls

@@ -148,7 +148,7 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
 
 def train(config: Config, steps: int, seed: int = 0) -> float:
     """Trains for ``steps`` steps and returns the loss on held-out text."""
-    model = jdls.nnx.probes(Transformer(config, rngs=nnx.Rngs(seed)))
+    model = jdls.nnx.probes(Transformer(config, rngs=nnx.Rngs(seed)), jnp.zeros((1, 8), int))
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-3, weight_decay=0.01))
     optimizer = jdls.nnx.Optimizer(model, jdls.wrap(tx), wrt=nnx.Param)
     data = load_text()

@@ -1,12 +1,14 @@
 """Sites in a Flax NNX model: probes and per-layer scales as ``SiteVariable``s of the modules.
 
-:func:`probes_nnx` and :func:`layer_scales_nnx` give modules of an NNX model a
-:class:`SiteVariable` attribute (``jdls_probe``, ``jdls_layer_scale``) holding a
-:class:`jdls.Site`, and swap each such module's class for a subclass whose ``__call__`` passes
-the output through the site(s) the instance holds. The sites are the model's state: they are
-split, merged, stacked (``nnx.vmap``), scanned (``nnx.scan``), rematerialised (``nnx.remat``)
-and jitted (``nnx.jit``) with it, and a module acts on its sites whenever it holds them: no
-Python state is read while tracing. :class:`Optimizer` (``nnx.Optimizer`` that also updates
+:func:`probes_nnx` and :func:`layer_scales_nnx` give modules of an NNX model
+:class:`SiteVariable` attributes (``jdls_probe``, ``jdls_probe#2``, ``jdls_probe.decode``,
+``jdls_layer_scale``) holding :class:`jdls.Site`s, and swap each such module's class for a
+subclass whose ``__call__`` and public methods pass the output through the site of the call
+that the instance holds. The sites are the model's state: they are split, merged, stacked
+(``nnx.vmap``), scanned (``nnx.scan``), rematerialised (``nnx.remat``) and jitted
+(``nnx.jit``) with it, and a module acts on its sites whenever it holds them. The one Python
+state read while tracing is which call of a method this is: counted from the outermost
+probed call of a pass, per trace (a body traced twice counts afresh each time). :class:`Optimizer` (``nnx.Optimizer`` that also updates
 the sites, skip-aware) and :func:`nnx_layer_scaled_value_and_grad` complete a train step.
 """
 
