@@ -469,7 +469,9 @@ def layer_scaled_value_and_grad(
     parameters are used only between its input and its site. Other sites in ``sites`` (probes)
     measure as usual. A 16-bit loss is multiplied by at most its format's largest power of two
     (``2**15`` for float16), as :meth:`jdls.LossScale.value_and_grad` does: every layer then
-    computes at its scale times that over the last layer's scale.
+    computes at its scale times that over the last layer's scale. An FP8 site in a layer's
+    parameters (``params["dense_0"]["fp8"]``) is told that layer's scale, so that it
+    measures its output gradient unscaled; a differentiated FP8 site in no layer is refused.
 
     Args:
       fun: the loss ``fun(params, sites, *args)``; returns a scalar, or ``(loss, aux)``.

@@ -141,7 +141,10 @@ def multi_loss_value_and_grad(
     differentiated arguments (a :class:`jdls.Probe`, FP8 state) gets its measurement coded as
     that path returns it, never unscaled, weighted or summed like a gradient: with ``"one"``
     the one backward pass's, with ``"per_loss"`` that of one more backward pass of the
-    weighted sum of the losses, each at its own scale.
+    weighted sum of the losses, each at its own scale. An FP8 dot's site is told the scale of
+    its cotangent with ``"one"`` (its region's; over the loss's weight in one loss's head), so
+    that it records the amax of the weighted sum's gradient unscaled; with ``"per_loss"`` the
+    measuring pass sums cotangents at several scales, and the site measures them as they are.
 
     Args:
       fun: the loss function; returns the losses (``{"a": la, "b": lb}`` or ``(la, lb)``),

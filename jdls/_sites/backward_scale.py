@@ -26,8 +26,15 @@ stacked like the site's value, so that ``lax.scan`` slices it with the site), an
 :func:`untell_sites` turns the gradients back into plain sites. The site passes the factor on
 beside the context's loss scale (:func:`site_factor`), and its backward rule measures at
 :func:`backward_level`: the seeded loss scale times the factor (the factor alone without a
-context). The three paths share this one rule; the global path tells no site (its factor is
-None: the context's scale alone, as before).
+context). The three paths share this one rule. The global path tells no site (its factor is
+None: the context's scale alone, as before). The per-layer path opens the context with the
+loss's scale (the last layer's; a 16-bit loss's cap recorded as on the global path) and tells
+each site its layer's scale over it (a site belongs to the layer whose path holds it; a
+differentiated one in no layer is refused); a site it cannot see (closed over) quantizes at
+the loss's scale. Per-loss with ``backward="one"`` opens no context: each site is told the
+level of the region of the backward pass that reads it (already seeded), over the loss's
+weight in one loss's own region, so that every site measures the gradient of the weighted
+sum of the losses.
 
 Outside any such call (``jax.grad`` by hand) there is no context and no factor, and the site
 measures the cotangent as it is (a scale of 1). With ``backward="per_loss"`` no site is told
