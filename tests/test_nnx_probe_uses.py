@@ -388,3 +388,39 @@ def test_a_scanned_stack_gets_a_stacked_probe_per_use(jit: bool) -> None:
         strict=True,
     ):
         np.testing.assert_array_equal(got, want)
+
+
+class Nested(nnx.Module):
+    """``__call__`` calls the module's own public method: one call, one probe (the
+    outermost method's), as jdls.linen.probes does."""
+
+    def __init__(self) -> None:
+        self.linear = nnx.Linear(3, 3, rngs=nnx.Rngs(0))
+
+    def project(self, x):
+        return self.linear(x)
+
+    def __call__(self, x):
+        return jnp.tanh(self.project(x))
+
+
+def test_a_method_calling_another_of_its_module_gives_one_row() -> None:
+    x = jnp.ones((2, 3))
+    loss = jdls.nnx.value_and_grad(lambda m, x: jnp.sum(m(x)), jdls.StaticScale(SCALE))
+    model = jdls.nnx.probes(Nested(), x)
+    assert jdls.Telemetry.of(loss(model, x)[1]).names == ("linear", "Nested")
+    # called alone, the method has its own row; without inputs it has a probe, unused here
+    bare = jdls.nnx.probes(Nested())
+    t = jdls.Telemetry.of(loss(bare, x)[1])
+    assert t.names == ("linear", "Nested", "Nested.project")
+    assert np.asarray(t.uses).tolist() == [1.0, 1.0, 0.0]
+
+
+def test_probes_called_again_keep_the_probes_and_bad_inputs_say_so() -> None:
+    model = jdls.nnx.probes(Model(nnx.Rngs(0)), TOKENS)
+    before = nnx.state(model, jdls.nnx.SiteVariable)
+    jdls.nnx.probes(model, TOKENS)
+    after = nnx.state(model, jdls.nnx.SiteVariable)
+    assert jax.tree_util.tree_structure(before) == jax.tree_util.tree_structure(after)
+    with pytest.raises(ValueError, match="could not be run on the example inputs"):
+        jdls.nnx.probes(Model(nnx.Rngs(0)), jnp.ones((2, 4, 5)))
