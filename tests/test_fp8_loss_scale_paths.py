@@ -77,6 +77,60 @@ def test_linen_layers_record_the_unscaled_output_gradient_amax(exponents, jit):
     assert all(0 < v < 1 for v in want.values())  # unscaled: not 2**4 or 2**14 times larger
 
 
+class _Block(nn.Module):
+    @nn.compact
+    def __call__(self, h, _):
+        dot = functools.partial(fp8.linen.DotGeneral, recipe=RECIPE)
+        return jnp.tanh(nn.Dense(8, dot_general_cls=dot)(h)), None
+
+
+class _Stacked(nn.Module):
+    """An embedding, three blocks under nn.scan, a head: every dot FP8."""
+
+    @nn.compact
+    def __call__(self, x):
+        dot = functools.partial(fp8.linen.DotGeneral, recipe=RECIPE)
+        h = nn.Dense(8, dot_general_cls=dot, name="embed")(x)
+        stack = nn.scan(
+            _Block, variable_axes={"params": 0, "jdls": 0}, split_rngs={"params": True}, length=3
+        )
+        h = stack(name="layers")(h, None)[0]
+        return nn.Dense(2, dot_general_cls=dot, name="head")(h)
+
+
+@with_and_without_jit
+def test_linen_embedding_scanned_blocks_and_head_each_told_their_own_scale(jit):
+    """Under jdls.linen.layer_scales the embedding and the head are layers of their own (every
+    top-level submodule gets a site), and nn.scan slices the told factor with the stacked FP8
+    sites: every dot records the global path's amax at scale 1."""
+    model = jdls.linen.layer_scales(_Stacked(), jdls.StaticScale(1.0))
+    x = jax.random.normal(jax.random.key(1), (4, 8))
+    variables = model.init(jax.random.key(0), x)
+    levels = {"embed": 2.0**3, "layers": jnp.asarray([2.0**5, 2.0**12, 2.0**1]), "head": 2.0**9}
+
+    def one(path, s):
+        if isinstance(s, jdls.Site) and isinstance(s.kind, jdls.LayerScale):
+            level = jnp.broadcast_to(jnp.asarray(levels[path[0].key], jnp.float32), (3,))
+            scale = jax.tree.map(lambda a: level if a.ndim else level[0], s.value["scale"])
+            return jdls.Site(s.kind, {**s.value, "scale": scale})
+        return s
+
+    scaled = {
+        **variables,
+        "jdls": jax.tree_util.tree_map_with_path(one, variables["jdls"], is_leaf=jdls.is_site),
+    }
+
+    def loss(v, x):
+        return jnp.sum(model.apply(v, x) ** 2)
+
+    fn = maybe_jit(jdls.linen.value_and_grad(loss, jdls.NoOpScale()), jit)
+    _, grads = fn(scaled, x)
+    _, reference = jdls.StaticScale(1.0).value_and_grad(loss)(variables, x)
+    got, want = _grad_amaxes(grads["jdls"]), _grad_amaxes(reference["jdls"])
+    _assert_amaxes(got, want)
+    assert np.shape(got["layers/Dense_0/DotGeneral_0/fp8"]) == (3,)
+
+
 # --------------------------------------------------------------------------------------------
 # Per-layer scales by hand: a chain and a scanned stack.
 # --------------------------------------------------------------------------------------------
