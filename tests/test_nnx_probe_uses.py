@@ -359,7 +359,7 @@ class Stack(nnx.Module):
 
 
 @pytest.mark.parametrize("jit", [True, False], ids=["nnx.jit", "eager"])
-@pytest.mark.full(keep=1)
+@pytest.mark.full  # about 8 s; the quick run probes a stack in tests/test_nnx_sites.py
 def test_a_scanned_stack_gets_a_stacked_probe_per_use(jit: bool) -> None:
     x = jax.random.normal(jax.random.key(1), (5, 4))
     model = jdls.nnx.probes(Stack(nnx.Rngs(0)), x)
