@@ -166,11 +166,14 @@ def _identity(module: Any) -> int | None:
 
 
 def _has_floats(tree: Any) -> bool:
-    """Whether ``tree`` holds a floating-point array (what a probe measures)."""
-    return any(
-        hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)
-        for x in jax.tree_util.tree_leaves(tree)
+    """Whether ``tree`` holds a floating-point array (what a probe measures) and no module or
+    variable (a method that returns part of the model, not a value)."""
+    leaves = jax.tree_util.tree_leaves(
+        tree, is_leaf=lambda x: isinstance(x, nnx.Module | nnx.Variable)
     )
+    if any(isinstance(x, nnx.Module | nnx.Variable) for x in leaves):
+        return False
+    return any(hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact) for x in leaves)
 
 
 def _after(module: Any, method: str, use: int, out: Any) -> Any:
