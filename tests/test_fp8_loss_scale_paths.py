@@ -350,3 +350,34 @@ def test_per_loss_backward_passes_measure_the_summed_scaled_cotangent():
     got, want = _grad_amaxes(grads), _grad_amaxes(reference)
     np.testing.assert_allclose(got["a/fp8"], 2.0**4 * want["a/fp8"], rtol=1e-6)
     np.testing.assert_allclose(got["b/fp8"], 2.0**12 * want["b/fp8"], rtol=1e-6)
+
+
+# --------------------------------------------------------------------------------------------
+# An inner jax.jit: the loss scale is read while tracing, so it is part of the cache key.
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scale_class", [jdls.StaticScale, jdls.DynamicScale])
+@with_and_without_jit
+def test_an_inner_jit_traced_outside_the_differentiation_is_traced_again(jit, scale_class):
+    """A jitted forward pass traced first outside jdls (an evaluation), then called inside
+    ``value_and_grad`` at two scales: each step's dot reads its own loss scale (the recorded
+    output-gradient amax is the unscaled 1.0), where the reused trace read none (1024 and
+    2048 were recorded)."""
+    w = jnp.array([[2.0], [1.0]])
+    x = jnp.array([[1.0, -3.5]])
+
+    @jax.jit
+    def forward(site, x):
+        return fp8.dot_general(x, w, DN, site=site)
+
+    site = fp8.init(RECIPE)
+    forward(site, x)  # an evaluation: traced with no loss scale
+    for value in (1024.0, 2048.0):
+        scale = scale_class(value)
+
+        def grads(site, scale=scale):
+            return scale.value_and_grad(lambda s: jnp.sum(forward(s, x)))(site)[1]
+
+        measured = maybe_jit(grads, jit)(site)
+        assert float(measured.value.meter.grad.amax) == 1.0

@@ -52,6 +52,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jdls._numerics.paths import path_key
 from jdls._sites.site import Site, is_site
@@ -79,13 +80,29 @@ def _stack() -> list[list[Any]]:
     return stack
 
 
+# The context is read while tracing, so it is part of every jitted function's cache key
+# (``jax.make_user_context``): a ``jax.jit`` called inside the differentiation (a jitted
+# forward pass, ``nn.jit``) that was traced outside it, or inside another trace's, is traced
+# again instead of reusing a trace that read another loss scale (or none).
+_CACHE_KEY = jax.make_user_context(default_value=None)
+
+
+def _cache_key(loss_scale: Any) -> Any:
+    """What a trace that read ``loss_scale`` depends on: a traced scale belongs to the trace
+    around it (a new token: one per trace of the step); a concrete one is its value."""
+    if isinstance(loss_scale, jax.core.Tracer):
+        return object()
+    return float(np.asarray(loss_scale))
+
+
 @contextlib.contextmanager
 def backward_scale(loss_scale: Any) -> Iterator[None]:
     """The context of one differentiation of a loss scaled by ``loss_scale``."""
     stack = _stack()
     stack.append([loss_scale, None])
     try:
-        yield
+        with _CACHE_KEY(_cache_key(loss_scale)):
+            yield
     finally:
         stack.pop()
 
