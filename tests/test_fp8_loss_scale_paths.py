@@ -10,6 +10,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from _helpers import assert_bitwise_equal, maybe_jit, with_and_without_jit
 
@@ -357,13 +358,13 @@ def test_per_loss_backward_passes_measure_the_summed_scaled_cotangent():
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("scale_class", [jdls.StaticScale, jdls.DynamicScale])
-@with_and_without_jit
-def test_an_inner_jit_traced_outside_the_differentiation_is_traced_again(jit, scale_class):
-    """A jitted forward pass traced first outside jdls (an evaluation), then called inside
-    ``value_and_grad`` at two scales: each step's dot reads its own loss scale (the recorded
-    output-gradient amax is the unscaled 1.0), where the reused trace read none (1024 and
-    2048 were recorded)."""
+def test_an_inner_jit_traced_outside_the_differentiation_is_traced_again():
+    """A jitted forward pass traced first outside jdls (an evaluation), then called inside the
+    jitted steps' ``value_and_grad`` at the optimizer state's scale: each step's dot reads its
+    own loss scale (the recorded output-gradient amax is the unscaled 1.0, where the reused
+    trace read none: 1024 and 2048), and a second jitted step calling the same forward pass
+    traces it again (its reused trace held a tracer of the first step's: JAX's
+    UnexpectedTracerError)."""
     w = jnp.array([[2.0], [1.0]])
     x = jnp.array([[1.0, -3.5]])
 
@@ -371,13 +372,21 @@ def test_an_inner_jit_traced_outside_the_differentiation_is_traced_again(jit, sc
     def forward(site, x):
         return fp8.dot_general(x, w, DN, site=site)
 
+    tx = jdls.wrap(optax.sgd(0.1), jdls.DynamicScale())
     site = fp8.init(RECIPE)
     forward(site, x)  # an evaluation: traced with no loss scale
+
+    def grads_of(weight):
+        def grads(site, opt_state):
+            def loss(s):
+                return weight * jnp.sum(forward(s, x))
+
+            return jdls.get_scale(opt_state).value_and_grad(loss)(site)[1]
+
+        return jax.jit(grads)
+
+    step, other_step = grads_of(1.0), grads_of(2.0)
     for value in (1024.0, 2048.0):
-        scale = scale_class(value)
-
-        def grads(site, scale=scale):
-            return scale.value_and_grad(lambda s: jnp.sum(forward(s, x)))(site)[1]
-
-        measured = maybe_jit(grads, jit)(site)
-        assert float(measured.value.meter.grad.amax) == 1.0
+        opt_state = jdls.set_scale(tx.init({}), jdls.DynamicScale(value))
+        assert float(step(site, opt_state).value.meter.grad.amax) == 1.0
+        assert float(other_step(site, opt_state).value.meter.grad.amax) == 2.0

@@ -86,7 +86,7 @@ def scaled_value_and_grad(
     grad_fn = differentiate(scaled)
 
     def value_and_grad_fn(*args: Any, **kwargs: Any) -> Any:
-        with backward_scale(scale.loss_scale):
+        with backward_scale(scale.loss_scale, (args, kwargs)):
             (_, (loss, aux, seed)), grads = grad_fn(*args, **kwargs)
         grads = (scale if seed is None else with_loss_scale(scale, seed)).unscale(grads)
         # For the jdls.wrap that holds this scale: what this backward pass computed, whatever

@@ -406,7 +406,7 @@ def scale_layers(
         return (wide * level).astype(jnp.result_type(loss)), (loss, aux, seed)
 
     # the loss's scale for the sites that read it (told their layer's factor above)
-    with backward_scale(last_scale):
+    with backward_scale(last_scale, (prepared, kwargs)):
         (_, (loss, aux, seed)), grads = filtered_value_and_grad(scaled, argnums, True, who)(
             *prepared, **kwargs
         )

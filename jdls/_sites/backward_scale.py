@@ -52,7 +52,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jdls._numerics.paths import path_key
 from jdls._sites.site import Site, is_site
@@ -80,28 +79,36 @@ def _stack() -> list[list[Any]]:
     return stack
 
 
-# The context is read while tracing, so it is part of every jitted function's cache key
-# (``jax.make_user_context``): a ``jax.jit`` called inside the differentiation (a jitted
-# forward pass, ``nn.jit``) that was traced outside it, or inside another trace's, is traced
-# again instead of reusing a trace that read another loss scale (or none).
+# The context is read while tracing, so where a differentiation holds sites that read it, it
+# is part of every jitted function's cache key (``jax.make_user_context``): a ``jax.jit``
+# called inside the differentiation (a jitted forward pass, ``nn.jit``) that was traced
+# outside it, or inside another trace's, is traced again instead of reusing a trace that read
+# another loss scale, or none (or a tracer of a trace that has ended: JAX's
+# UnexpectedTracerError). Without such sites nothing is keyed: no trace is repeated.
 _CACHE_KEY = jax.make_user_context(default_value=None)
 
 
 def _cache_key(loss_scale: Any) -> Any:
     """What a trace that read ``loss_scale`` depends on: a traced scale belongs to the trace
-    around it (a new token: one per trace of the step); a concrete one is its value."""
-    if isinstance(loss_scale, jax.core.Tracer):
-        return object()
-    return float(np.asarray(loss_scale))
+    around it (a new token: one per trace of the step, so an inner ``jax.jit`` is traced once
+    per trace of the step); a concrete one (a scale built in the step, an eager step) keys
+    only that there is one, not its value, which would compile every operation of an eager
+    step again at each new scale."""
+    return object() if isinstance(loss_scale, jax.core.Tracer) else "concrete"
 
 
 @contextlib.contextmanager
-def backward_scale(loss_scale: Any) -> Iterator[None]:
-    """The context of one differentiation of a loss scaled by ``loss_scale``."""
+def backward_scale(loss_scale: Any, arguments: Any = None) -> Iterator[None]:
+    """The context of one differentiation of a loss scaled by ``loss_scale``, with respect to
+    ``arguments`` (where the sites that read it are)."""
     stack = _stack()
     stack.append([loss_scale, None])
+    keyed = any(reads_loss_scale(x) for x in jax.tree_util.tree_leaves(arguments, is_leaf=is_site))
     try:
-        with _CACHE_KEY(_cache_key(loss_scale)):
+        if keyed:
+            with _CACHE_KEY(_cache_key(loss_scale)):
+                yield
+        else:
             yield
     finally:
         stack.pop()
