@@ -56,7 +56,13 @@ def _with_layer_scales(sites, exponents):
 
 
 @with_and_without_jit
-@pytest.mark.parametrize("exponents", [(4, 14), (10, 20)], ids=["apart", "past_the_cap"])
+@pytest.mark.parametrize(
+    "exponents",
+    [
+        pytest.param((4, 14), id="apart", marks=pytest.mark.full),
+        pytest.param((10, 20), id="past_the_cap"),
+    ],
+)  # 13 s: the quick run keeps the scales past the cap, apart too
 def test_linen_layers_record_the_unscaled_output_gradient_amax(exponents, jit):
     """A float16 model, layer scales far apart (the second case: the last layer's past
     float16's seed cap of 2**15, every layer then computing at its scale times 2**15 over it):
@@ -99,6 +105,7 @@ class _Stacked(nn.Module):
         return nn.Dense(2, dot_general_cls=dot, name="head")(h)
 
 
+@pytest.mark.full  # 22 s; the quick run tells a scanned stack in test_a_scanned_stack_tells_each_layer_its_own_scale
 @with_and_without_jit
 def test_linen_embedding_scanned_blocks_and_head_each_told_their_own_scale(jit):
     """Under jdls.linen.layer_scales the embedding and the head are layers of their own (every
@@ -319,7 +326,13 @@ def _losses(p, x):
 
 
 @with_and_without_jit
-@pytest.mark.parametrize("weights", [None, {"a": 2.0, "b": 0.5}], ids=["unweighted", "weighted"])
+@pytest.mark.parametrize(
+    "weights",
+    [
+        pytest.param(None, id="unweighted", marks=pytest.mark.full),  # the weighted case is quick
+        pytest.param({"a": 2.0, "b": 0.5}, id="weighted"),
+    ],
+)
 def test_one_backward_pass_tells_each_dot_its_regions_scale(weights, jit):
     """``backward="one"``: a head's dot runs at its loss's scale, the trunk's at the smaller
     of the two; each records the amax of the gradient of the weighted sum of the losses, as
@@ -338,6 +351,7 @@ def test_one_backward_pass_tells_each_dot_its_regions_scale(weights, jit):
     _assert_amaxes(_grad_amaxes(grads), _grad_amaxes(reference))
 
 
+@pytest.mark.full  # 5 s: what is not done, pinned
 def test_per_loss_backward_passes_measure_the_summed_scaled_cotangent():
     """``backward="per_loss"``: the pass that measures the sites sums the losses' cotangents
     at their own scales, which no single scale unscales: the sites are not told, and the

@@ -218,6 +218,7 @@ def test_split_merge_jit_and_restore_keep_the_rows_in_forward_order(jit: bool, t
     np.testing.assert_array_equal(amaxes[0], amaxes[2])
 
 
+@pytest.mark.full  # 4-5 s; methods and uses are measured in the quick run by the test against the cotangents by hand
 def test_the_optimizer_steps_and_records_every_row() -> None:
     model = jdls.nnx.probes(Model(nnx.Rngs(0)), TOKENS)
     bare = Model(nnx.Rngs(0))
@@ -265,6 +266,7 @@ class Tied(nnx.Module):
         return self.embed.attend(jnp.tanh(self.linear(self.embed(tokens))))
 
 
+@pytest.mark.full  # 4-5 s; methods and uses are measured in the quick run by the test against the cotangents by hand
 def test_embed_attend_gets_a_row_from_the_example_pass() -> None:
     model = jdls.nnx.probes(Tied(), TOKENS)
     fn = jdls.nnx.value_and_grad(loss_fn, jdls.StaticScale(SCALE))
