@@ -35,14 +35,12 @@ from typing import Any
 
 import equinox as eqx
 
-from jdls._frameworks.equinox_sites import (
-    FIX_ORDER,
-    Sited,
+from jdls._frameworks.equinox_layer_state import (
     checkpointed,
     get_layer_scales,
     set_layer_scales,
-    unwrap,
 )
+from jdls._frameworks.equinox_sites import FIX_ORDER, Sited, unwrap
 from jdls._frameworks.equinox_sites import layer_scales_equinox as layer_scales
 from jdls._frameworks.equinox_sites import probes_equinox as probes
 from jdls._scales.grad import scaled_value_and_grad

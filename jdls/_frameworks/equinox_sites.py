@@ -18,16 +18,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jdls._numerics.paths import path_key
-from jdls._scales.layer_scales import LayerScale, layer_site, note_applied
+from jdls._scales.layer_scales import layer_site, note_applied
 from jdls._scales.scale import LossScale, check_scale
 from jdls._sites.apply import apply_site
 from jdls._sites.probe import Probe
@@ -37,11 +36,9 @@ from jdls._sites.telemetry import WRAPPED
 __all__ = [
     "FIX_ORDER",
     "Sited",
-    "checkpointed",
-    "get_layer_scales",
     "layer_scales_equinox",
     "probes_equinox",
-    "set_layer_scales",
+    "site_name",
     "unwrap",
 ]
 
@@ -251,7 +248,9 @@ def _with_sites(
         picked = plan.chosen(node) or (node is not inner and plan.chosen(inner))
         if id(inner) in plan.stacks or id(node) in plan.stacks:
             if stack is not None:
-                raise ValueError(f"{who}: stacked= named a stack inside a stack, at {_name(path)}")
+                raise ValueError(
+                    f"{who}: stacked= named a stack inside a stack, at {site_name(path)}"
+                )
             stack = Stack(_stack_size(inner, who), _keys(path), picked)
         inside = (
             stack
@@ -266,16 +265,18 @@ def _with_sites(
             return rebuilt
         if id(inner) in seen:
             raise ValueError(
-                f"{who}: one module is at {_name(seen[id(inner)])} and at {_name(path)}: one "
+                f"{who}: one module is at {site_name(seen[id(inner)])} and at {site_name(path)}: one "
                 "site would serve both uses. Give each place its own module"
             )
         seen[id(inner)] = path
         if not callable(inner):
-            raise TypeError(f"{who}: the {type(inner).__name__} at {_name(path)} has no __call__")
+            raise TypeError(
+                f"{who}: the {type(inner).__name__} at {site_name(path)} has no __call__"
+            )
         if isinstance(rebuilt, Sited) and getattr(rebuilt, field) is not None:
             again = "set_layer_scales" if field == "layer_scale" else "unwrap"
             raise ValueError(
-                f"{who}: the {type(inner).__name__} at {_name(path)} holds a {field} already; "
+                f"{who}: the {type(inner).__name__} at {site_name(path)} holds a {field} already; "
                 f"change it with jdls.equinox.{again}"
             )
         if plan.ranks is not None:
@@ -325,7 +326,9 @@ def _keys(path: Sequence[Any]) -> tuple[str, ...]:
     return tuple(str(k) for k in path if k != WRAPPED)
 
 
-def _name(path: Sequence[Any]) -> str:
+def site_name(path: Sequence[Any]) -> str:
+    """A path as a telemetry row names it (the wrappers' keys left out), ``"the model"`` for
+    the root."""
     return "/".join(_keys(path)) or "the model"
 
 
@@ -447,135 +450,3 @@ def unwrap(model: Any) -> Any:
         return unwrap(x.jdls_wrapped) if isinstance(x, Sited) else x
 
     return jax.tree_util.tree_map(bare, model, is_leaf=lambda x: isinstance(x, Sited))
-
-
-def _layer_sites(model: Any) -> list[tuple[str, Site, tuple[Any, ...]]]:
-    """The per-layer sites of ``model`` in forward order: name, site, path."""
-    found = jax.tree_util.tree_flatten_with_path(model, is_leaf=is_site)[0]
-    sites = []
-    for path, site in found:
-        if isinstance(site, Site) and isinstance(site.kind, LayerScale):
-            keys = tuple(path_key(k) for k in path)
-            sites.append((_name(keys[:-1]), site, keys))
-    return sorted(sites, key=lambda s: s[1].kind.position)  # type: ignore[attr-defined]
-
-
-def _rows(name: str, site: Site) -> Iterator[tuple[str, tuple[int, ...]]]:
-    """The rows of a site: its layers' names (``"layers[3]"``) and indices in the stack."""
-    stack = site.kind.stack_shape(site.value)
-    for index in np.ndindex(*stack):
-        yield (f"{name}[{','.join(map(str, index))}]" if stack else name), index
-
-
-def get_layer_scales(model: Any) -> dict[str, jax.Array]:
-    """Each layer's loss scale, in forward order: ``{"embed": 2.0**15, "layers[0]": ...}``
-    (a stack's layers ``"layers[k]"``, as the rows of :class:`jdls.Telemetry`).
-
-    Example:
-      >>> import equinox as eqx, jax, jdls, jdls.equinox
-      >>> model = jdls.equinox.layer_scales(eqx.nn.MLP(2, 1, 4, 1, key=jax.random.key(0)),
-      ...                                   jdls.StaticScale(8.0))
-      >>> list(jdls.equinox.get_layer_scales(model))
-      ['layers/0', 'layers/1']
-    """
-    out: dict[str, jax.Array] = {}
-    for name, site, _ in _layer_sites(model):
-        levels = jnp.asarray(site.value["scale"].loss_scale)
-        for row, index in _rows(name, site):
-            out[row] = levels[index]
-    return out
-
-
-def set_layer_scales(model: Any, scales: LossScale | Sequence[LossScale | float]) -> Any:
-    """``model`` with its per-layer scales replaced: one :class:`jdls.LossScale` for every
-    layer, or one entry per layer in forward order (the rows of :func:`get_layer_scales`, a
-    stack's layers one by one), each a loss scale (its rule and state with it) or a number
-    (the layer's loss scale set to it, its rule's state kept).
-
-    Example:
-      >>> import equinox as eqx, jax, jdls, jdls.equinox
-      >>> model = jdls.equinox.layer_scales(eqx.nn.MLP(2, 1, 4, 1, key=jax.random.key(0)),
-      ...                                   jdls.AdaptiveScale())
-      >>> model = jdls.equinox.set_layer_scales(model, [2.0**20, 2.0**4])
-      >>> [float(v) for v in jdls.equinox.get_layer_scales(model).values()]
-      [1048576.0, 16.0]
-    """
-    sites = _layer_sites(model)
-    if not sites:
-        raise ValueError(
-            "jdls.equinox.set_layer_scales: the model holds no per-layer scale; add them "
-            "with jdls.equinox.layer_scales(model, scale)"
-        )
-    rows = sum(len(list(_rows(name, site))) for name, site, _ in sites)
-    if isinstance(scales, LossScale):
-        given: list[Any] = [scales] * rows
-    else:
-        given = list(scales)
-        if len(given) != rows:
-            names = [r for name, site, _ in sites for r, _ in _rows(name, site)]
-            raise ValueError(
-                f"jdls.equinox.set_layer_scales: the model has {rows} layers with a scale "
-                f"({', '.join(names)}), got {len(given)} values: give one per layer in this "
-                "order, or one jdls loss scale for all"
-            )
-    new: dict[tuple[Any, ...], Site] = {}
-    k = 0
-    for name, site, path in sites:
-        current = site.value["scale"]
-        entries = []
-        for row, index in _rows(name, site):
-            value = given[k]
-            k += 1
-            old = jax.tree_util.tree_map(lambda v, i=index: jnp.asarray(v)[i], current)
-            if isinstance(value, LossScale):
-                entries.append(check_scale(value, "scales"))
-            elif isinstance(value, int | float) or (
-                hasattr(value, "shape") and jnp.shape(value) == ()
-            ):
-                number = jnp.asarray(value, jnp.asarray(old.loss_scale).dtype)
-                entries.append(dataclasses.replace(old, loss_scale=number))
-            else:
-                raise TypeError(
-                    f"jdls.equinox.set_layer_scales: the value for {row} is a "
-                    f"{type(value).__name__}; give a jdls loss scale or a number"
-                )
-        stack = site.kind.stack_shape(site.value)
-        level: Any
-        if stack:
-            try:
-                level = jax.tree_util.tree_map(
-                    lambda *v, shape=stack: jnp.stack([jnp.asarray(x) for x in v]).reshape(
-                        (*shape, *jnp.shape(v[0]))
-                    ),
-                    *entries,
-                )
-            except ValueError:
-                raise ValueError(
-                    f"jdls.equinox.set_layer_scales: the layers of the stack {name} take "
-                    "loss scales of different kinds or rules; one stack's layers share one"
-                ) from None
-        else:
-            level = entries[0]
-        new[path] = fresh_site(Site(site.kind, {**site.value, "scale": level}))
-
-    def put(path: Any, x: Any) -> Any:
-        return new.get(tuple(path_key(p) for p in path), x)
-
-    return jax.tree_util.tree_map_with_path(put, model, is_leaf=is_site)
-
-
-def checkpointed(model: Any) -> Any:
-    """``eqx.filter(model, eqx.is_inexact_array)`` that keeps the sites whole: their
-    integer leaves (a per-layer scale's counters) too, which the inexact filter drops and a
-    restore would take from the template (counters silently reset). Save and restore with it
-    where a codebase filters to inexact arrays.
-
-    Example:
-      >>> import equinox as eqx, jax, jdls, jdls.equinox
-      >>> model = jdls.equinox.layer_scales(eqx.nn.MLP(2, 1, 4, 1, key=jax.random.key(0)),
-      ...                                   jdls.DynamicScale())
-      >>> count = lambda t: len(jax.tree_util.tree_leaves(t))
-      >>> count(jdls.equinox.checkpointed(model)) - count(eqx.filter(model, eqx.is_inexact_array))
-      6
-    """
-    return eqx.filter(model, lambda x: is_site(x) or eqx.is_inexact_array(x), is_leaf=is_site)
