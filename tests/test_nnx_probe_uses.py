@@ -426,3 +426,31 @@ def test_probes_called_again_keep_the_probes_and_bad_inputs_say_so() -> None:
     assert jax.tree_util.tree_structure(before) == jax.tree_util.tree_structure(after)
     with pytest.raises(ValueError, match="could not be run on the example inputs"):
         jdls.nnx.probes(Model(nnx.Rngs(0)), jnp.ones((2, 4, 5)))
+
+
+@with_and_without_jit
+def test_stacked_names_a_vmap_stack_from_outside(jit) -> None:
+    """``stacked=`` probes a stack made by ``nnx.vmap`` from outside its constructor: the
+    same rows, measurements and gradients as probes put in inside it (the reference), where
+    without it the example pass fails with an error naming ``stacked=``."""
+    x = jax.random.normal(jax.random.key(1), (5, 4))
+
+    def loss(m, x):
+        return jnp.sum(m(x) ** 2)
+
+    fn = maybe_jit(jdls.nnx.value_and_grad(loss, jdls.StaticScale(SCALE)), jit)
+    model = jdls.nnx.probes(Stack(nnx.Rngs(0), probes=False), x, stacked=lambda m: m.layers)
+    _, grads = fn(model, x)
+    _, ref_grads = fn(jdls.nnx.probes(Stack(nnx.Rngs(0)), x), x)
+    t, ref = _measured(grads), _measured(ref_grads)
+    assert t.names == ref.names
+    assert "layers/drop#2[2]" in t.names
+    np.testing.assert_array_equal(t.amax, ref.amax)
+    for got, want in zip(
+        jax.tree_util.tree_leaves(nnx.state(grads, nnx.Param)),
+        jax.tree_util.tree_leaves(nnx.state(ref_grads, nnx.Param)),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match=r"stacked=lambda m: m.layers"):
+        jdls.nnx.probes(Stack(nnx.Rngs(0), probes=False), x)

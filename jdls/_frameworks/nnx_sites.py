@@ -317,7 +317,11 @@ def _once(variable: SiteVariable, path: tuple[Any, ...], sites: dict[int, Any], 
 
 
 def probes_nnx(
-    model: Any, *example_args: Any, compute_dtype: Any = "float16", **example_kwargs: Any
+    model: Any,
+    *example_args: Any,
+    compute_dtype: Any = "float16",
+    stacked: Callable[[Any], Any] | None = None,
+    **example_kwargs: Any,
 ) -> Any:
     """Give the modules of the NNX ``model`` (the model included) a :class:`jdls.Probe` after
     each call, in place; returns ``model``.
@@ -348,15 +352,17 @@ def probes_nnx(
     order; ``nnx.Sequential``: its list order). Call it where the model is built, before
     ``nnx.split`` / ``nnx.merge``, ``nnx.jit`` or a checkpoint's restore rebuild the modules
     with their attributes sorted by name; the positions then travel with the sites. The
-    model's own probes are named after its class. For a stack made by ``nnx.vmap``, call it
-    (without inputs) inside the vmapped constructor too: the probes are then stacked with the
-    layers, one per layer, and the probes this call adds to a stacked module are stacked as
-    its first one.
+    model's own probes are named after its class. A stack of layers made by ``nnx.vmap`` (and
+    run by ``nnx.scan``) is named by ``stacked`` (``lambda m: m.layers``, or a tuple of such
+    modules): the probes of its modules get its leading axis, one per layer (rows
+    ``layers/attn[2]``). Calling this function inside the vmapped constructor does the same.
 
     Args:
       model: an NNX module (changed in place).
       *example_args: inputs of one call of ``model``, optional.
       compute_dtype: the format whose flushing to zero the probes count.
+      stacked: for a model with stacks of layers made by ``nnx.vmap``: a function of the
+        model returning the stack (or a tuple of stacks), e.g. ``lambda m: m.layers``.
       **example_kwargs: keyword inputs of that call.
 
     Raises:
@@ -388,6 +394,7 @@ def probes_nnx(
         if not isinstance(module, nnx.List | nnx.Dict)
     ]
     kind = Probe(compute_dtype)
+    layers = _stack_sizes(model, stacked)
     markers: list[tuple[Any, str]] = []  # the probes of methods made here, without a call yet
     for _, module in modules:
         cls = vars(type(module)).get(_ORIGINAL, type(module))
@@ -395,7 +402,11 @@ def probes_nnx(
         methods = [_probe_attr(m, 1) for m in _public_methods(cls, own=True)]
         for attr in (*wanted, *methods):
             if not isinstance(vars(module).get(attr), SiteVariable):
-                _attach(module, attr, _stacked_as(module, Site(kind)))
+                site = Site(kind)
+                size = layers.get(id(module))
+                _attach(
+                    module, attr, _stacked_as(module, site) if size is None else site.stacked(size)
+                )
                 if attr in methods:
                     markers.append((module, attr))
     _place(modules, None)  # unique positions: a module's identity in the example pass
@@ -421,6 +432,33 @@ def probes_nnx(
             delattr(module, attr)
     _place(modules, order)
     return model
+
+
+def _stack_sizes(model: Any, stacked: Callable[[Any], Any] | None) -> dict[int, int]:
+    """``{id(module): number of layers}`` for every module of the stacks ``stacked(model)``
+    names (made by ``nnx.vmap``: every array has the leading axis of the layers)."""
+    if stacked is None:
+        return {}
+    roots = stacked(model)
+    roots = roots if isinstance(roots, tuple | list) else (roots,)
+    sizes: dict[int, int] = {}
+    for root in roots:
+        if not isinstance(root, nnx.Module):
+            raise TypeError(
+                f"jdls.nnx.probes: stacked= must return the stack's module (made by nnx.vmap), "
+                f"or a tuple of them; got {type(root).__name__}"
+            )
+        arrays = [x for x in jax.tree_util.tree_leaves(nnx.state(root)) if jnp.ndim(x) > 0]
+        if not arrays or len({jnp.shape(x)[0] for x in arrays}) != 1:
+            raise ValueError(
+                f"jdls.nnx.probes: stacked= named a {type(root).__name__} whose arrays do not "
+                "share one leading axis (the number of layers, as nnx.vmap makes them): name "
+                "only stacks of layers"
+            )
+        size = int(jnp.shape(arrays[0])[0])
+        for _, module in modules_in_order(root, "jdls.nnx.probes"):
+            sizes[id(module)] = size
+    return sizes
 
 
 def _probes_of(module: Any) -> list[tuple[str, SiteVariable]]:
@@ -456,11 +494,18 @@ def _example_pass(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     try:
         nnx.eval_shape(lambda m, a, kw: m(*a, **kw), model, args, kwargs)
     except Exception as error:
+        stack = "leading axis" in str(error)
         raise ValueError(
             f"jdls.nnx.probes: the model could not be run on the example inputs given "
-            f"(model(*example_args, **example_kwargs), abstractly: {error}). Pass the inputs "
-            "of one call of the model, or none (a probe per module and method, one per use "
-            "only with inputs)"
+            f"(model(*example_args, **example_kwargs), abstractly: {error}). "
+            + (
+                "A stack of layers made by nnx.vmap and run by nnx.scan needs its probes "
+                "stacked with its layers: name it, jdls.nnx.probes(model, ..., "
+                "stacked=lambda m: m.layers)"
+                if stack
+                else "Pass the inputs of one call of the model, or none (a probe per module "
+                "and method, one per use only with inputs)"
+            )
         ) from error
     finally:
         _RECORD.reset(token)

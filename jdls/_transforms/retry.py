@@ -61,6 +61,21 @@ class SkipCause(enum.IntEnum):
     #: scale looks higher on the next step
     UNDERFLOW = 5
 
+    def __str__(self) -> str:
+        """The cause's name, in prints and f-strings (``f"{jdls.skip_cause(opt_state)}"``
+        reads ``BACKWARD``, not ``2``); ``int(cause)`` is its number.
+
+        Example:
+          >>> import jdls
+          >>> f"skipped: {jdls.SkipCause.FORWARD}", int(jdls.SkipCause.FORWARD)
+          ('skipped: FORWARD', 1)
+        """
+        return self.name
+
+    def __format__(self, spec: str) -> str:
+        number = bool(spec) and spec[-1] in "bdoxXn"
+        return format(int(self), spec) if number else format(self.name, spec)
+
     @property
     def handled(self) -> bool:
         """Whether the skip is loss scaling at work: an overflow of the scaled gradients

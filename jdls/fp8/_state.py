@@ -315,7 +315,8 @@ def telemetry(tree: Any) -> dict[str, dict[str, dict[str, Any]]]:
         warnings.warn(
             f"FP8 sites used more than once in one step: {', '.join(shared)}. JAX sums the "
             "measurements of a shared site, so they were not recorded and its scales did not "
-            "change. Give each use its own site (one jdls.fp8.init per call; inside a loop, "
+            "change. Give each use its own site (one jdls.fp8.init per call; under jax.vmap over "
+            "examples, the layer called on the whole batch; inside a loop, "
             "sites stacked along the loop axis).",
             stacklevel=2,
         )
