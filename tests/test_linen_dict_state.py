@@ -206,3 +206,35 @@ def test_mistakes_name_the_fix() -> None:
         jdls.linen.value_and_grad(lambda v: 0.0, jdls.get_scale(opt_state), argnum=(0, 1))
     with pytest.raises(TypeError, match="argument 1 of the loss function"):
         jdls.linen.value_and_grad(lambda x, v: 0.0, jdls.get_scale(opt_state), argnum=1)(variables)
+
+
+@with_and_without_jit
+@pytest.mark.parametrize("name", ["probes", pytest.param("fp8", marks=pytest.mark.full)])
+def test_an_optimizer_initialised_on_the_variables_steps_as_on_the_parameters(name, jit):
+    """``tx.init(variables)`` (the wrap keeps the sites apart) and ``tx.init(variables
+    ["params"])`` give one training, bit for bit, over three steps with a skipped one; the
+    guard's norm of all the gradients is the parameters' (the measurements count nothing)."""
+    model = _models()[name]
+    variables = model.init(jax.random.key(0), _x())
+    tx = jdls.wrap(optax.adam(1e-2), jdls.DynamicScale(2.0**10, growth_interval=2))
+
+    def step(variables, opt_state, x):
+        loss_fn = lambda v: jnp.sum(model.apply(v, x) ** 2)  # noqa: E731
+        loss, grads = jdls.linen.value_and_grad(loss_fn, jdls.get_scale(opt_state))(variables)
+        norms = (optax.tree.norm(grads), optax.tree.norm(grads["params"]))
+        variables, opt_state = jdls.linen.apply_gradients(
+            tx, variables, grads, opt_state, value=loss
+        )
+        return variables, opt_state, norms
+
+    step = maybe_jit(step, jit)
+    runs = []
+    for init_on in (variables["params"], variables):
+        v, opt_state = variables, tx.init(init_on)
+        for bad in (False, True, False):
+            v, opt_state, (norm, param_norm) = step(v, opt_state, _x(bad))
+            if not bad:
+                assert float(norm) == float(param_norm)
+        runs.append((v, jdls.stats(opt_state)))
+    _same(runs[0], runs[1])
+    assert int(runs[0][1].skipped_steps) == 1

@@ -167,7 +167,7 @@ def train(config: Config, steps: int, seed: int = 0) -> float:
     train_data, test_data = batches(data[:cut], 64, 16, seed), batches(data[cut:], 64, 64, 1)
     tokens, _ = next(train_data)
     params = model.init(jax.random.key(seed), tokens)
-    state = {"params": params, "opt_state": tx.init(params["params"]), "step": 0}
+    state = {"params": params, "opt_state": tx.init(params), "step": 0}
 
     @jax.jit
     def train_step(state, tokens, targets, key):
@@ -179,7 +179,7 @@ def train(config: Config, steps: int, seed: int = 0) -> float:
         loss, grads = jdls.linen.value_and_grad(loss_fn, jdls.get_scale(opt_state))(params)
         params, opt_state = jdls.linen.apply_gradients(tx, params, grads, opt_state, value=loss)
         new = {"params": params, "opt_state": opt_state, "step": state["step"] + 1}
-        return new, loss, optax.tree.norm(grads["params"])
+        return new, loss, optax.tree.norm(grads)
 
     @jax.jit
     def evaluate(params, tokens, targets):

@@ -21,6 +21,7 @@ from jdls._frameworks.linen_sites import SITES
 from jdls._scales.layer_scales import layer_sites, scale_layers
 from jdls._scales.scale import LossScale, check_scale
 from jdls._sites.update import update_sites
+from jdls._transforms import apply as site_apply
 from jdls._transforms.stats import step_applied
 
 __all__ = ["apply_gradients", "split_gradients", "value_and_grad"]
@@ -152,6 +153,14 @@ def split_gradients(grads: Any, params: Any, sites: Any) -> tuple[Any, Any]:
     return grads, None
 
 
+def _initialized_on(tx: Any, opt_state: Any, trained: Any, params: Any) -> bool:
+    """Whether ``opt_state`` is ``tx.init`` of the variables ``trained`` (``{"params",
+    "jdls"}``) rather than of the parameters: compared by tree structure, abstractly."""
+    if _same_structure(jax.eval_shape(tx.init, params), opt_state):
+        return False
+    return _same_structure(jax.eval_shape(tx.init, trained), opt_state)
+
+
 def apply_gradients(
     tx: Any, variables: Any, grads: Any, opt_state: Any, *, value: Any = None
 ) -> tuple[Any, Any]:
@@ -171,7 +180,8 @@ def apply_gradients(
       variables: ``{"params": ..., "jdls": ...}`` (``"jdls"`` only with sites), a dict or a
         ``FrozenDict``.
       grads: what :func:`value_and_grad` returned for ``variables``.
-      opt_state: ``tx``'s state.
+      opt_state: ``tx``'s state, ``tx.init(variables["params"])`` or ``tx.init(variables)``
+        (the wrap keeps the sites apart; the two step alike).
       value: the step's loss, passed to ``tx.update(..., value=loss)``: the wrap then tells a
         non-finite loss (``jdls.SkipCause.FORWARD``: bad data, a forward overflow; not
         ``handled``) from an overflow of the scaled gradients (loss scaling at work), which
@@ -201,8 +211,16 @@ def apply_gradients(
             + (f" with keys {sorted(variables)}" if isinstance(variables, Mapping) else "")
         )
     params, sites = variables["params"], variables.get(SITES)
-    param_grads, measured = split_gradients(grads, params, sites)
     extra = {} if value is None else {"value": value}
+    trained = {k: variables[k] for k in ("params", SITES) if k in variables}
+    if sites is not None and _initialized_on(tx, opt_state, trained, params):
+        # tx.init(variables): the wrap keeps the sites apart and updates them itself
+        if not isinstance(grads, Mapping) or set(grads) != set(trained):
+            split_gradients(grads, params, sites)  # the error that names what to pass
+        updates, opt_state = tx.update(dict(grads), opt_state, trained, **extra)
+        new = {**variables, **site_apply.apply_updates(trained, updates, opt_state)}
+        return (new if type(variables) is dict else type(variables)(new)), opt_state  # type: ignore[call-arg]
+    param_grads, measured = split_gradients(grads, params, sites)
     updates, opt_state = tx.update(param_grads, opt_state, params, **extra)
     new = {**variables, "params": optax.apply_updates(params, updates)}
     if measured is not None:
