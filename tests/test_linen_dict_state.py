@@ -238,3 +238,43 @@ def test_an_optimizer_initialised_on_the_variables_steps_as_on_the_parameters(na
         runs.append((v, jdls.stats(opt_state)))
     _same(runs[0], runs[1])
     assert int(runs[0][1].skipped_steps) == 1
+
+
+class _WithNorm(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(1)(nn.BatchNorm(use_running_average=True)(nn.Dense(4)(x)))
+
+
+@pytest.mark.parametrize("case", ["frozen", "no_sites"])
+def test_the_variables_optimizer_takes_a_frozendict_and_a_model_without_sites(case):
+    """``tx.init(variables)`` of a ``FrozenDict``, and of a model without sites
+    (``{"params": ...}``), steps as ``tx.init(variables["params"])``, bit for bit."""
+    model = jdls.linen.probes(Scanned()) if case == "frozen" else nn.Dense(3)
+    variables = model.init(jax.random.key(0), _x())
+    if case == "frozen":
+        variables = FrozenDict(variables)
+    tx = jdls.wrap(optax.adam(1e-2))
+    runs = []
+    for init_on in (variables["params"], variables):
+        v, opt_state = variables, tx.init(init_on)
+        for _ in range(2):
+            loss_fn = lambda v: jnp.sum(model.apply(v, _x()) ** 2)  # noqa: E731
+            loss, grads = jdls.linen.value_and_grad(loss_fn, jdls.get_scale(opt_state))(v)
+            v, opt_state = jdls.linen.apply_gradients(tx, v, grads, opt_state, value=loss)
+        assert type(v) is type(variables)
+        runs.append(v)
+    _same(runs[0], runs[1])
+
+
+def test_an_optimizer_initialised_on_the_batch_stats_too_is_refused():
+    model = jdls.linen.probes(_WithNorm())
+    variables = model.init(jax.random.key(0), _x())
+    tx = jdls.wrap(optax.adam(1e-2))
+    opt_state = tx.init(variables)  # batch_stats included: the optimizer would train them
+    loss_fn = lambda v: jnp.sum(model.apply(v, _x()) ** 2)  # noqa: E731
+    _, grads = jdls.linen.value_and_grad(loss_fn, jdls.get_scale(opt_state))(variables)
+    with pytest.raises(
+        ValueError, match=r"\['batch_stats'\] included.*tx.init\(variables\['params'\]\)"
+    ):
+        jdls.linen.apply_gradients(tx, variables, grads, opt_state)

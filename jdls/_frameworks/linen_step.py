@@ -153,12 +153,26 @@ def split_gradients(grads: Any, params: Any, sites: Any) -> tuple[Any, Any]:
     return grads, None
 
 
-def _initialized_on(tx: Any, opt_state: Any, trained: Any, params: Any) -> bool:
-    """Whether ``opt_state`` is ``tx.init`` of the variables ``trained`` (``{"params",
-    "jdls"}``) rather than of the parameters: compared by tree structure, abstractly."""
+def _initialized_on(tx: Any, opt_state: Any, variables: Any, params: Any) -> Any:
+    """The tree ``opt_state`` is ``tx.init`` of, when it is not the parameters: the
+    variables' ``{"params", "jdls"}`` (a dict, or the variables' own mapping type); None for
+    the parameters. Compared by tree structure, abstractly. Initialised on every collection
+    (``batch_stats`` included), it is refused: the optimizer would train them."""
     if _same_structure(jax.eval_shape(tx.init, params), opt_state):
-        return False
-    return _same_structure(jax.eval_shape(tx.init, trained), opt_state)
+        return None
+    trained = {k: variables[k] for k in ("params", SITES) if k in variables}
+    kinds = (trained, type(variables)(trained)) if type(variables) is not dict else (trained,)  # type: ignore[call-arg]
+    for candidate in kinds:
+        if _same_structure(jax.eval_shape(tx.init, candidate), opt_state):
+            return candidate
+    others = sorted(set(variables) - {"params", SITES})
+    if others and _same_structure(jax.eval_shape(tx.init, variables), opt_state):
+        raise ValueError(
+            f"the optimizer state was initialised on every collection of the variables, "
+            f"{others} included, so the optimizer would train them: initialise it on the "
+            "parameters, tx.init(variables['params']) (or on {'params': ..., 'jdls': ...})"
+        )
+    return None
 
 
 def apply_gradients(
@@ -212,12 +226,15 @@ def apply_gradients(
         )
     params, sites = variables["params"], variables.get(SITES)
     extra = {} if value is None else {"value": value}
-    trained = {k: variables[k] for k in ("params", SITES) if k in variables}
-    if sites is not None and _initialized_on(tx, opt_state, trained, params):
+    trained = _initialized_on(tx, opt_state, variables, params)
+    if trained is not None:
         # tx.init(variables): the wrap keeps the sites apart and updates them itself
+        if sites is None and not (isinstance(grads, Mapping) and set(grads) == {"params"}):
+            grads = {"params": grads}  # the parameters' gradients, as without sites
         if not isinstance(grads, Mapping) or set(grads) != set(trained):
             split_gradients(grads, params, sites)  # the error that names what to pass
-        updates, opt_state = tx.update(dict(grads), opt_state, trained, **extra)
+        grads = type(trained)({k: grads[k] for k in trained})  # type: ignore[call-arg]
+        updates, opt_state = tx.update(grads, opt_state, trained, **extra)
         new = {**variables, **site_apply.apply_updates(trained, updates, opt_state)}
         return (new if type(variables) is dict else type(variables)(new)), opt_state  # type: ignore[call-arg]
     param_grads, measured = split_gradients(grads, params, sites)
