@@ -97,3 +97,13 @@ __all__ = [
     "wrap",
     "wrap_groups",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """``equinox``, the optional Equinox face, imported on first use (Equinox is not a
+    dependency): ``jdls.equinox`` works after ``import jdls`` where Equinox is installed."""
+    if name == "equinox":
+        import importlib
+
+        return importlib.import_module(f"{__name__}.equinox")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -92,3 +92,15 @@ def test_no_module_imports_private_jax() -> None:
         if re.search(r"^\s*(from|import)\s+jax\._src", f.read_text(encoding="utf-8"), re.M)
     ]
     assert found == []
+
+
+def test_the_equinox_faces_load_on_first_use():
+    """``import jdls`` and no more: ``jdls.equinox`` and ``jdls.fp8.equinox`` are imported on
+    first use (Equinox is optional), as the docs use them."""
+    pytest.importorskip("equinox")
+    import subprocess
+    import sys
+
+    code = "import jdls; print(jdls.equinox.probes.__name__, jdls.fp8.equinox.Linear.__name__)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["probes_equinox", "Linear"]
