@@ -182,7 +182,7 @@ def test_probes_wrap_the_top_level_modules_and_keep_the_model_working():
 
 
 @pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
-@pytest.mark.full(keep=1)
+@pytest.mark.full  # 14 s; the quick run reads Equinox probe rows in test_first_nonfinite_names_where_an_overflow_in_layer_2_starts
 def test_probe_rows_in_forward_order_and_gradients_exact(jit):
     model, (tokens, targets) = probed(), batch()
     scale = jdls.StaticScale(2.0**8)

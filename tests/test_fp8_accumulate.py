@@ -163,6 +163,7 @@ def test_a_hand_written_step_with_multisteps_records_one_amax_per_applied_step()
     assert sorted(history[history != 0].tolist()) == _expected_history(batches)
 
 
+@pytest.mark.full  # 5 s; accumulation with FP8 sites is quick in test_accumulate_with_a_dropped_micro_batch_records_the_kept_ones
 def test_wrap_with_multisteps_updates_sites_in_params_once_per_applied_step():
     """The site among the parameters given to jdls.wrap(optax.MultiSteps(...)) (the Equinox
     path): the wrap updates it with "the step was applied"."""

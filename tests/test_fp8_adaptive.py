@@ -208,6 +208,7 @@ def test_a_growing_loss_scale_changes_nothing_of_the_fp8_training(recipe, jit):
     assert_bitwise_equal(scaled.sites, plain.sites)
 
 
+@pytest.mark.full  # 7-11 s; the quick run measures unscaled amaxes in tests/test_fp8_loss_scale_paths.py
 def test_a_backed_off_loss_scale_leaves_the_history_in_unscaled_amaxes():
     x, w = jnp.ones((2, 4)), jnp.ones((4, 2))
     site = fp8.init(fp8.DelayedScaling(4))

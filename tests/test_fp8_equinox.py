@@ -31,6 +31,7 @@ class _Mlp(eqx.Module):
         return self.b(jax.nn.gelu(self.a(x)))
 
 
+@pytest.mark.full  # 6 s; tests/test_fp8_uses.py steps an Equinox FP8 model in the quick run
 def test_equinox_step_updates_sites_and_trains():
     model = _Mlp(jax.random.key(0))
     tx = jdls.wrap(optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2)))

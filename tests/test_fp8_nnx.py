@@ -32,6 +32,7 @@ def _step(model, optimizer, x, y):
     return loss
 
 
+@pytest.mark.full  # 8 s; jdls.nnx.Optimizer updates sites in tests/test_nnx_sites.py's quick run
 def test_nnx_optimizer_trains_and_updates_the_fp8_sites():
     model = _Mlp(nnx.Rngs(0))
     optimizer = jdls.nnx.Optimizer(

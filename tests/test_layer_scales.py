@@ -299,6 +299,7 @@ def test_residual_blocks_marked_after_the_add_are_exact(jit: bool) -> None:
     assert all(float(m.value["finite"]) == 1.0 for m in measurements.values())
 
 
+@pytest.mark.full  # 5 s; a documented limitation, pinned
 def test_residual_branch_marked_before_the_add_is_not_exact() -> None:
     """The documented limitation: a boundary inside the residual branch leaves the skip path
     at the wrong scale, and the gradients are wrong (not a rounding difference)."""

@@ -324,6 +324,7 @@ class DecoratedBlocks(nn.Module):
         return x
 
 
+@pytest.mark.full  # 6 s; its per-layer sibling under nn.jit is quick
 def test_nn_jit_traced_before_without_sites_keeps_the_sites() -> None:
     """The bare model traced its nn.jit blocks first (init and apply): the probed model's
     init does not reuse that trace (its sites would be missing), nor does the bare model

@@ -112,6 +112,7 @@ def test_stochastic_rounding_is_reproducible_and_seeded(jit):
 
 
 @with_and_without_jit
+@pytest.mark.full  # 7 s; a skipped NVFP4 step keeps its bits in the quick run
 def test_the_step_advances_on_applied_steps_only(jit):
     """An applied step advances the bits; a skipped step keeps them, so a step redone after
     a skip draws the same bits."""

@@ -124,6 +124,7 @@ def test_pytorch_matches_torch_kernel(jit, flags, g, b, n, s0):
     assert_same_scales(ours, [reference.step(f) for f in flags], flags, stop=lambda v: v < TINY)
 
 
+@pytest.mark.full  # 9 s; the PyTorch rule is checked against torch's kernel in the quick run
 def test_pytorch_growth_to_inf_is_dropped():
     s = jdls.presets.pytorch(init_scale=2.0**127, growth_interval=1)
     s = s.adjust(True)
