@@ -127,6 +127,16 @@ def _bare_grads(jit: bool):
     return maybe_jit(nnx.grad(loss_fn), jit)(bare, TOKENS)
 
 
+def _assert_same_param_grads(grads, ref) -> None:
+    """The parameters' gradients of ``grads`` (an NNX state) equal ``ref``'s leaves exactly."""
+    for got, want in zip(
+        jax.tree_util.tree_leaves(nnx.state(grads, nnx.Param)),
+        jax.tree_util.tree_leaves(ref),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(got, want)
+
+
 @with_and_without_jit
 def test_a_row_per_use_and_per_method_equal_to_the_cotangents_by_hand(jit: bool) -> None:
     model = jdls.nnx.probes(Model(nnx.Rngs(0)), TOKENS)
@@ -140,12 +150,7 @@ def test_a_row_per_use_and_per_method_equal_to_the_cotangents_by_hand(jit: bool)
     assert len(set(np.asarray(t.amax).tolist())) == len(PER_USE) - 1  # decode's is the model's
     # the probes measure and change nothing: the bare model's gradients, bit for bit
     ref = _bare_grads(jit)
-    for got, want in zip(
-        jax.tree_util.tree_leaves(nnx.state(grads, nnx.Param)),
-        jax.tree_util.tree_leaves(ref),
-        strict=True,
-    ):
-        np.testing.assert_array_equal(got, want)
+    _assert_same_param_grads(grads, ref)
 
 
 @with_and_without_jit
@@ -164,12 +169,7 @@ def test_without_example_inputs_methods_get_a_row_and_a_shared_use_counts(jit: b
         if name != "block/drop":
             np.testing.assert_allclose(amax[name], hand[name], rtol=0 if not jit else 1e-6)
     ref = _bare_grads(jit)
-    for got, want in zip(
-        jax.tree_util.tree_leaves(nnx.state(grads, nnx.Param)),
-        jax.tree_util.tree_leaves(ref),
-        strict=True,
-    ):
-        np.testing.assert_array_equal(got, want)
+    _assert_same_param_grads(grads, ref)
 
 
 def test_probes_are_named_as_linen_names_its_variables() -> None:
@@ -387,12 +387,7 @@ def test_a_scanned_stack_gets_a_stacked_probe_per_use(jit: bool) -> None:
     assert ref.names == t.names  # unrolled, each slice of a stacked probe is its own site
     np.testing.assert_allclose(t.amax, ref.amax, rtol=1e-6)
     bare = maybe_jit(nnx.grad(loss), jit)(Stack(nnx.Rngs(0), probes=False), x)
-    for got, want in zip(
-        jax.tree_util.tree_leaves(nnx.state(grads, nnx.Param)),
-        jax.tree_util.tree_leaves(bare),
-        strict=True,
-    ):
-        np.testing.assert_array_equal(got, want)
+    _assert_same_param_grads(grads, bare)
 
 
 class Nested(nnx.Module):
@@ -449,11 +444,6 @@ def test_stacked_names_a_vmap_stack_from_outside(jit) -> None:
     assert t.names == ref.names
     assert "layers/drop#2[2]" in t.names
     np.testing.assert_array_equal(t.amax, ref.amax)
-    for got, want in zip(
-        jax.tree_util.tree_leaves(nnx.state(grads, nnx.Param)),
-        jax.tree_util.tree_leaves(nnx.state(ref_grads, nnx.Param)),
-        strict=True,
-    ):
-        np.testing.assert_array_equal(got, want)
+    _assert_same_param_grads(grads, nnx.state(ref_grads, nnx.Param))
     with pytest.raises(ValueError, match=r"stacked=lambda m: m.layers"):
         jdls.nnx.probes(Stack(nnx.Rngs(0), probes=False), x)
