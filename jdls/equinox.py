@@ -108,8 +108,9 @@ def apply_updates(model: Any, updates: Any, opt_state: Any = None) -> Any:
     Leaves whose update is ``None`` (the non-array leaves of an Equinox model, and the arrays
     that were not differentiated) are kept as they are; a :class:`jdls.Site` field takes its
     new state from ``opt_state``, where ``jdls.wrap`` left it (the site updated from its
-    measurement, or kept on a skipped step as its kind says; the update at a site is
-    ``None``, so ``eqx.apply_updates`` would keep the old state); every other parameter becomes
+    measurement, or kept on a skipped step as its kind says; the update at a site is a
+    ``SiteUpdate`` without leaves, which ``eqx.apply_updates`` refuses, naming this function);
+    every other parameter becomes
     ``(p + u).astype(p.dtype)``, as in ``optax.apply_updates``. ``eqx.apply_updates`` computes
     ``p + u``, so float32 updates (what ``jdls.wrap`` returns for 16-bit gradients) would turn
     bfloat16 or float16 parameters into float32, and ``eqx.filter_jit`` would compile the step

@@ -867,7 +867,28 @@ CASES = [
         ValueError,
         r"a jdls site.*jdls.wrap\(optax.chain\(optax.adaptive_grad_clip",
     ),
+    Case(
+        "sites-eqx-apply-updates",
+        lambda: _sited_step(jdls.wrap(optax.sgd(0.1)), _eqx_apply_updates),
+        ValueError,
+        r"SiteUpdate.*jdls.equinox.apply_updates\(model, updates, opt_state\) in place of "
+        r"eqx.apply_updates",
+    ),
+    Case(
+        "sites-decay-after-wrap",
+        lambda: _sited_step(
+            optax.chain(jdls.wrap(optax.scale_by_adam()), optax.add_decayed_weights(1e-4))
+        ),
+        ValueError,
+        r"SiteUpdate.*jdls.wrap\(optax.chain\(..., optax.add_decayed_weights\(wd\)",
+    ),
 ]
+
+
+def _eqx_apply_updates(model: Any, updates: Any) -> Any:
+    import equinox as eqx  # a test extra, as the Equinox tests' own
+
+    return eqx.apply_updates(model, updates)
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in CASES])

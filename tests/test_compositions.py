@@ -30,7 +30,7 @@ DIMS = (((1,), (0,)), ((), ()))
 
 SITES = ("probe", "fp8", "both")
 FRAMEWORKS = ("dict", "equinox")
-CHAINS = ("inside", "optax clip in front", "jdls clip in front", "decay and rate after")
+CHAINS = ("inside", "optax clip in front", "jdls clip in front", "rate after")
 STEPS = ("value_and_grad", "retrying", "accumulate")
 LAYOUTS = ("one device", "pmap", "shard_map", "shard_map without vma")
 
@@ -77,8 +77,7 @@ def _tx(chain):
     if chain == "jdls clip in front":
         return optax.chain(jdls.clip(1e6), jdls.wrap(optax.adamw(1e-2, weight_decay=0.1), scale))
     return optax.chain(
-        jdls.wrap(optax.scale_by_adam(), scale),
-        optax.add_decayed_weights(0.1),
+        jdls.wrap(optax.chain(optax.scale_by_adam(), optax.add_decayed_weights(0.1)), scale),
         optax.scale(-1e-2),
     )
 

@@ -84,15 +84,14 @@ def _train(tx, steps=6, jit=True):
 @pytest.mark.full  # about 7 s; the Equinox step updating its sites stays in the quick run
 @pytest.mark.parametrize("jit", [True, pytest.param(False, marks=pytest.mark.full)])
 def test_transformations_after_the_wrap_leave_the_sites_alone(jit):
-    """AdamW written as a chain around the wrap (weight decay and the learning rate after it)
-    and optax's clip in front: the FP8 sites' histories and the weights are those of
-    jdls.wrap(optax.adamw(...)) bit for bit; nothing scales or decays a site's state."""
+    """AdamW written with the learning rate after the wrap and optax's clip in front: the FP8
+    sites' histories and the weights are those of jdls.wrap(optax.adamw(...)) bit for bit;
+    nothing scales a site's state."""
     ref, _ = _train(jdls.wrap(optax.adamw(1e-2, weight_decay=0.1)), jit=jit)
     got, _ = _train(
         optax.chain(
             optax.clip_by_global_norm(1e6),
-            jdls.wrap(optax.scale_by_adam()),
-            optax.add_decayed_weights(0.1),
+            jdls.wrap(optax.chain(optax.scale_by_adam(), optax.add_decayed_weights(0.1))),
             optax.scale(-1e-2),
         ),
         jit=jit,
@@ -104,6 +103,36 @@ def test_transformations_after_the_wrap_leave_the_sites_alone(jit):
     )
     for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-6, atol=1e-7)
+
+
+def _one_update(tx):
+    model = _Mlp(jax.random.key(0))
+    params = eqx.filter(model, eqx.is_array)
+    opt_state = tx.init(params)
+    _, grads = jdls.get_scale(opt_state).value_and_grad(lambda m: jnp.sum(m(jnp.ones((2, 8)))))(
+        model
+    )
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return model, updates, opt_state
+
+
+def test_equinox_apply_updates_on_sites_names_the_fix():
+    """eqx.apply_updates cannot put a site's new state in place (it would add the update to
+    the old state, or keep it): it fails, and the error names jdls.equinox.apply_updates,
+    which gives the model jdls.wrap's new sites."""
+    model, updates, opt_state = _one_update(jdls.wrap(optax.sgd(0.1)))
+    with pytest.raises(ValueError, match=re.escape("jdls.equinox.apply_updates(model, updates")):
+        eqx.apply_updates(model, updates)
+    new = jdls.equinox.apply_updates(model, updates, opt_state)
+    assert float(new.a.site.value.lhs.history[0]) == 1.0  # the input's amax, recorded
+
+
+def test_weight_decay_after_the_wrap_on_sites_names_the_fix():
+    """optax.add_decayed_weights after the wrap would decay the parameters on a skipped step
+    and meets a site's update: it fails, naming the chain with the decay inside the wrap."""
+    tx = optax.chain(jdls.wrap(optax.scale_by_adam()), optax.add_decayed_weights(0.1))
+    with pytest.raises(ValueError, match=re.escape("optax.add_decayed_weights(wd)")):
+        _one_update(tx)
 
 
 @pytest.mark.full  # about 4 s

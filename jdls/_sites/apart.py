@@ -1,6 +1,7 @@
 """Sites kept apart from an optimizer: an optax transformation never sees them. The update
-at a site is ``None``, which every optax transformation after the wrap passes on untouched;
-the sites' new state waits in the wrap's state until the parameters take it.
+at a site is a :class:`SiteUpdate` (no leaves), which every optax transformation after the
+wrap passes on untouched and nothing can add to a site; the sites' new state waits in the
+wrap's state until the parameters take it.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from typing import Any
 
 import jax
 
-from jdls._sites.site import is_site
+from jdls._sites.site import SiteUpdate, is_site
 from jdls._sites.update import merge_sites, split_sites, update_sites
 
 __all__ = ["site_leaves", "sites_apart"]
@@ -32,8 +33,9 @@ def sites_apart(
     clipped, decayed or counted in a norm).
 
     With ``finite_of`` (``jdls.wrap``: the state's skip decision), each site is updated by its
-    kind from its measurement, the update at the site is ``None`` (so that a transformation
-    after the wrap, ``optax.scale`` or ``optax.add_decayed_weights``, leaves it alone) and
+    kind from its measurement, the update at the site is a :class:`SiteUpdate` (so that a
+    transformation after the wrap, ``optax.scale``, leaves it alone, and ``eqx.apply_updates``
+    or ``optax.add_decayed_weights`` fail, naming the fix, instead of keeping the old state) and
     ``hold(state, sites)`` puts the new sites (in the parameters' flattening order) in the
     state, where ``jdls.apply_updates`` finds them. Without (``jdls.clip``), the measurement
     passes on."""
@@ -60,6 +62,7 @@ def sites_apart(
                 "current state, which is among the params. Pass them: "
                 "tx.update(grads, opt_state, params)"
             )
+        out = _marked(out, measured)
         sites = split_sites(params)[1]
         new_sites = update_sites(sites, measured, finite_of(new_state))
         if hold is not None:
@@ -67,3 +70,12 @@ def sites_apart(
         return out, new_state
 
     return init, update
+
+
+def _marked(out: Any, measured: Any) -> Any:
+    """``out`` with a :class:`SiteUpdate` at every site of ``measured``."""
+
+    def pick(m: Any, o: Any) -> Any:
+        return SiteUpdate() if is_site(m) else o
+
+    return jax.tree_util.tree_map(pick, measured, out, is_leaf=lambda x: x is None or is_site(x))

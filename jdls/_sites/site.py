@@ -38,7 +38,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-__all__ = ["Site", "SiteKind", "fresh_site", "is_site"]
+__all__ = ["Site", "SiteKind", "SiteUpdate", "fresh_site", "is_site"]
 
 
 class SiteKind:
@@ -116,7 +116,7 @@ class _SiteType(type):
         return (
             f"<class '{cls.__module__}.{cls.__qualname__}'> (a jdls site, a probe, a per-layer "
             "scale or FP8 state, where an optax function expected a parameter, a gradient or "
-            "an update: jdls.wrap's update at a site is None. Apply updates with "
+            "an update: jdls.wrap's update at a site is a SiteUpdate. Apply updates with "
             "jdls.apply_updates(params, updates, opt_state) (Equinox: "
             "jdls.equinox.apply_updates); put optax.MultiSteps and transformations that read "
             "the params inside the wrap: jdls.wrap(optax.MultiSteps(...)), "
@@ -199,6 +199,56 @@ def _unflatten(kind: SiteKind, children: Iterable[Any]) -> Site:
 jax.tree_util.register_pytree_with_keys(
     Site, _flatten_with_keys, _unflatten, lambda s: ((s.value,), s.kind)
 )
+
+
+class _SiteUpdateType(type):
+    """The type of :class:`SiteUpdate`, whose ``repr`` names the fix where a function that
+    adds updates to parameters meets one (``eqx.apply_updates``,
+    ``optax.add_decayed_weights`` after the wrap): JAX's "pytree structure error" prints it."""
+
+    def __repr__(cls) -> str:
+        return (
+            f"<class '{cls.__module__}.{cls.__qualname__}'> (jdls.wrap's update at a site: "
+            "the site's new state waits in the optimizer state, and no update can be added "
+            "to a site. Apply updates with jdls.equinox.apply_updates(model, updates, "
+            "opt_state) in place of eqx.apply_updates, jdls.apply_updates(params, updates, "
+            "opt_state) in place of optax.apply_updates; put transformations that read the "
+            "params inside the wrap: jdls.wrap(optax.chain(..., "
+            "optax.add_decayed_weights(wd), ...)))"
+        )
+
+
+class SiteUpdate(metaclass=_SiteUpdateType):
+    """``jdls.wrap``'s update at a site: a pytree without leaves.
+
+    A site's new state is not an update that can be added to it (nor scaled, decayed or
+    clipped by a transformation after the wrap, which maps no leaf of it): the wrap keeps
+    the new state in its own state and puts a ``SiteUpdate`` in the updates, and
+    ``jdls.apply_updates`` (``jdls.equinox.apply_updates``) puts the new state in place.
+    Functions that would add it to the site (``eqx.apply_updates``, ``optax.apply_updates``,
+    ``optax.add_decayed_weights`` after the wrap) fail with JAX's pytree structure error,
+    which names the fix.
+
+    Example:
+      >>> import jax, jdls
+      >>> from jdls._sites.site import SiteUpdate
+      >>> jax.tree_util.tree_leaves({"probe": SiteUpdate()})
+      []
+    """
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "SiteUpdate()"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, SiteUpdate)
+
+    def __hash__(self) -> int:
+        return hash(SiteUpdate)
+
+
+jax.tree_util.register_pytree_node(SiteUpdate, lambda _: ((), None), lambda _, __: SiteUpdate())
 
 
 def is_site(x: Any) -> bool:

@@ -1,5 +1,5 @@
 """``jdls.apply_updates``: ``optax.apply_updates`` for parameters that hold sites, whose new
-state waits in the wrap's state (the update at a site is ``None``)."""
+state waits in the wrap's state (the update at a site is a ``SiteUpdate``, no leaves)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def _pending(opt_state: Any, count: int) -> list[Any]:
     if opt_state is None:
         raise ValueError(
             f"the parameters hold {count} sites (probes, per-layer scales, FP8 state), whose "
-            "new state jdls.wrap keeps in the optimizer state (their update is None): pass "
+            "new state jdls.wrap keeps in the optimizer state (their update is a SiteUpdate): pass "
             "it, apply_updates(params, updates, opt_state)"
         )
     held = [w.sites for _, w in wrap_states(snapshot(opt_state)) if w.sites is not None]
@@ -52,9 +52,10 @@ def apply_updates(params: Any, updates: Any, opt_state: Any = None) -> Any:
     """``optax.apply_updates(params, updates)`` for parameters that may hold sites.
 
     ``jdls.wrap`` keeps the sites of the parameters (probes, per-layer scales, FP8 state)
-    from the optimizer: the update at a site is ``None``, so that no transformation after the
-    wrap scales, decays or clips it, and the site's new state waits in ``opt_state``. This
-    puts it in place. Every other leaf becomes ``(p + u)`` in ``p``'s dtype, as in
+    from the optimizer: the update at a site is a ``SiteUpdate`` without leaves, so that no
+    transformation after the wrap scales, decays or clips it (``eqx.apply_updates`` and
+    ``optax.apply_updates`` refuse it, naming this function), and the site's new state waits
+    in ``opt_state``. This puts it in place. Every other leaf becomes ``(p + u)`` in ``p``'s dtype, as in
     ``optax.apply_updates`` (16-bit parameters stay 16-bit under float32 updates); a ``None``
     update keeps its leaf.
 
@@ -79,8 +80,8 @@ def apply_updates(params: Any, updates: Any, opt_state: Any = None) -> Any:
       >>> opt_state = tx.init(params)
       >>> loss = lambda p: jnp.sum(jdls.apply_site(p["w"], p["probe"]) ** 2)
       >>> updates, opt_state = tx.update(jax.grad(loss)(params), opt_state, params)
-      >>> updates["probe"] is None
-      True
+      >>> updates["probe"]
+      SiteUpdate()
       >>> params = jdls.apply_updates(params, updates, opt_state)
       >>> params["w"].tolist(), jdls.Telemetry.of(params).amax.tolist()
       ([0.5, 0.5], [2.0])

@@ -94,7 +94,7 @@ class WrapState(NamedTuple):
       inner_state: the state of the wrapped transformation, untouched by skipped steps.
       stats: a :class:`Stats` about the last step.
       sites: the sites of the parameters, as the last step left them (``None`` when the
-        parameters hold none): the update at a site is ``None``, and
+        parameters hold none): the update at a site is a ``SiteUpdate``, and
         :func:`jdls.apply_updates` puts these in place.
     """
 
