@@ -16,6 +16,7 @@ from jdls._scales.loss_adjust import adjust_loss_scales
 from jdls._scales.multi_loss import multi_loss_value_and_grad
 from jdls._scales.scale import AdaptiveScale, DynamicScale, LossScale, NoOpScale, StaticScale
 from jdls._sites.apply import apply_site
+from jdls._sites.dropped import SiteNotDifferentiated
 from jdls._sites.probe import Probe
 from jdls._sites.site import Site, SiteKind, is_site
 from jdls._sites.telemetry import Telemetry, plot_headroom
@@ -56,6 +57,7 @@ __all__ = [
     "Probe",
     "Site",
     "SiteKind",
+    "SiteNotDifferentiated",
     "SkipCause",
     "StaticScale",
     "Stats",

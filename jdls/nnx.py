@@ -8,7 +8,7 @@ This module adds what is specific to NNX:
   unscaled;
 * :func:`set_scale`: replace the loss scale of an ``nnx.Optimizer`` (its rule included);
 * :class:`SiteVariable` and :class:`Optimizer`: the model's sites, updated with its
-  parameters;
+  parameters from their measurements (:class:`SiteMeasurement`s in the gradients);
 * :func:`layer_scales`, :func:`layer_scale` and :func:`layer_scaled_value_and_grad`:
   per-layer scales;
 * :func:`probes`: a probe site after every submodule, and with example inputs after every
@@ -29,16 +29,18 @@ Example:
 from jdls._frameworks import flax_serialization  # noqa: F401 (registers the scales and sites)
 from jdls._frameworks.nnx_scale import nnx_value_and_grad as value_and_grad
 from jdls._frameworks.nnx_scale import set_nnx_scale as set_scale
-from jdls._frameworks.nnx_sites import Optimizer, SiteVariable
+from jdls._frameworks.nnx_sites import SiteVariable
 from jdls._frameworks.nnx_sites import layer_scale_nnx as layer_scale
 from jdls._frameworks.nnx_sites import layer_scales_nnx as layer_scales
-from jdls._frameworks.nnx_sites import (
+from jdls._frameworks.nnx_sites import probes_nnx as probes
+from jdls._frameworks.nnx_step import Optimizer, SiteMeasurement
+from jdls._frameworks.nnx_step import (
     nnx_layer_scaled_value_and_grad as layer_scaled_value_and_grad,
 )
-from jdls._frameworks.nnx_sites import probes_nnx as probes
 
 __all__ = [
     "Optimizer",
+    "SiteMeasurement",
     "SiteVariable",
     "layer_scale",
     "layer_scaled_value_and_grad",

@@ -875,6 +875,13 @@ CASES = [
         r"eqx.apply_updates",
     ),
     Case(
+        "sites-plain-nnx-optimizer",
+        lambda: _plain_nnx_optimizer_step(),
+        ValueError,
+        r"the gradients hold 1 sites' measurements and the params 0 sites.*use "
+        r"jdls.nnx.Optimizer\(model, tx, wrt=nnx.Param\)",
+    ),
+    Case(
         "sites-decay-after-wrap",
         lambda: _sited_step(
             optax.chain(jdls.wrap(optax.scale_by_adam()), optax.add_decayed_weights(1e-4))
@@ -883,6 +890,18 @@ CASES = [
         r"SiteUpdate.*jdls.wrap\(optax.chain\(..., optax.add_decayed_weights\(wd\)",
     ),
 ]
+
+
+def _plain_nnx_optimizer_step() -> None:
+    from flax import nnx
+
+    import jdls.nnx
+
+    model = jdls.nnx.probes(nnx.Linear(2, 1, rngs=nnx.Rngs(0)))
+    optimizer = nnx.Optimizer(model, jdls.wrap(optax.sgd(0.1)), wrt=nnx.Param)
+    loss = lambda m: jnp.mean(m(jnp.ones((4, 2))) ** 2)  # noqa: E731
+    _, grads = jdls.nnx.value_and_grad(loss, jdls.get_scale(optimizer))(model)
+    optimizer.update(model, grads)
 
 
 def _eqx_apply_updates(model: Any, updates: Any) -> Any:

@@ -89,8 +89,8 @@ def test_probes_in_a_vmapped_stack_run_by_scan_and_remat_give_a_row_per_layer() 
     assert ref.names == t.names
     np.testing.assert_allclose(t.amax, ref.amax, rtol=2e-3)
     for a, b in zip(
-        jax.tree_util.tree_leaves(nnx.state(grads, nnx.Param)),
-        jax.tree_util.tree_leaves(nnx.state(ref_grads, nnx.Param)),
+        jax.tree_util.tree_leaves(nnx.state(grads, nnx.Not(jdls.nnx.SiteVariable))),
+        jax.tree_util.tree_leaves(nnx.state(ref_grads, nnx.Not(jdls.nnx.SiteVariable))),
         strict=True,
     ):
         np.testing.assert_allclose(a, b, rtol=2e-3, atol=1e-6)
@@ -131,7 +131,7 @@ def test_per_layer_scales_in_a_vmapped_scanned_remat_stack_are_exact(jit: bool) 
     ref_loss, ref = nnx.value_and_grad(loss_fn)(model, x)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
     for a, b in zip(
-        jax.tree_util.tree_leaves(nnx.state(grads, nnx.Param)),
+        jax.tree_util.tree_leaves(nnx.state(grads, nnx.Not(jdls.nnx.SiteVariable))),
         jax.tree_util.tree_leaves(ref),
         strict=True,
     ):
@@ -141,7 +141,9 @@ def test_per_layer_scales_in_a_vmapped_scanned_remat_stack_are_exact(jit: bool) 
     )
     optimizer.update(model, grads)
     new = model.blocks.jdls_layer_scale.get_value().value
-    kernel = jnp.abs(nnx.state(grads, nnx.Param)["blocks"]["linear"]["kernel"].get_value())
+    kernel = jnp.abs(
+        nnx.state(grads, nnx.Not(jdls.nnx.SiteVariable))["blocks"]["linear"]["kernel"].get_value()
+    )
     assert new["scale"].loss_scale.shape == (DEPTH,)
     assert np.all(np.asarray(new["amax"]) >= np.asarray(kernel.reshape(DEPTH, -1).max(1)))
     assert not np.all(np.asarray(new["scale"].loss_scale) == np.asarray(levels))
@@ -234,7 +236,7 @@ def test_layer_positions_survive_split_merge_and_restore_bit_for_bit(jit: bool) 
         )
         ref = (jax.jit(bare) if jit else bare)(params)
         for a, b in zip(
-            jax.tree_util.tree_leaves(nnx.state(grads, nnx.Param)),
+            jax.tree_util.tree_leaves(nnx.state(grads, nnx.Not(jdls.nnx.SiteVariable))),
             jax.tree_util.tree_leaves(ref),
             strict=True,
         ):

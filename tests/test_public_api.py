@@ -24,6 +24,7 @@ def test_framework_modules_hold_their_entry_points() -> None:
     ]
     assert sorted(jdls.nnx.__all__) == [
         "Optimizer",
+        "SiteMeasurement",
         "SiteVariable",
         "layer_scale",
         "layer_scaled_value_and_grad",

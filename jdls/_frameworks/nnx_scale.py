@@ -71,12 +71,20 @@ def nnx_value_and_grad(
         argnums_spec = nnx.DiffState(argnums_spec, wrt)
     else:
         argnums_spec = tuple(nnx.DiffState(i, wrt) for i in argnums_spec)
-    return scaled_value_and_grad(
+    from jdls._frameworks.nnx_step import measurements
+
+    scaled = scaled_value_and_grad(
         scale,
         fun,
         has_aux,
         lambda scaled: nnx.value_and_grad(scaled, argnums=argnums_spec, has_aux=True),
     )
+
+    def value_and_grad_fn(*args: Any, **kwargs: Any) -> Any:
+        value, grads = scaled(*args, **kwargs)
+        return value, measurements(grads)  # the sites' measurements: SiteMeasurement
+
+    return value_and_grad_fn
 
 
 def set_nnx_scale(optimizer: Any, scale: LossScale) -> None:

@@ -51,6 +51,15 @@ def sites_apart(
         rest, measured = split_sites(updates)
         if not site_leaves(measured):
             return update_fn(updates, state, params, **extra)
+        found = len(site_leaves(measured))
+        if finite_of is not None and params is not None and len(site_leaves(params)) != found:
+            raise ValueError(
+                f"the gradients hold {found} sites' measurements and the params "
+                f"{len(site_leaves(params))} sites: jdls.wrap updates each site from its state "
+                "among the params. Flax NNX: use jdls.nnx.Optimizer(model, tx, wrt=nnx.Param), "
+                "which updates the sites (nnx.Optimizer gives tx only the parameters); "
+                "otherwise pass the params the gradients were taken at, sites included"
+            )
         held = None if params is None else split_sites(params)[0]
         out, new_state = update_fn(rest, state, held, **extra)
         if finite_of is None:

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jdls._sites.dropped import watched
 from jdls._sites.site import Site, SiteKind
 
 __all__ = ["apply_site"]
@@ -119,7 +120,8 @@ def apply_site(x: Any, site: Site) -> Any:
     floats = [i for i, leaf in enumerate(leaves) if _is_float(leaf)]
     if not floats:
         return x
-    out = _site_op(site.kind, [leaves[i] for i in floats], site.value)
+    ins = watched(f"a {type(site.kind).__name__} site", [leaves[i] for i in floats], site.value)
+    out = _site_op(site.kind, ins, site.value)
     leaves = list(leaves)
     for i, y in zip(floats, out, strict=True):
         leaves[i] = y

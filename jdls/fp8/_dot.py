@@ -24,6 +24,7 @@ from jax import lax
 
 from jdls._numerics.axes import sum_like, vary_like, varying_axes
 from jdls._sites.backward_scale import backward_level, current_loss_scale, site_factor
+from jdls._sites.dropped import watched
 from jdls._sites.site import Site
 from jdls.fp8._recipe import Quantized
 from jdls.fp8._state import DotState, Fp8, Meter
@@ -365,6 +366,7 @@ def dot_general(
     # within jdls's value_and_grad: what g is scaled by (the loss's scale, times the
     # factor the per-layer and per-loss paths told the site; jdls/_sites/backward_scale.py)
     loss_scale, factor = current_loss_scale(), site_factor(site)
+    lhs, rhs = watched("an FP8 site", [lhs, rhs], site.value)
     return _fp8_dot(
         lhs,
         rhs,

@@ -603,7 +603,7 @@ def _nnx(cap, comp, dtype, leaves):
                 lambda m: loss_fn(m, x, *statics), has_aux=has_aux
             )
             value, grads = fn(merged(pr))
-            return value, nnx.to_pure_dict(nnx.state(grads, nnx.Param)), None
+            return value, nnx.to_pure_dict(nnx.state(grads, nnx.Not(jdls.nnx.SiteVariable))), None
 
         def reference(pr, x, *statics):
             p, s, r = pr
@@ -623,7 +623,11 @@ def _nnx(cap, comp, dtype, leaves):
         )
         value, grads = fn(merged(pr))
         measured = nnx.to_pure_dict(nnx.state(grads, jdls.nnx.SiteVariable))
-        return value, nnx.to_pure_dict(nnx.state(grads, nnx.Param)), _probe_table(measured)
+        return (
+            value,
+            nnx.to_pure_dict(nnx.state(grads, nnx.Not(jdls.nnx.SiteVariable))),
+            _probe_table(measured),
+        )
 
     return probed, None, ((params, sites, rest), _x())
 
