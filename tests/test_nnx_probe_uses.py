@@ -447,3 +447,12 @@ def test_stacked_names_a_vmap_stack_from_outside(jit) -> None:
     _assert_same_param_grads(grads, nnx.state(ref_grads, nnx.Not(jdls.nnx.SiteVariable)))
     with pytest.raises(ValueError, match=r"stacked=lambda m: m.layers"):
         jdls.nnx.probes(Stack(nnx.Rngs(0), probes=False), x)
+
+
+def test_stacked_naming_a_module_that_is_not_a_stack_says_so() -> None:
+    """A square ``nnx.Linear`` (kernel and bias share a leading axis) named by ``stacked=``
+    gets a stack of probes; called as one layer in the example pass, it fails naming
+    ``stacked=``."""
+    model = nnx.Sequential(nnx.Linear(3, 3, rngs=nnx.Rngs(0)), jnp.tanh)
+    with pytest.raises(ValueError, match=r"called outside a loop over the layers.*stacked="):
+        jdls.nnx.probes(model, jnp.ones((2, 3)), stacked=lambda m: m.layers[0])

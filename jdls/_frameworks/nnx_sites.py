@@ -189,6 +189,14 @@ def _after(module: Any, method: str, use: int, out: Any) -> Any:
             probe = own.get(_probe_attr(method, 1))
         if isinstance(probe, SiteVariable):
             site = probe.get_value()
+            stack = site.kind.stack_shape(site.value)
+            if stack:
+                raise ValueError(
+                    f"jdls.nnx.probes: a {type(module).__name__} holds a stack of {stack[0]} "
+                    "probes (one per layer) but was called outside a loop over the layers "
+                    "(nnx.scan, nnx.vmap): stacked= must name only stacks made by nnx.vmap "
+                    "and run by nnx.scan; drop this module from stacked="
+                )
             note_applied(site)
             out = apply_site(out, site)
     if method == "__call__":
