@@ -110,6 +110,10 @@ def test_a_plain_nnx_optimizer_refuses_the_measurements_naming_jdls_nnx_optimize
     _, caught = _caught(step, model, optimizer)
     assert caught == []
     assert _history(model) == [3.0, 0.0]  # the input's amax, recorded
+    # the parameters' gradients alone (for logging) would leave the sites as they are
+    _, grads = jdls.nnx.value_and_grad(loss, jdls.get_scale(optimizer))(model)
+    with pytest.raises(ValueError, match="hold none of their measurements"):
+        optimizer.update(model, nnx.state(grads, nnx.Not(jdls.nnx.SiteVariable)))
 
 
 class _Linen(nn.Module):

@@ -91,10 +91,19 @@ class Optimizer(nnx.Optimizer):  # type: ignore[type-arg]
         super().__init__(model, *args, **kwargs)
 
     def update(self, model: Any, grads: Any, /, **kwargs: Any) -> Any:
-        updates = super().update(model, nnx.state(grads, nnx.Not(SiteVariable)), **kwargs)
         measured = measurements(nnx.state(grads, SiteVariable), back=True)
+        sites = nnx.state(model, SiteVariable)
+        if len(sites) and not len(measured):
+            raise ValueError(
+                "jdls.nnx.Optimizer: the model holds sites (probes, per-layer scales, FP8 "
+                "state) but the gradients hold none of their measurements, so the sites would "
+                "never move: pass the whole gradients of jdls.nnx.value_and_grad (not "
+                "nnx.state(grads, nnx.Not(jdls.nnx.SiteVariable)), which is for logging), or "
+                "differentiate the sites too (nnx.grad(..., argnums=nnx.DiffState(0, "
+                "nnx.Any(nnx.Param, jdls.nnx.SiteVariable))))"
+            )
+        updates = super().update(model, nnx.state(grads, nnx.Not(SiteVariable)), **kwargs)
         if len(measured):
-            sites = nnx.state(model, SiteVariable)
             finite = step_applied(self.opt_state)  # reads the Variables' values
             nnx.update(model, update_sites(sites, measured, finite))
         return updates

@@ -118,7 +118,9 @@ class _SiteType(type):
             "scale or FP8 state, where an optax function expected a parameter, a gradient or "
             "an update: jdls.wrap's update at a site is a SiteUpdate. Apply updates with "
             "jdls.apply_updates(params, updates, opt_state) (Equinox: "
-            "jdls.equinox.apply_updates); put optax.MultiSteps and transformations that read "
+            "jdls.equinox.apply_updates; Flax linen: jdls.linen.TrainState.create(..., "
+            "params=variables['params'], sites=variables['jdls']); NNX: jdls.nnx.Optimizer); "
+            "put optax.MultiSteps and transformations that read "
             "the params inside the wrap: jdls.wrap(optax.MultiSteps(...)), "
             "jdls.wrap(optax.chain(optax.adaptive_grad_clip(...), ...)))"
         )
