@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _helpers import assert_bitwise_equal
+from _helpers import assert_bitwise_equal, maybe_jit, with_and_without_jit
 
 import jdls
 import jdls.equinox
@@ -149,3 +149,37 @@ def test_apply_updates_without_the_state_names_the_fix():
         ValueError, match="hold 2 sites, but no jdls.wrap in the optimizer state saw them"
     ):
         jdls.apply_updates(model, updates, other)
+
+
+@with_and_without_jit
+def test_per_loss_scales_measure_an_equinox_models_fp8_sites(jit):
+    """jdls.multi_loss_value_and_grad on an Equinox model (split as Equinox splits it, its
+    sites kept whole): with backward="one" each FP8 site records what one global scale of 1
+    records for the sum of the losses (the dots told their regions' scales); with
+    "per_loss" every site records one use."""
+    model = _Mlp(jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (16, 8)) * 3.0
+
+    def losses(m, x):
+        y = m(x)
+        return {"a": jnp.mean(y[:, 0] ** 2), "b": jnp.mean(y[:, 1] ** 2)}
+
+    scales = {"a": jdls.StaticScale(2.0**2), "b": jdls.StaticScale(2.0**6)}
+    one = maybe_jit(jdls.multi_loss_value_and_grad(losses, scales), jit)
+    _, grads, finite = one(model, x)
+    assert all(bool(f) for f in finite.values())
+    total = lambda m, x: sum(losses(m, x).values())  # noqa: E731
+    ref = maybe_jit(jdls.StaticScale(1.0).value_and_grad(total), jit)(model, x)[1]
+    # the amaxes unscaled, each use recorded (the flushed fractions are the scaled
+    # cotangents', fewer at the larger scales: what loss scaling is for)
+    got, want = fp8.telemetry(grads), fp8.telemetry(ref)
+    assert set(got) == set(want) == {"a/site", "b/site"}
+    for row in want:
+        for operand in ("lhs", "rhs", "grad"):
+            for field in ("amax", "uses"):
+                assert got[row][operand][field] == want[row][operand][field], (row, operand)
+    # shaped as Equinox's gradients: None where the model holds no float array
+    assert jax.tree_util.tree_structure(grads) == jax.tree_util.tree_structure(ref)
+    per_loss = jdls.multi_loss_value_and_grad(losses, scales, backward="per_loss")
+    rows = fp8.telemetry(maybe_jit(per_loss, jit)(model, x)[1])
+    assert {r["grad"]["uses"] for r in rows.values()} == {1}
