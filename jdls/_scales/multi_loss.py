@@ -263,12 +263,10 @@ def _kept(values: list[Any]) -> tuple[list[Any], list[Any]]:
         return is_site(x) or is_inexact_array(x)
 
     diff = [
-        jax.tree_util.tree_map(lambda x: x if kept(x) else None, v, is_leaf=is_site)
-        for v in values
+        jax.tree_util.tree_map(lambda x: x if kept(x) else None, v, is_leaf=is_site) for v in values
     ]
     held = [
-        jax.tree_util.tree_map(lambda x: None if kept(x) else x, v, is_leaf=is_site)
-        for v in values
+        jax.tree_util.tree_map(lambda x: None if kept(x) else x, v, is_leaf=is_site) for v in values
     ]
     return diff, held
 
