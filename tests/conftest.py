@@ -8,7 +8,8 @@ run leaves out
 
 * every test marked ``@pytest.mark.full`` (a slow test, or a ``pytest.param(...,
   marks=pytest.mark.full)`` case of a parametrized one); ``@pytest.mark.full(keep=1)`` on a
-  parametrized test keeps its first case in the quick run, and
+  parametrized test keeps its first case in the quick run (of those not marked full
+  themselves: a jitted case beside an eager one marked full), and
 * the combinations of a test parametrized over several axes beyond a covering sample: every
   value of every axis runs at least once (``covering_items``); a test with one axis runs every
   case.
@@ -91,15 +92,17 @@ def covering_items(items: list[pytest.Item]) -> list[pytest.Item]:
 
 def _quick_cases(items: list[pytest.Item]) -> list[pytest.Item]:
     """The cases of one test that the quick run keeps."""
-    marks = [item.get_closest_marker("full") for item in items]
-    items = [item for item, mark in zip(items, marks, strict=True) if not _full_only(mark)]
-    keep = [mark.kwargs["keep"] for mark in marks if mark is not None and "keep" in mark.kwargs]
+    # every "full" mark of a case: a case's own (``pytest.param(..., marks=pytest.mark.full)``)
+    # beside its test's ``full(keep=N)``, which the closest mark alone would hide
+    marks = [list(item.iter_markers("full")) for item in items]
+    items = [item for item, own in zip(items, marks, strict=True) if not _full_only(own)]
+    keep = [mark.kwargs["keep"] for own in marks for mark in own if "keep" in mark.kwargs]
     return covering_items(items)[: keep[0]] if keep else covering_items(items)
 
 
-def _full_only(mark: pytest.Mark | None) -> bool:
+def _full_only(marks: list[pytest.Mark]) -> bool:
     """Whether a case so marked runs only in the full suite (``full(keep=N)`` decides later)."""
-    return mark is not None and "keep" not in mark.kwargs
+    return any("keep" not in mark.kwargs for mark in marks)
 
 
 def _indices(item: pytest.Item) -> dict[str, int]:

@@ -279,8 +279,8 @@ def test_multi_loss_takes_an_equinox_model(backward):
     assert bool(finite["a"]) and bool(finite["b"])
 
 
-@jit_ids
-@pytest.mark.full(keep=1)
+@pytest.mark.parametrize("jit", [True, False], ids=["filter_jit", "eager"])
+@pytest.mark.full(keep=1)  # the quick run keeps the jitted case
 def test_a_probe_field_measures_and_leaves_the_gradients_unchanged(jit):
     model, (x, y) = make_model(), data()
     probe = jdls.Site(jdls.Probe())

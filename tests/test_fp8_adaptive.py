@@ -243,7 +243,11 @@ def test_without_jdls_value_and_grad_the_cotangent_is_measured_as_it_is():
     assert jdls.update_sites(site, g).value.grad.history.tolist()[0] == 8.0
 
 
-@pytest.mark.parametrize("recipe", [fp8.DelayedScaling(4), fp8.AdaptiveScaling()])
+@pytest.mark.parametrize(
+    "recipe",
+    # 6 s; AdaptiveScaling's own tests above stay in the quick run
+    [fp8.DelayedScaling(4), pytest.param(fp8.AdaptiveScaling(), marks=pytest.mark.full)],
+)
 def test_a_fresh_site_keeps_the_range_the_loss_scale_gives_small_gradients(recipe):
     """Before its first amax, a site's scale (1) applies to the gradient as the backward
     pass computes it: an output gradient of 1e-6 at a loss scale of 2**15 is 0.03 there, an

@@ -74,7 +74,7 @@ RECIPES = {
 #: Recipes that quantize the lhs and the rhs differently (their tiles).
 BY_ROLE = ("deepseek", "nvfp4")
 #: DeepSeek's tiles (1x128 activations, 128x128 weights) on every equation, the others on
-#: Gemma's; the quick run keeps DeepSeek on Gemma's.
+#: Gemma's (the whole test is in the full suite; DeepSeek on Gemma's is its first case).
 ROLE_CASES = [
     pytest.param(c, "deepseek", id=f"{c.equation}-deepseek", marks=pytest.mark.full)
     for c in CASES[1:]
@@ -128,6 +128,8 @@ def _dequantized(recipe: Any, site: jdls.Site, x: jax.Array, role: str, axes: An
 
 
 @pytest.mark.parametrize("case, recipe_name", ROLE_CASES)
+@pytest.mark.full  # 10-20 s a case; tests/test_fp8_lowering.py keeps DeepSeek's tiles and
+# test_linen_hand_written_parameter_has_its_kernel_in_the_rhs_role the kernel's role quick
 def test_the_kernel_is_the_rhs_whatever_order_jnp_einsum_contracts_in(case, recipe_name):
     """The output, both gradients and the measurement are those of the dot written by hand
     with x as lhs, bit for bit; the kernel's amax is in the rhs slot; the output is the
@@ -169,6 +171,7 @@ def _hook_einsum(equation: str, x: jax.Array, w: jax.Array, site: jdls.Site) -> 
 
 
 @pytest.mark.parametrize("case", _quick_first(CASES, quick=1))
+@pytest.mark.full  # about 5 s; the quick run compares with jnp.einsum in the test below
 def test_where_jnp_einsum_kept_the_order_nothing_changes(case):
     """Bit for bit as jnp.einsum with the FP8 dot as its hook (values, gradients and the
     measurement); where it swapped the operands, a recipe that treats both alike gives the

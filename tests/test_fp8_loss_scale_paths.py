@@ -60,9 +60,10 @@ def _with_layer_scales(sites, exponents):
     "exponents",
     [
         pytest.param((4, 14), id="apart", marks=pytest.mark.full),
-        pytest.param((10, 20), id="past_the_cap"),
+        pytest.param((10, 20), id="past_the_cap", marks=pytest.mark.full),
     ],
-)  # 13 s: the quick run keeps the scales past the cap, apart too
+)  # 13-23 s a case; the NNX and Equinox tests below record unscaled amaxes in the quick run,
+# and test_layer_scales_change_neither_the_gradients_nor_the_fp8_states layer scales far apart
 def test_linen_layers_record_the_unscaled_output_gradient_amax(exponents, jit):
     """A float16 model, layer scales far apart (the second case: the last layer's past
     float16's seed cap of 2**15, every layer then computing at its scale times 2**15 over it):

@@ -151,6 +151,7 @@ def test_scan_counts_uses_per_layer_of_a_stacked_site(jit):
         assert_bitwise_equal(getattr(new.value, part), getattr(one.value, part))
 
 
+@pytest.mark.full  # about 4 s; test_scan_counts_uses_per_layer_of_a_stacked_site stays quick
 def test_uses_are_counted_per_element_of_a_stack():
     """Layer 0 of a stack used once, layer 1 twice: layer 0 is recorded, layer 1 is not."""
     stack = fp8.init(fp8.DelayedScaling(4)).stacked(2)

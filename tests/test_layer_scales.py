@@ -83,8 +83,8 @@ def adjust(sites: dict, grads: dict) -> dict:
     return jdls.update_sites(sites, measured(sites, grads), finite)
 
 
-@pytest.mark.parametrize("jit", [False, True])
-@pytest.mark.full(keep=1)
+@pytest.mark.parametrize("jit", [True, False])
+@pytest.mark.full(keep=1)  # the quick run keeps the jitted case
 def test_per_layer_scaled_gradients_equal_float32_gradients(jit: bool) -> None:
     params, x = deep_params(), _x()
     sites = sites_of(

@@ -246,7 +246,15 @@ class _WithNorm(nn.Module):
         return nn.Dense(1)(nn.BatchNorm(use_running_average=True)(nn.Dense(4)(x)))
 
 
-@pytest.mark.parametrize("case", ["frozen", "no_sites"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        # about 14 s; the no_sites case and the probes case of
+        # test_an_optimizer_initialised_on_the_variables_steps_as_on_the_parameters stay quick
+        pytest.param("frozen", marks=pytest.mark.full),
+        "no_sites",
+    ],
+)
 def test_the_variables_optimizer_takes_a_frozendict_and_a_model_without_sites(case):
     """``tx.init(variables)`` of a ``FrozenDict``, and of a model without sites
     (``{"params": ...}``), steps as ``tx.init(variables["params"])``, bit for bit."""

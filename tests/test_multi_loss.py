@@ -341,8 +341,8 @@ def test_one_backward_pass_has_the_matmuls_of_one_global_scale() -> None:
 
 
 @both_backwards
-@pytest.mark.parametrize("jit", [False, True])
-@pytest.mark.full(keep=1)
+@pytest.mark.parametrize("jit", [True, False])
+@pytest.mark.full(keep=1)  # the quick run keeps a jitted case
 def test_equals_float32_gradients_of_the_weighted_sum(jit: bool, backward: str) -> None:
     params, batch = _model_params(), _batch()
 
@@ -593,7 +593,7 @@ def test_dict_losses_match_scales_by_key_in_any_order(backward: str) -> None:
 
 
 @both_backwards
-@pytest.mark.full(keep=1)
+@pytest.mark.full  # 4-9 s; per-loss scales stay quick on one device, shard_map in test_sites and others
 def test_under_shard_map_on_8_devices_the_per_loss_scales_agree(backward: str) -> None:
     """8 devices, a different batch shard on each (each differentiates a varying copy of the
     parameters), one shard whose big loss overflows float16: the per-loss flags combined
