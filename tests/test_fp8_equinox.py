@@ -116,6 +116,7 @@ def _one_update(tx):
     return model, updates, opt_state
 
 
+@pytest.mark.full  # 7-15 s eager; tests/test_bad_input.py's sites-eqx-apply-updates stays quick
 def test_equinox_apply_updates_on_sites_names_the_fix():
     """eqx.apply_updates cannot put a site's new state in place (it would add the update to
     the old state, or keep it): it fails, and the error names jdls.equinox.apply_updates,
@@ -127,6 +128,7 @@ def test_equinox_apply_updates_on_sites_names_the_fix():
     assert float(new.a.site.value.lhs.history[0]) == 1.0  # the input's amax, recorded
 
 
+@pytest.mark.full  # tests/test_bad_input.py's sites-decay-after-wrap stays in the quick run
 def test_weight_decay_after_the_wrap_on_sites_names_the_fix():
     """optax.add_decayed_weights after the wrap would decay the parameters on a skipped step
     and meets a site's update: it fails, naming the chain with the decay inside the wrap."""
