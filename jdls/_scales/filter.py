@@ -74,38 +74,31 @@ def _describe(leaves: list[Any]) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Split:
-    """Arguments split into their floating-point arrays (differentiated) and the rest (held)."""
+    """Arguments split as Equinox splits a model, each into two trees shaped like it: ``diff``
+    holds what is differentiated (the floating-point arrays, and the subtrees kept whole)
+    with ``None`` elsewhere, ``held`` the rest with ``None`` at those. The gradients of
+    ``diff`` are shaped like the arguments with ``None`` where a leaf was held, as
+    ``eqx.filter_value_and_grad`` gives them."""
 
-    treedefs: tuple[Any, ...]
-    masks: tuple[tuple[bool, ...], ...]
-    leaves: tuple[tuple[Any, ...], ...]
+    diff: tuple[Any, ...]
+    held: tuple[Any, ...]
+    whole: Callable[[Any], bool] | None = None
 
-    def diff(self) -> list[list[Any]]:
-        """The differentiated leaves of each argument, a flat list per argument."""
+    def combine(self, diffs: Sequence[Any]) -> list[Any]:
+        """The arguments rebuilt from ``diffs`` (trees shaped like :attr:`diff`; a subtree
+        kept whole is taken as it is, e.g. a site told its scale) and the held leaves."""
+        whole = self.whole
+
+        def stop(x: Any) -> bool:
+            return x is None or (whole is not None and whole(x))
+
+        def pick(d: Any, h: Any) -> Any:
+            return h if d is None else d
+
         return [
-            [x for x, m in zip(xs, ms, strict=True) if m]
-            for xs, ms in zip(self.leaves, self.masks, strict=True)
+            jax.tree_util.tree_map(pick, d, h, is_leaf=stop)
+            for d, h in zip(diffs, self.held, strict=True)
         ]
-
-    def combine(self, diffs: Sequence[Sequence[Any]]) -> list[Any]:
-        """The arguments rebuilt with ``diffs`` in place of their floating-point arrays."""
-        out = []
-        for treedef, xs, ms, d in zip(self.treedefs, self.leaves, self.masks, diffs, strict=True):
-            it = iter(d)
-            out.append(
-                jax.tree_util.tree_unflatten(
-                    treedef, [next(it) if m else x for x, m in zip(xs, ms, strict=True)]
-                )
-            )
-        return out
-
-    def grads(self, grads: Sequence[Sequence[Any]]) -> list[Any]:
-        """Gradients shaped like the arguments: ``None`` where a leaf was held fixed."""
-        out = []
-        for treedef, ms, g in zip(self.treedefs, self.masks, grads, strict=True):
-            it = iter(g)
-            out.append(jax.tree_util.tree_unflatten(treedef, [next(it) if m else None for m in ms]))
-        return out
 
 
 def is_jax_type(x: Any) -> bool:
@@ -114,7 +107,11 @@ def is_jax_type(x: Any) -> bool:
 
 
 def split_arguments(
-    values: Sequence[Any], nums: Sequence[int], who: str, as_is: Callable[[Any], bool] | None = None
+    values: Sequence[Any],
+    nums: Sequence[int],
+    who: str,
+    as_is: Callable[[Any], bool] | None = None,
+    whole: Callable[[Any], bool] | None = None,
 ) -> Split | None:
     """``None`` when JAX differentiates ``values`` as they are, else how to split them.
 
@@ -123,6 +120,8 @@ def split_arguments(
     ``nums`` are the positions (``argnums``) of ``values``, for the error message. ``as_is``
     says which leaves JAX takes as they are (default: floating-point arrays, Python floats;
     ``is_jax_type`` for ``jax.vjp``, which gives integer arrays ``float0`` gradients).
+    ``whole`` says which subtrees are differentiated whole, every leaf of them (``is_site``
+    for ``jax.vjp``: a site stays a site, so its cotangent is known as a measurement).
     """
     flat = [jax.tree_util.tree_flatten(v) for v in values]
     as_is = _differentiable if as_is is None else as_is
@@ -151,9 +150,16 @@ def split_arguments(
                 "(their gradient is None) only beside floating-point arrays."
             )
         masks.append(mask)
-    return Split(
-        tuple(t for _, t in flat), tuple(masks), tuple(tuple(leaves) for leaves, _ in flat)
-    )
+
+    def kept(x: Any) -> bool:
+        return (whole is not None and whole(x)) or is_inexact_array(x)
+
+    def part(value: Any, differentiated: bool) -> Any:
+        return jax.tree_util.tree_map(
+            lambda x: x if kept(x) == differentiated else None, value, is_leaf=whole
+        )
+
+    return Split(tuple(part(v, True) for v in values), tuple(part(v, False) for v in values), whole)
 
 
 def filtered_value_and_grad(
@@ -189,8 +195,7 @@ def filtered_value_and_grad(
                 full[n] = value
             return fun(*full, **kwargs)
 
-        value, grads = jax.value_and_grad(inner, tuple(range(len(nums))), has_aux)(*split.diff())
-        grads = split.grads(grads)
+        value, grads = jax.value_and_grad(inner, tuple(range(len(nums))), has_aux)(*split.diff)
         return value, grads[0] if isinstance(argnums, int) else tuple(grads)
 
     return value_and_grad_fn

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jdls._numerics.axes import vary_over
 from jdls._numerics.checks import all_finite, is_float
 from jdls._numerics.norm import tree_amax
-from jdls._scales.filter import is_inexact_array, is_jax_type, split_arguments
+from jdls._scales.filter import Split, is_jax_type, split_arguments
 from jdls._scales.grad import seed_scale, with_loss_scale
 from jdls._scales.loss_adjust import keyed_items, rebuilt
 from jdls._scales.loss_sets import EMPTY, Levels, all_sets, analyze, evaluate, var_set
@@ -235,10 +235,12 @@ def multi_loss_value_and_grad(
             return fun(*full, **kwargs)
 
         primals = [args[n] for n in nums]
-        split = split_arguments(primals, nums, "multi_loss_value_and_grad", is_jax_type)
-        if split is not None:  # non-array leaves (an Equinox model): held fixed, None gradients
-            primals, held = _kept(primals)
-            forward = _combined(forward, held)
+        # non-array leaves (an Equinox model): held fixed, None gradients; the sites kept
+        # whole, so that their cotangents are known as measurements and an FP8 dot is told
+        # its region's scale
+        split = split_arguments(primals, nums, "multi_loss_value_and_grad", is_jax_type, is_site)
+        if split is not None:
+            forward, primals = _combined(forward, split), list(split.diff)
         losses, aux, total, finite, measured = run(
             forward, primals, keys, scale_list, weight_list, has_aux, with_amax
         )
@@ -252,41 +254,8 @@ def multi_loss_value_and_grad(
     return value_and_grad_fn
 
 
-def _kept(values: list[Any]) -> tuple[list[Any], list[Any]]:
-    """``values`` split as Equinox splits a model: what is differentiated (its floating-point
-    arrays, and every site whole, so that the sites are known as sites: their cotangents are
-    measurements, and an FP8 dot is told its region's scale) with ``None`` elsewhere, and
-    what is held fixed (``None`` at those). The gradients, shaped like the first, are ``None``
-    where a leaf was held, as ``eqx.filter_value_and_grad`` gives them."""
-
-    def kept(x: Any) -> bool:
-        return is_site(x) or is_inexact_array(x)
-
-    diff = [
-        jax.tree_util.tree_map(lambda x: x if kept(x) else None, v, is_leaf=is_site) for v in values
-    ]
-    held = [
-        jax.tree_util.tree_map(lambda x: None if kept(x) else x, v, is_leaf=is_site) for v in values
-    ]
-    return diff, held
-
-
-def _combined(forward: Callable[..., Any], held: list[Any]) -> Callable[..., Any]:
-    """``forward`` of the differentiated parts, the held ones put back (a site whole, told or
-    not)."""
-
-    def pick(d: Any, h: Any) -> Any:
-        return h if d is None else d
-
-    def combined(*diffs: Any) -> Any:
-        return forward(
-            *(
-                jax.tree_util.tree_map(pick, d, h, is_leaf=lambda x: x is None or is_site(x))
-                for d, h in zip(diffs, held, strict=True)
-            )
-        )
-
-    return combined
+def _combined(forward: Callable[..., Any], split: Split) -> Callable[..., Any]:
+    return lambda *diffs: forward(*split.combine(diffs))
 
 
 def _weighted(grads: Any, weight: Any) -> Any:
