@@ -49,18 +49,18 @@ def sites_apart(
 
     def update(updates: Any, state: Any, params: Any = None, **extra: Any) -> Any:
         rest, measured = split_sites(updates)
-        if not site_leaves(measured):
-            return update_fn(updates, state, params, **extra)
         found = len(site_leaves(measured))
-        if finite_of is not None and params is not None and len(site_leaves(params)) != found:
+        if not found:
+            return update_fn(updates, state, params, **extra)
+        held, sites = (None, None) if params is None else split_sites(params)
+        if finite_of is not None and sites is not None and len(site_leaves(sites)) != found:
             raise ValueError(
                 f"the gradients hold {found} sites' measurements and the params "
-                f"{len(site_leaves(params))} sites: jdls.wrap updates each site from its state "
+                f"{len(site_leaves(sites))} sites: jdls.wrap updates each site from its state "
                 "among the params. Flax NNX: use jdls.nnx.Optimizer(model, tx, wrt=nnx.Param), "
                 "which updates the sites (nnx.Optimizer gives tx only the parameters); "
                 "otherwise pass the params the gradients were taken at, sites included"
             )
-        held = None if params is None else split_sites(params)[0]
         out, new_state = update_fn(rest, state, held, **extra)
         if finite_of is None:
             return merge_sites(out, measured), new_state
@@ -72,7 +72,6 @@ def sites_apart(
                 "tx.update(grads, opt_state, params)"
             )
         out = _marked(out, measured)
-        sites = split_sites(params)[1]
         new_sites = update_sites(sites, measured, finite_of(new_state))
         if hold is not None:
             new_state = hold(new_state, tuple(site_leaves(new_sites)))

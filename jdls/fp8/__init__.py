@@ -100,8 +100,8 @@ __all__ = [
 
 
 def __getattr__(name: str) -> object:
-    """``equinox``, the optional Equinox face, imported on first use (Equinox is not a
-    dependency): ``jdls.equinox`` works after ``import jdls`` where Equinox is installed."""
+    """``equinox``, the optional Equinox FP8 layers, imported on first use (Equinox is not a
+    dependency): ``jdls.fp8.equinox`` works after ``import jdls`` where Equinox is installed."""
     if name == "equinox":
         import importlib
 
