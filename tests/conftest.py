@@ -29,6 +29,17 @@ if "xla_force_host_platform_device_count" not in _flags:
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 _TESTS = str(Path(__file__).resolve().parent)
+
+# JAX's persistent compilation cache, shared by the run's workers and kept between runs: a
+# program that several tests (or both workers) build is compiled once and loaded after, the
+# same executable. Most of the suite's time is XLA compiling small programs. Set
+# JAX_COMPILATION_CACHE_DIR to move the cache; JDLS_TEST_COMPILATION_CACHE=0 turns it off.
+if os.environ.get("JDLS_TEST_COMPILATION_CACHE", "1") != "0":
+    os.environ.setdefault(
+        "JAX_COMPILATION_CACHE_DIR", str(Path(_TESTS).parent / ".pytest_cache" / "jax")
+    )
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 if _TESTS not in sys.path:
     sys.path.insert(0, _TESTS)
 

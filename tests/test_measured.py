@@ -32,7 +32,7 @@ def _data(n=32):
 def _fp8_state():
     model = fp8_mlp()
     x, _ = _data()
-    variables = model.init(jax.random.key(0), x)
+    variables = jax.jit(model.init)(jax.random.key(0), x)
     return jdls.linen.TrainState.create(
         apply_fn=model.apply,
         params=variables["params"],
@@ -62,7 +62,7 @@ def test_fp8_sites_record_the_global_amax_through_the_steps_own_pmean(layout):
     the whole batch's amax, bit for bit with one device on the whole batch."""
     state = _fp8_state()
     x, t = _data()
-    expected = _fp8_step(state, x, t).sites
+    expected = jax.jit(_fp8_step)(state, x, t).sites
     mean = functools.partial(lax.pmean, axis_name="d")
     total = functools.partial(lax.psum, axis_name="d")
     if layout.startswith("pmap"):
