@@ -889,7 +889,26 @@ CASES = [
         ValueError,
         r"SiteUpdate.*jdls.wrap\(optax.chain\(..., optax.add_decayed_weights\(wd\)",
     ),
+    Case(
+        "fp8-per-loss-backward",
+        lambda: _fp8_per_loss(),
+        ValueError,
+        r"backward='per_loss'\) cannot measure the Fp8 site.*Use backward='one'",
+    ),
 ]
+
+
+def _fp8_per_loss() -> None:
+    w, x = jnp.ones((2, 2)), jnp.ones((3, 2))
+    dims = (((1,), (0,)), ((), ()))
+
+    def losses(p):
+        y = jdls.fp8.dot_general(x, p["w"], dims, site=p["fp8"])
+        return {"a": jnp.sum(y[:, 0] ** 2), "b": jnp.sum(y[:, 1] ** 2)}
+
+    scales = {"a": jdls.StaticScale(4.0), "b": jdls.StaticScale(2.0**10)}
+    params = {"w": w, "fp8": jdls.fp8.init(jdls.fp8.DelayedScaling(4))}
+    jdls.multi_loss_value_and_grad(losses, scales, backward="per_loss")(params)
 
 
 def _plain_nnx_optimizer_step() -> None:

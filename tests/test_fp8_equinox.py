@@ -157,8 +157,8 @@ def test_apply_updates_without_the_state_names_the_fix():
 def test_per_loss_scales_measure_an_equinox_models_fp8_sites(jit):
     """jdls.multi_loss_value_and_grad on an Equinox model (split as Equinox splits it, its
     sites kept whole): with backward="one" each FP8 site records what one global scale of 1
-    records for the sum of the losses (the dots told their regions' scales); with
-    "per_loss" every site records one use."""
+    records for the sum of the losses (the dots told their regions' scales); "per_loss" is
+    refused, naming "one"."""
     model = _Mlp(jax.random.key(0))
     x = jax.random.normal(jax.random.key(1), (16, 8)) * 3.0
 
@@ -182,6 +182,7 @@ def test_per_loss_scales_measure_an_equinox_models_fp8_sites(jit):
                 assert got[row][operand][field] == want[row][operand][field], (row, operand)
     # shaped as Equinox's gradients: None where the model holds no float array
     assert jax.tree_util.tree_structure(grads) == jax.tree_util.tree_structure(ref)
+    # "per_loss" cannot tell a dot its scale (one forward pass, a backward pass per scale)
     per_loss = jdls.multi_loss_value_and_grad(losses, scales, backward="per_loss")
-    rows = fp8.telemetry(maybe_jit(per_loss, jit)(model, x)[1])
-    assert {r["grad"]["uses"] for r in rows.values()} == {1}
+    with pytest.raises(ValueError, match="Use backward='one'"):
+        maybe_jit(per_loss, jit)(model, x)

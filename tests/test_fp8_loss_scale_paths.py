@@ -355,20 +355,17 @@ def test_one_backward_pass_tells_each_dot_its_regions_scale(weights, jit):
     _assert_amaxes(_grad_amaxes(grads), _grad_amaxes(reference))
 
 
-@pytest.mark.full  # 5 s: what is not done, pinned
-def test_per_loss_backward_passes_measure_the_summed_scaled_cotangent():
-    """``backward="per_loss"``: the pass that measures the sites sums the losses' cotangents
-    at their own scales, which no single scale unscales: the sites are not told, and the
-    trunk's dot records the scaled sum, as documented (docs/fp8.md)."""
+def test_per_loss_backward_passes_refuse_an_fp8_site_naming_one():
+    """``backward="per_loss"``: one forward pass serves every loss's backward pass, each at
+    its own scale, so no pass can tell a dot its scale: an FP8 site among the differentiated
+    arguments is refused at trace time, naming ``backward="one"``, which measures it
+    unscaled (above)."""
     p, x = _two_heads(), jax.random.normal(jax.random.key(3), (8, 8))
     scales = {"a": jdls.StaticScale(2.0**4), "b": jdls.StaticScale(2.0**12)}
-    _, grads, _ = jdls.multi_loss_value_and_grad(_losses, scales, backward="per_loss")(p, x)
-    _, reference = jdls.StaticScale(1.0).value_and_grad(lambda p, x: sum(_losses(p, x).values()))(
-        p, x
-    )
-    got, want = _grad_amaxes(grads), _grad_amaxes(reference)
-    np.testing.assert_allclose(got["a/fp8"], 2.0**4 * want["a/fp8"], rtol=1e-6)
-    np.testing.assert_allclose(got["b/fp8"], 2.0**12 * want["b/fp8"], rtol=1e-6)
+    fn = jdls.multi_loss_value_and_grad(_losses, scales, backward="per_loss")
+    for run in (fn, jax.jit(fn)):
+        with pytest.raises(ValueError, match=r"3 such sites.*Use backward='one'"):
+            run(p, x)
 
 
 # --------------------------------------------------------------------------------------------

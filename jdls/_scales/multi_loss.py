@@ -29,7 +29,7 @@ from jdls._scales.grad import seed_scale, with_loss_scale
 from jdls._scales.loss_adjust import keyed_items, rebuilt
 from jdls._scales.loss_sets import EMPTY, Levels, all_sets, analyze, evaluate, var_set
 from jdls._scales.scale import LossScale, check_scale
-from jdls._sites.backward_scale import ToldSite, tell_sites, untell_sites
+from jdls._sites.backward_scale import ToldSite, reads_loss_scale, tell_sites, untell_sites
 from jdls._sites.measured import measured as measured_sites
 from jdls._sites.site import is_site
 
@@ -143,8 +143,9 @@ def multi_loss_value_and_grad(
     the one backward pass's, with ``"per_loss"`` that of one more backward pass of the
     weighted sum of the losses, each at its own scale. An FP8 dot's site is told the scale of
     its cotangent with ``"one"`` (its region's; over the loss's weight in one loss's head), so
-    that it records the amax of the weighted sum's gradient unscaled; with ``"per_loss"`` the
-    measuring pass sums cotangents at several scales, and the site measures them as they are.
+    that it records the amax of the weighted sum's gradient unscaled; ``"per_loss"`` refuses
+    an FP8 site (a ``ValueError`` naming ``"one"``): its one forward pass serves backward
+    passes at several scales, and no pass could tell the dot its scale.
 
     Args:
       fun: the loss function; returns the losses (``{"a": la, "b": lb}`` or ``(la, lb)``),
@@ -303,6 +304,7 @@ def _per_loss(
     measure: bool,
 ) -> tuple[Any, Any, list[Any], list[jax.Array], list[Any]]:
     """One forward pass, one backward pass per loss, summed after unscaling."""
+    _refuse_told_sites(primals)
     if has_aux:
         losses, vjp_fn, aux = jax.vjp(forward, *primals, has_aux=True)
     else:
@@ -353,6 +355,23 @@ def _per_loss(
         measurements = jax.tree_util.tree_leaves(vjp_fn(seeds(None)))
         total = [m if site else g for g, m, site in zip(total, measurements, sites, strict=True)]
     return losses, aux, jax.tree_util.tree_unflatten(tree, total), finite, amaxes
+
+
+def _refuse_told_sites(primals: list[Any]) -> None:
+    """``backward="per_loss"`` cannot measure a site that reads the loss scale (an FP8 dot's
+    output gradient): its one forward pass fixes what each dot is told, while each loss's
+    backward pass runs at its own scale, so no pass could unscale what the dot records."""
+    told = [x for x in jax.tree_util.tree_leaves(primals, is_leaf=is_site) if reads_loss_scale(x)]
+    if told:
+        raise ValueError(
+            f"multi_loss_value_and_grad(backward='per_loss') cannot measure the "
+            f"{type(told[0].kind).__name__} site among the differentiated arguments ({len(told)} "
+            "such sites): an FP8 dot records its output gradient unscaled, but one forward pass "
+            "serves every loss's backward pass, each at its own scale, so no pass can tell the "
+            "dot its scale. Use backward='one' (the default: each dot is told its region's "
+            "scale and records the weighted sum's gradient unscaled), or one loss scale on the "
+            "weighted sum of the losses (scale.value_and_grad)"
+        )
 
 
 def _zeros(g: jax.Array) -> jax.Array:

@@ -37,9 +37,9 @@ weight in one loss's own region, so that every site measures the gradient of the
 sum of the losses.
 
 Outside any such call (``jax.grad`` by hand) there is no context and no factor, and the site
-measures the cotangent as it is (a scale of 1). With ``backward="per_loss"`` no site is told
-either: each loss's backward pass runs at its own scale, and the pass that measures the sites
-sums several losses' cotangents at their different scales, which no single factor unscales.
+measures the cotangent as it is (a scale of 1). ``backward="per_loss"`` refuses a site that
+reads the loss scale: its one forward pass serves each loss's backward pass at that loss's
+own scale, and a site is told its factor in the forward pass, once for all of them.
 """
 
 from __future__ import annotations
