@@ -233,17 +233,44 @@ def test_every_retry_lowers_the_scale_with_hysteresis(preset, jit):
 
 
 @with_and_without_jit
-def test_overflow_left_after_the_retries_is_skipped_as_backward(jit):
-    params = {"w": jnp.ones(3)}
+@pytest.mark.parametrize(
+    "chain",
+    [
+        "wrap",
+        pytest.param("clip in front", marks=pytest.mark.full),
+        pytest.param("scale after", marks=pytest.mark.full),
+    ],
+)
+def test_overflow_left_after_the_retries_is_skipped_as_backward(chain, jit):
+    """Skipped: the parameters (a -0.0 among them) and the optimizer state bit for bit, with
+    the wrap alone or last in the chain (no select needed) and with a transformation after
+    it (selected)."""
+    params = {"w": jnp.array([1.0, -0.0, 0.0])}
     c = jnp.array([60000.0, 1.0, 1.0])  # overflows at every scale >= 2
-    tx = jdls.wrap(optax.sgd(0.1), jdls.DynamicScale(HIGH))
-    new_params, state, _ = maybe_jit(jdls.retrying(loss_fn, tx, retries=2), jit)(
-        params, tx.init(params), c
+    wrap = jdls.wrap(optax.adam(0.1), jdls.DynamicScale(HIGH))
+    tx = {
+        "wrap": wrap,
+        "clip in front": optax.chain(jdls.clip(1.0), wrap),
+        "scale after": optax.chain(wrap, optax.scale_by_schedule(lambda n: 1.0 + n)),
+    }[chain]
+    state = tx.init(params)
+    new_params, new_state, _ = maybe_jit(jdls.retrying(loss_fn, tx, retries=2), jit)(
+        params, state, c
     )
-    stats = jdls.stats(state)
+    stats = jdls.stats(new_state)
     assert not bool(stats.finite) and int(stats.retries) == 2
     assert int(stats.cause) == jdls.SkipCause.BACKWARD and int(stats.skipped_steps) == 1
     assert_bitwise_equal(new_params, params)
+
+    def held(s):  # what a skipped step keeps: all but the wraps' scale and statistics
+        return jax.tree_util.tree_map(
+            lambda x: x.inner_state if isinstance(x, jdls.WrapState) else x,
+            s,
+            is_leaf=lambda x: isinstance(x, jdls.WrapState),
+        )
+
+    assert_bitwise_equal(held(new_state), held(state))
+    state = new_state
     # Three overflowing feeds: 2**15 -> 2**14 -> 2**13 (the retries) -> 2**12 (the skip).
     assert float(jdls.get_scale(state).loss_scale) == 2.0**12
 
