@@ -134,7 +134,7 @@ def test_a_stack_of_sites_updates_layer_by_layer():
 
         return jax.lax.scan(body, 0.0, (xs, stack))[0]
 
-    stack = jdls.update_sites(stack, jax.grad(loss)(stack))
+    stack = jax.jit(lambda s: jdls.update_sites(s, jax.grad(loss)(s)))(stack)
     assert stack.value.lhs.history[:, 0].tolist() == [1.0, 10.0, 100.0]
     np.testing.assert_allclose(
         np.asarray(stack.value.lhs.scale), 2 * np.array([1.0, 10.0, 100.0]) / E4M3_MAX
