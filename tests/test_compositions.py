@@ -200,7 +200,7 @@ _QUICK = settings(
     max_examples=2, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck)
 )
 _WIDE = settings(
-    max_examples=40, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck)
+    max_examples=25, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck)
 )
 
 
