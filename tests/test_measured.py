@@ -163,6 +163,40 @@ def test_optax_clip_in_front_of_the_wrap_neither_counts_nor_scales_the_sites(nor
     assert jdls.Telemetry.of(got["probe"]).amax.tolist() == [12.0]
 
 
+def test_what_a_transformation_in_front_loses_is_lost_not_changed():
+    """The limits docs/compositions.md states: on a step whose gradients overflow, optax's
+    clip multiplies the whole tree by ``c / inf = 0``, and a transformation that adds to the
+    gradients (``optax.add_noise``) does so on every step; neither is a common factor, so the
+    measurement is lost (NaN in the telemetry, never another number). ``jdls.clip`` keeps
+    it, and the skip is the same behind all three."""
+    params = {"w": jnp.array([1.0, 2.0, 3.0]), "probe": jdls.Site(jdls.Probe())}
+    loss = lambda p, c: jnp.sum(jdls.apply_site(p["w"] * c, p["probe"]))  # noqa: E731
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def step(tx, c):
+        opt_state = tx.init(params)
+        _, grads = jdls.get_scale(opt_state).value_and_grad(loss)(params, c)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        new = jdls.apply_updates(params, updates, opt_state)
+        return jdls.Telemetry.of(new["probe"]).amax[0], jdls.stats(opt_state).finite
+
+    wrap = jdls.wrap(optax.sgd(0.1), jdls.NoOpScale())
+    fronts = {
+        "jdls.clip": jdls.clip(1.0),
+        "optax clip": optax.clip_by_global_norm(1.0),
+        "add_noise": optax.add_noise(0.1, 0.55, 0),
+    }
+    for name, front in fronts.items():
+        tx = optax.chain(front, wrap)
+        finite_amax, finite = step(tx, jnp.float32(2.0))
+        overflow_amax, overflow = step(tx, jnp.float32(jnp.inf))
+        assert bool(finite) and not bool(overflow), name
+        lost = {"jdls.clip": (False, False), "optax clip": (False, True), "add_noise": (True, True)}
+        assert (bool(jnp.isnan(finite_amax)), bool(jnp.isnan(overflow_amax))) == lost[name], name
+        for amax, is_lost in zip((finite_amax, overflow_amax), lost[name], strict=True):
+            assert is_lost or float(amax) == 1.0, name  # the cotangent at the probe: ones
+
+
 def test_an_update_without_params_is_refused_where_sites_need_them():
     params = {"w": jnp.ones(3), "probe": jdls.Site(jdls.Probe())}
     tx = jdls.wrap(optax.sgd(0.1))
