@@ -366,7 +366,7 @@ def _refuse_told_sites(primals: list[Any]) -> None:
         raise ValueError(
             f"multi_loss_value_and_grad(backward='per_loss') cannot measure the "
             f"{type(told[0].kind).__name__} site among the differentiated arguments ({len(told)} "
-            "such sites): an FP8 dot records its output gradient unscaled, but one forward pass "
+            f"such site{'s' if len(told) > 1 else ''}, a stack counted once): an FP8 dot records its output gradient unscaled, but one forward pass "
             "serves every loss's backward pass, each at its own scale, so no pass can tell the "
             "dot its scale. Use backward='one' (the default: each dot is told its region's "
             "scale and records the weighted sum's gradient unscaled), or one loss scale on the "
