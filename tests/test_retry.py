@@ -243,8 +243,7 @@ def test_every_retry_lowers_the_scale_with_hysteresis(preset, jit):
 )
 def test_overflow_left_after_the_retries_is_skipped_as_backward(chain, jit):
     """Skipped: the parameters (a -0.0 among them) and the optimizer state bit for bit, with
-    the wrap alone or last in the chain (no select needed) and with a transformation after
-    it (selected)."""
+    the wrap alone, clipping in front and a stateful transformation after it."""
     params = {"w": jnp.array([1.0, -0.0, 0.0])}
     c = jnp.array([60000.0, 1.0, 1.0])  # overflows at every scale >= 2
     wrap = jdls.wrap(optax.adam(0.1), jdls.DynamicScale(HIGH))

@@ -228,10 +228,6 @@ def retrying(
         before = stats(opt_state)
         updates, new_state = update(grads, opt_state, params, value=loss)
         new_params = apply_updates(params, updates, new_state)
-        if _wrap_is_last(opt_state):
-            # nothing else can move on a skipped step: the wrap's -0.0 updates leave every
-            # parameter bit for bit, and no other transformation holds state
-            return new_params, _record(new_state, before, tries), out
         # A step the wrap skipped is a no-op through the whole chain: transformations after
         # the wrap (weight decay, a schedule's count) and their states do not move either.
         # Sites keep what their kinds made of the step (a probe records a skipped step too).
@@ -252,21 +248,6 @@ def retrying(
         return new_params, opt_state, out
 
     return step
-
-
-def _wrap_is_last(opt_state: Any) -> bool:
-    """Whether a step the wrap skips is already a no-op through the whole chain: the wrap is
-    the whole of ``tx``, or the last transformation of an ``optax.chain`` whose others hold
-    no state (``jdls.clip``, ``optax.clip_by_global_norm`` in front). Then the step needs no
-    select of the old parameters and state (a pass over both that a finite step would pay)."""
-    if isinstance(opt_state, WrapState):
-        return True
-    return (
-        type(opt_state) is tuple
-        and bool(opt_state)
-        and isinstance(opt_state[-1], WrapState)
-        and not jax.tree_util.tree_leaves(opt_state[:-1])
-    )
 
 
 def _next_scale(scale: DynamicScale, look: jax.Array) -> DynamicScale:
