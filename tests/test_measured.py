@@ -186,12 +186,13 @@ def test_what_a_transformation_in_front_loses_is_lost_not_changed():
         "optax clip": optax.clip_by_global_norm(1.0),
         "add_noise": optax.add_noise(0.1, 0.55, 0),
     }
+    # (finite step, overflowing step): whether the measurement is lost
+    lost = {"jdls.clip": (False, False), "optax clip": (False, True), "add_noise": (True, True)}
     for name, front in fronts.items():
         tx = optax.chain(front, wrap)
         finite_amax, finite = step(tx, jnp.float32(2.0))
         overflow_amax, overflow = step(tx, jnp.float32(jnp.inf))
         assert bool(finite) and not bool(overflow), name
-        lost = {"jdls.clip": (False, False), "optax clip": (False, True), "add_noise": (True, True)}
         assert (bool(jnp.isnan(finite_amax)), bool(jnp.isnan(overflow_amax))) == lost[name], name
         for amax, is_lost in zip((finite_amax, overflow_amax), lost[name], strict=True):
             assert is_lost or float(amax) == 1.0, name  # the cotangent at the probe: ones

@@ -29,7 +29,12 @@ from jdls._scales.grad import seed_scale, with_loss_scale
 from jdls._scales.loss_adjust import keyed_items, rebuilt
 from jdls._scales.loss_sets import EMPTY, Levels, all_sets, analyze, evaluate, var_set
 from jdls._scales.scale import LossScale, check_scale
-from jdls._sites.backward_scale import ToldSite, reads_loss_scale, tell_sites, untell_sites
+from jdls._sites.backward_scale import (
+    ToldSite,
+    sites_reading_loss_scale,
+    tell_sites,
+    untell_sites,
+)
 from jdls._sites.measured import measured as measured_sites
 from jdls._sites.site import is_site
 
@@ -361,12 +366,13 @@ def _refuse_told_sites(primals: list[Any]) -> None:
     """``backward="per_loss"`` cannot measure a site that reads the loss scale (an FP8 dot's
     output gradient): its one forward pass fixes what each dot is told, while each loss's
     backward pass runs at its own scale, so no pass could unscale what the dot records."""
-    told = [x for x in jax.tree_util.tree_leaves(primals, is_leaf=is_site) if reads_loss_scale(x)]
+    told = sites_reading_loss_scale(primals)
     if told:
+        sites = f"{len(told)} such site{'s' if len(told) > 1 else ''}, a stack counted once"
         raise ValueError(
             f"multi_loss_value_and_grad(backward='per_loss') cannot measure the "
-            f"{type(told[0].kind).__name__} site among the differentiated arguments ({len(told)} "
-            f"such site{'s' if len(told) > 1 else ''}, a stack counted once): an FP8 dot records its output gradient unscaled, but one forward pass "
+            f"{type(told[0].kind).__name__} site among the differentiated arguments ({sites}): "
+            "an FP8 dot records its output gradient unscaled, but one forward pass "
             "serves every loss's backward pass, each at its own scale, so no pass can tell the "
             "dot its scale. Use backward='one' (the default: each dot is told its region's "
             "scale and records the weighted sum's gradient unscaled), or one loss scale on the "

@@ -65,6 +65,7 @@ __all__ = [
     "seeded",
     "set_seed_cap",
     "site_factor",
+    "sites_reading_loss_scale",
     "tell_sites",
     "untell_sites",
 ]
@@ -103,7 +104,7 @@ def backward_scale(loss_scale: Any, arguments: Any = None) -> Iterator[None]:
     ``arguments`` (where the sites that read it are)."""
     stack = _stack()
     stack.append([loss_scale, None])
-    keyed = any(reads_loss_scale(x) for x in jax.tree_util.tree_leaves(arguments, is_leaf=is_site))
+    keyed = bool(sites_reading_loss_scale(arguments))
     try:
         if keyed:
             with _CACHE_KEY(_cache_key(loss_scale)):
@@ -152,6 +153,12 @@ def reads_loss_scale(x: Any) -> bool:
     on the kind: the FP8 dot's), and so is told its factor on the per-layer and per-loss
     paths."""
     return is_site(x) and bool(getattr(x.kind, "reads_loss_scale", False))
+
+
+def sites_reading_loss_scale(tree: Any) -> list[Site]:
+    """The sites of ``tree`` that read the loss scale (:func:`reads_loss_scale`), in its
+    flattening order; a stack of sites is one."""
+    return [x for x in jax.tree_util.tree_leaves(tree, is_leaf=is_site) if reads_loss_scale(x)]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
