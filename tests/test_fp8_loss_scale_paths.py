@@ -374,6 +374,78 @@ def test_per_loss_backward_passes_refuse_an_fp8_site_naming_one():
 # --------------------------------------------------------------------------------------------
 
 
+def _traced_once(form):
+    """A forward pass ``(site, x) -> output`` whose trace JAX keeps and reuses across
+    calls: a ``jax.jit``, a ``lax.scan`` or a ``jax.checkpoint`` of a module-level
+    function."""
+    w = jnp.array([[2.0], [1.0]])
+
+    def dot(site, x):
+        return fp8.dot_general(x, w, DN, site=site)
+
+    if form == "jax.jit":
+        return jax.jit(dot)
+    if form == "jax.checkpoint":
+        return jax.checkpoint(dot)
+    body = lambda _, site: (None, dot(site, _X))  # noqa: E731
+    return lambda sites, x: jnp.sum(jax.lax.scan(body, None, sites)[1])
+
+
+_X = jnp.array([[1.0, -3.5]])
+
+
+@pytest.mark.parametrize("form", ["jax.jit", "lax.scan", "jax.checkpoint"])
+def test_an_eager_step_tells_a_trace_kept_across_steps_each_steps_loss_scale(form):
+    """A step that is not jitted, around a forward pass traced once and reused by JAX: the
+    dot is told the loss scale as data, so each step measures the unscaled output gradient
+    (1.0 at every scale; a trace that read the first step's scale as a constant recorded 2.0
+    at the second). A float16 loss past its seed cap (2**16, 2**17) too."""
+    forward = _traced_once(form)
+    site = fp8.init(RECIPE)
+    if form == "lax.scan":
+        site = jax.tree.map(lambda a: jnp.stack([a, a]), site)
+    for dtype, values in ((jnp.float32, (1024.0, 2048.0, 4.0)), (jnp.float16, (2.0**16, 2.0**17))):
+
+        def loss(site, dtype=dtype):
+            return jnp.sum(forward(site, _X)).astype(dtype)
+
+        for value in values:
+            grads = jdls.DynamicScale(value).value_and_grad(loss)(site)[1]
+            np.testing.assert_array_equal(grads.value.meter.grad.amax, 1.0, err_msg=str(value))
+
+
+def test_an_eager_nnx_step_tells_an_nnx_jit_forward_each_steps_loss_scale():
+    """The NNX form: the model's site variables are told in place while the loss runs (the
+    batch statistics a forward pass updates still reach the model), plain sites after."""
+    from flax import nnx
+
+    class Model(nnx.Module):
+        def __init__(self):
+            dot = fp8.nnx.DotGeneral(RECIPE)
+            self.dense = nnx.Linear(2, 2, dot_general=dot, rngs=nnx.Rngs(0))
+            self.norm = nnx.BatchNorm(2, rngs=nnx.Rngs(0))
+
+        def __call__(self, x):
+            return self.norm(self.dense(x))
+
+    model = Model()
+    forward = nnx.jit(lambda m, x: m(x))
+    x = jnp.array([[1.0, -3.5], [2.0, 0.5]])
+    forward(model, x)  # an evaluation first: traced with no loss scale
+    weights = jnp.array([[1.0, 0.0], [0.0, 0.0]])  # a sum over the batch would be 0
+
+    def amax(fun, value):
+        loss = lambda m: jnp.sum(fun(m, x) * weights)  # noqa: E731
+        _, grads = jdls.nnx.value_and_grad(loss, jdls.DynamicScale(value))(model)
+        return float(grads["dense"]["dot_general"]["site"].get_value().value.meter.grad.amax)
+
+    want = amax(forward, 1.0)  # the trace kept from here read 1.0 as a constant before
+    assert want > 0
+    assert [amax(forward, value) for value in (1024.0, 2048.0)] == [want, want]
+    assert type(model.dense.dot_general.site.get_value()) is jdls.Site
+    assert float(jnp.abs(model.norm.mean[...]).sum()) > 0  # the forward pass's update kept
+
+
 def test_an_inner_jit_traced_outside_the_differentiation_is_traced_again():
     """A jitted forward pass traced first outside jdls (an evaluation), then called inside the
     jitted steps' ``value_and_grad`` at the optimizer state's scale: each step's dot reads its
