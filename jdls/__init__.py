@@ -6,12 +6,8 @@ from jdls._floats.lookup import finfo
 from jdls._floats.policy import Policy, get_policy
 from jdls._floats.storage import compress, decompress
 from jdls._numerics.checks import all_finite
-from jdls._scales.layer_scales import (
-    LayerScale,
-    layer_scaled_value_and_grad,
-    layer_site,
-    rescale_boundary,
-)
+from jdls._scales.layer_scales import layer_scaled_value_and_grad
+from jdls._scales.layer_site import LayerScale, layer_site, rescale_boundary
 from jdls._scales.loss_adjust import adjust_loss_scales
 from jdls._scales.multi_loss import multi_loss_value_and_grad
 from jdls._scales.scale import AdaptiveScale, DynamicScale, LossScale, NoOpScale, StaticScale

@@ -44,7 +44,8 @@ from jdls._frameworks.equinox_sites import FIX_ORDER, Sited, unwrap
 from jdls._frameworks.equinox_sites import layer_scales_equinox as layer_scales
 from jdls._frameworks.equinox_sites import probes_equinox as probes
 from jdls._scales.grad import scaled_value_and_grad
-from jdls._scales.layer_scales import applied_in_order, scale_layers
+from jdls._scales.layer_scales import scale_layers
+from jdls._scales.layer_site import applied_in_order
 from jdls._scales.scale import LossScale, check_scale
 from jdls._transforms import apply as site_apply
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from jdls._frameworks.equinox_sites import site_name
 from jdls._numerics.paths import path_key
-from jdls._scales.layer_scales import LayerScale
+from jdls._scales.layer_site import LayerScale
 from jdls._scales.scale import LossScale, check_scale
 from jdls._sites.site import Site, fresh_site, is_site
 

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from jdls._numerics.paths import path_key
-from jdls._scales.layer_scales import layer_site, note_applied
+from jdls._scales.layer_site import layer_site, note_applied
 from jdls._scales.scale import LossScale, check_scale
 from jdls._sites.apply import apply_site
 from jdls._sites.probe import Probe

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from flax import errors
 from flax.core import Scope, freeze
 
-from jdls._scales.layer_scales import LayerScale, layer_site
+from jdls._scales.layer_site import LayerScale, layer_site
 from jdls._scales.scale import LossScale, check_scale
 from jdls._sites.apply import apply_site
 from jdls._sites.probe import Probe

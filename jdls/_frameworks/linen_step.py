@@ -18,7 +18,8 @@ import jax
 import optax
 
 from jdls._frameworks.linen_sites import SITES
-from jdls._scales.layer_scales import layer_sites, scale_layers
+from jdls._scales.layer_scales import scale_layers
+from jdls._scales.layer_site import layer_sites
 from jdls._scales.scale import LossScale, check_scale
 from jdls._sites.update import update_sites
 from jdls._transforms import apply as site_apply

@@ -28,11 +28,7 @@ from flax import nnx
 from flax.core.tracers import current_trace
 
 from jdls._frameworks.linen_sites import probe_name
-from jdls._scales.layer_scales import (
-    LayerScale,
-    layer_site,
-    note_applied,
-)
+from jdls._scales.layer_site import LayerScale, layer_site, note_applied
 from jdls._scales.scale import LossScale, check_scale
 from jdls._sites.apply import apply_site
 from jdls._sites.probe import Probe

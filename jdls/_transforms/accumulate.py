@@ -25,7 +25,7 @@ from jax import lax
 from jdls._numerics.axes import agree, vary_like
 from jdls._numerics.checks import check_int
 from jdls._numerics.norm import FloatLeaves, GlobalNorm, flatten_floats, tree_norm
-from jdls._scales.layer_scales import layer_sites
+from jdls._scales.layer_site import layer_sites
 from jdls._scales.scale import DynamicScale, LossScale, check_scale
 from jdls._sites.measured import measured, raw
 from jdls._sites.site import Site, is_site
