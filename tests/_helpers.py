@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import os
 import random
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,21 @@ with_and_without_jit = pytest.mark.parametrize(
     "jit", [pytest.param(False, id="eager", marks=pytest.mark.full), pytest.param(True, id="jit")]
 )
 jitted_in_quick_run = with_and_without_jit
+
+
+def closing_over_sites(fn: Callable) -> Callable:
+    """``fn``, a reference that differentiates through sites it closes over on purpose
+    (``jax.grad`` of the bare model, the sites held fixed), with ``jdls.SiteNotDifferentiated``
+    silenced while it runs or is traced. Everywhere else that warning is an error
+    (``pyproject.toml``): every jdls path must differentiate the sites it goes through."""
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", jdls.SiteNotDifferentiated)
+            return fn(*args, **kwargs)
+
+    return run
 
 
 def maybe_jit(fn: Callable, jit: bool) -> Callable:

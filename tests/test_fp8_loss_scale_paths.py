@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _helpers import assert_bitwise_equal, maybe_jit, with_and_without_jit
+from _helpers import assert_bitwise_equal, closing_over_sites, maybe_jit, with_and_without_jit
 
 import jdls
 from jdls import fp8
@@ -200,7 +200,7 @@ def test_layer_scales_change_neither_the_gradients_nor_the_fp8_states(jit):
     params, sites = _chain((4, 14, 9))
     x = jax.random.normal(jax.random.key(5), (4, 8))
     _, (grads, _) = fn(params, sites, x)
-    reference = jax.jit(jdls.StaticScale(1.0).value_and_grad(_chain_loss))(
+    reference = closing_over_sites(jax.jit(jdls.StaticScale(1.0).value_and_grad(_chain_loss)))(
         params, _chain((0, 0, 0))[1], x
     )
     _assert_amaxes(_grad_amaxes(grads), _grad_amaxes(reference[1]))
@@ -230,7 +230,8 @@ def test_a_scanned_stack_tells_each_layer_its_own_scale(jit):
 
     x = jax.random.normal(jax.random.key(1), (4, 8))
     _, (grads, _) = maybe_jit(jdls.layer_scaled_value_and_grad(loss), jit)(params, sites, x)
-    _, reference = jax.jit(jdls.StaticScale(1.0).value_and_grad(loss))(params, plain, x)
+    global_path = closing_over_sites(jax.jit(jdls.StaticScale(1.0).value_and_grad(loss)))
+    _, reference = global_path(params, plain, x)
     got, want = _grad_amaxes(grads), _grad_amaxes(reference)
     _assert_amaxes(got, want)
     assert np.shape(got["stack/fp8"]) == (n,)

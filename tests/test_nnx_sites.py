@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _helpers import closing_over_sites
 from flax import nnx
 
 import jdls
@@ -128,7 +129,7 @@ def test_per_layer_scales_in_a_vmapped_scanned_remat_stack_are_exact(jit: bool) 
     fn = jdls.nnx.layer_scaled_value_and_grad(loss_fn)
     fn = nnx.jit(fn) if jit else fn
     loss, grads = fn(model, x)
-    ref_loss, ref = nnx.value_and_grad(loss_fn)(model, x)
+    ref_loss, ref = closing_over_sites(nnx.value_and_grad(loss_fn))(model, x)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
     for a, b in zip(
         jax.tree_util.tree_leaves(nnx.state(grads, nnx.Not(jdls.nnx.SiteVariable))),
@@ -234,7 +235,7 @@ def test_layer_positions_survive_split_merge_and_restore_bit_for_bit(jit: bool) 
         bare = jax.grad(
             lambda p, g=g, rest=rest: _named_loss(nnx.merge(g, p, rest), jnp.ones((2, 3)))
         )
-        ref = (jax.jit(bare) if jit else bare)(params)
+        ref = closing_over_sites(jax.jit(bare) if jit else bare)(params)
         for a, b in zip(
             jax.tree_util.tree_leaves(nnx.state(grads, nnx.Not(jdls.nnx.SiteVariable))),
             jax.tree_util.tree_leaves(ref),

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _helpers import FULL_MATRIX, pcast_varying
+from _helpers import FULL_MATRIX, closing_over_sites, pcast_varying
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -732,6 +732,8 @@ def _run_both(cap, comp, dtype, leaves):
     if reference is None:  # a framework's probes: the same model without the inner transform
         ref_comp = "none" if comp in INNER else comp
         reference, _, _ = _build(cap, ref_comp, dtype, leaves)  # run on the cell's parameters
+    else:  # JAX's own value_and_grad of the bare function, the sites held fixed
+        reference = closing_over_sites(reference)
     try:
         expected = _outer(reference, comp, params, x)
     except TypeError as error:  # plain JAX refuses an integer parameter
