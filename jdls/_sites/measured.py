@@ -177,8 +177,8 @@ def restored(received: Any, handed: Any) -> Any:
     common factor lost (an optax clip's factor 0 on an overflowing step, added noise) is
     taken from the differentiation that measured it. ``received`` as it is where the two
     are not one measurement's codes (another kind, another structure)."""
-    if received is handed or not (isinstance(received, Measured) and isinstance(handed, Measured)):
-        return received  # the very measurement (nothing in front changed it), or none
+    if not (isinstance(received, Measured) and isinstance(handed, Measured)):
+        return received
     is_bytes = lambda x: isinstance(x, _Bytes)  # noqa: E731
     shapes: list[Any] = [
         jax.tree_util.tree_structure(m.parts, is_leaf=is_bytes) for m in (received, handed)
