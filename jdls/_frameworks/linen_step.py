@@ -18,7 +18,6 @@ import jax
 import optax
 
 from jdls._frameworks.linen_sites import SITES
-from jdls._scales.grad import hand_over
 from jdls._scales.layer_scales import scale_layers
 from jdls._scales.layer_site import layer_sites
 from jdls._scales.scale import LossScale, check_scale
@@ -111,7 +110,6 @@ def value_and_grad(
             has_aux=has_aux,
             who="jdls.linen.value_and_grad",
         )
-        hand_over(scale, grads)
         return value, grads
 
     return value_and_grad_fn

@@ -33,18 +33,6 @@ gradients computed again and again with one scale (eagerly, an accumulation loop
 micro-batches) are never all held at once. The record holds the loss of the last call too
 (and whether an earlier one was nonzero): gradients all zero where the loss was not are taken
 for gradients that flushed before the rule's first measurement (``SkipCause.UNDERFLOW``).
-
-**The sites' measurements, from the same ``value_and_grad``.** A measurement rides in the
-gradient tree coded so that a common factor leaves it exact (``jdls/_sites/measured.py``),
-but a transformation in front that is not one loses it: ``optax.clip_by_global_norm`` on a
-step that overflows (its factor ``c / inf`` is 0), ``optax.add_noise`` on every step. So the
-scale's ``value_and_grad`` also records the measurements it returned, with the structure of
-its gradient tree (:func:`remember_measurements`, for any scale), and the wrap holding that
-scale, given a tree of the same structure in the same trace, takes the recorded measurement
-where the one it received no longer decodes (:func:`recall_measurements`; the record is
-consumed). Only one call in the trace is trusted: with two (micro-batches summed by hand),
-which one reached the wrap is unknown, and the received measurements stand alone, as
-before.
 """
 
 from __future__ import annotations
@@ -64,10 +52,8 @@ __all__ = [
     "nonzero",
     "recall",
     "recall_backward",
-    "recall_measurements",
     "remember",
     "remember_backward",
-    "remember_measurements",
 ]
 
 
@@ -237,61 +223,3 @@ def backward_amax(
     if axis_name is not None:
         largest = jax.lax.pmax(largest, axis_name)
     return largest
-
-
-# --------------------------------------------------------------------------------------------
-# The sites' measurements, from the scale's value_and_grad to the wrap that holds the scale.
-# --------------------------------------------------------------------------------------------
-
-
-class _Measurements:
-    """The sites' measurements one ``value_and_grad`` at a scale returned in one trace, the
-    structure of its gradient tree (sites as leaves), and how many calls there were."""
-
-    def __init__(self, key: weakref.ref[Any], trace: Any) -> None:
-        self.key = key
-        self.trace = trace
-        self.calls = 0
-        self.structure: Any = None
-        self.sites: tuple[Any, ...] = ()
-
-
-_measurements: dict[int, _Measurements] = {}
-
-
-def remember_measurements(key: Any, structure: Any, sites: Sequence[Any]) -> None:
-    """Record the measurements ``sites`` that a ``value_and_grad`` at the scale ``key`` (its
-    ``loss_scale`` array, or the scale itself where the kind fixes it) returned in the current
-    trace, in a gradient tree of ``structure``; a second call in the trace makes the record
-    say nothing (which call's measurements reached the wrap is not known)."""
-    if not sites:
-        return
-    try:
-        ref = weakref.ref(key)
-    except TypeError:  # no object to recognise the scale by
-        return
-    trace = _current_trace()
-    record = _measurements.get(id(key))
-    if record is None or record.key() is not key or record.trace != trace:
-        record = _Measurements(ref, trace)
-        _measurements[id(key)] = record
-        weakref.finalize(key, _forget_measurements, id(key), ref)
-    record.calls += 1
-    record.structure, record.sites = structure, tuple(sites)
-
-
-def _forget_measurements(key: int, ref: weakref.ref[Any]) -> None:
-    record = _measurements.get(key)
-    if record is not None and record.key is ref:
-        del _measurements[key]
-
-
-def recall_measurements(key: Any, structure: Any) -> tuple[Any, ...] | None:
-    """The measurements the one ``value_and_grad`` at the scale ``key`` returned in the
-    current trace, for a wrap that received a gradient tree of ``structure`` (the same, or
-    None), and the record consumed; None without one call exactly."""
-    record = _measurements.get(id(key))
-    if record is None or record.key() is not key or record.trace != _current_trace():
-        return None
-    del _measurements[id(key)]
-    return record.sites if record.calls == 1 and record.structure == structure else None

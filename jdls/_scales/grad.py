@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jdls._numerics.checks import is_float
-from jdls._numerics.handoff import remember_backward, remember_measurements
+from jdls._numerics.handoff import remember_backward
 from jdls._sites.backward_scale import (
     backward_scale,
     set_seed_cap,
@@ -27,8 +27,6 @@ from jdls._sites.site import is_site
 __all__ = [
     "Scaling",
     "Teller",
-    "hand_over",
-    "handoff_key",
     "reject_axis_name",
     "scaled_value_and_grad",
     "seed_scale",
@@ -140,7 +138,6 @@ def scaled_value_and_grad(
                 loss,
             )
         grads = measured(grads)  # global over the devices, never taken for a gradient
-        hand_over(scale, grads)
         return ((loss, aux), grads) if has_aux else (loss, grads)
 
     return value_and_grad_fn
@@ -162,25 +159,6 @@ def seed_scale(loss_scale: jax.Array, loss: Any) -> jax.Array | None:
     at most :func:`seed_cap`; None for a wider loss (scaled by ``loss_scale`` itself)."""
     cap = seed_cap(loss)
     return None if cap is None else jnp.minimum(loss_scale, jnp.float32(cap))
-
-
-def hand_over(scale: Any, grads: Any) -> None:
-    """For the wrap holding ``scale``, beside the gradients ``grads``: the sites'
-    measurements, so that what a transformation in front of the wrap loses of them is taken
-    from here (jdls/_numerics/handoff.py)."""
-    sites = [x for x in jax.tree_util.tree_leaves(grads, is_leaf=is_site) if is_site(x)]
-    if sites:
-        structure = jax.tree_util.tree_structure(grads, is_leaf=is_site)
-        remember_measurements(handoff_key(scale), structure, sites)
-
-
-def handoff_key(scale: Any) -> Any:
-    """What the wrap holding ``scale`` and a ``value_and_grad`` at it both know it by, in
-    one trace: its ``loss_scale`` array, or the scale itself where its kind fixes the value
-    (``NoOpScale``: a new array at each read)."""
-    if isinstance(inspect.getattr_static(type(scale), "loss_scale", None), property):
-        return scale
-    return scale.loss_scale
 
 
 def with_loss_scale(scale: S, loss_scale: jax.Array) -> S:

@@ -6,12 +6,11 @@ wrap's state until the parameters take it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
 
-from jdls._sites.measured import restored
 from jdls._sites.site import SiteUpdate, is_site
 from jdls._sites.update import merge_sites, split_sites, update_sites
 
@@ -28,7 +27,6 @@ def sites_apart(
     update_fn: Callable[..., Any],
     finite_of: Callable[[Any], jax.Array] | None,
     hold: Callable[[Any, tuple[Any, ...]], Any] | None = None,
-    handed: Callable[[Any, Any], Sequence[Any] | None] | None = None,
 ) -> tuple[Callable[..., Any], Callable[..., Any]]:
     """An optax transformation's functions with the sites of the parameters and of the
     gradients kept apart: the transformation never sees them (``None`` in their place: never
@@ -39,10 +37,8 @@ def sites_apart(
     transformation after the wrap, ``optax.scale``, leaves it alone, and ``eqx.apply_updates``
     or ``optax.add_decayed_weights`` fail, naming the fix, instead of keeping the old state) and
     ``hold(state, sites)`` puts the new sites (in the parameters' flattening order) in the
-    state, where ``jdls.apply_updates`` finds them, and ``handed(state, updates)`` gives the
-    measurements the differentiation returned in this trace (``jdls/_numerics/handoff.py``),
-    which stand in for a received one that a transformation in front lost. Without
-    (``jdls.clip``), the measurement passes on."""
+    state, where ``jdls.apply_updates`` finds them. Without (``jdls.clip``), the measurement
+    passes on."""
 
     def init(params: Any) -> Any:
         state = init_fn(split_sites(params)[0])
@@ -76,24 +72,12 @@ def sites_apart(
                 "tx.update(grads, opt_state, params)"
             )
         out = _marked(out, measured)
-        given = None if handed is None else handed(state, updates)
-        if given is not None and len(given) == found:
-            measured = _restored(measured, given)
         new_sites = update_sites(sites, measured, finite_of(new_state))
         if hold is not None:
             new_state = hold(new_state, tuple(site_leaves(new_sites)))
         return out, new_state
 
     return init, update
-
-
-def _restored(measured: Any, given: Sequence[Any]) -> Any:
-    """Each measurement of ``measured`` where it decodes, the one ``given`` at its place
-    (flattening order) where it does not (:func:`jdls._sites.measured.restored`)."""
-    handed = iter(given)
-    return jax.tree_util.tree_map(
-        lambda m: restored(m, next(handed)) if is_site(m) else m, measured, is_leaf=is_site
-    )
 
 
 def _marked(out: Any, measured: Any) -> Any:

@@ -42,7 +42,7 @@ from jax import lax
 from jdls._numerics.axes import bound_axes, tracked_axes, vary_over, varying_axes
 from jdls._sites.site import Site, SiteKind, is_site
 
-__all__ = ["Measured", "measured", "raw", "restored"]
+__all__ = ["Measured", "measured", "raw"]
 
 _F32 = jnp.float32
 # Each byte of a measurement's bits is held as ``byte * _UNIT``: exact in float32 and in
@@ -145,13 +145,6 @@ def _shifts(dtype: Any, ndim: int) -> Any:
 
 
 def _decode(part: _Bytes, count: jax.Array) -> jax.Array:
-    value, ok = _decoded(part, count)
-    return jnp.where(ok, value, jnp.array(jnp.nan, part.dtype))
-
-
-def _decoded(part: _Bytes, count: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The leaf ``part`` codes and, per element, whether it decoded (a common factor at
-    most was applied)."""
     coded = jnp.asarray(part.coded, _F32)
     c = jnp.reshape(count, jnp.shape(count) + (1,) * (coded.ndim - jnp.ndim(count)))
     parts = coded / c
@@ -167,38 +160,7 @@ def _decoded(part: _Bytes, count: jax.Array) -> tuple[jax.Array, jax.Array]:
         value = lax.bitcast_convert_type(bits.astype(jnp.uint16), part.dtype)
     else:
         value = lax.bitcast_convert_type(bits, part.dtype)
-    return value, ok
-
-
-def restored(received: Any, handed: Any) -> Any:
-    """``received`` (a measurement after the transformations in front of the wrap) where it
-    decodes, and ``handed`` (the one jdls's ``value_and_grad`` returned in the same trace,
-    ``jdls/_numerics/handoff.py``) where it does not: what a transformation that is not a
-    common factor lost (an optax clip's factor 0 on an overflowing step, added noise) is
-    taken from the differentiation that measured it. ``received`` as it is where the two
-    are not one measurement's codes (another kind, another structure)."""
-    if not (isinstance(received, Measured) and isinstance(handed, Measured)):
-        return received
-    is_bytes = lambda x: isinstance(x, _Bytes)  # noqa: E731
-    shapes: list[Any] = [
-        jax.tree_util.tree_structure(m.parts, is_leaf=is_bytes) for m in (received, handed)
-    ]
-    same = shapes[0] == shapes[1]
-    if received.kind != handed.kind or not same:
-        return received
-    count_r, count_h = jnp.asarray(received.count, _F32), jnp.asarray(handed.count, _F32)
-
-    def one(r: Any, h: Any) -> Any:
-        if not is_bytes(r):
-            return r
-        if not is_bytes(h) or r.dtype != h.dtype:
-            return _decode(r, count_r)
-        value, ok = _decoded(r, count_r)
-        return jnp.where(ok, value, _decode(h, count_h))
-
-    return Site(
-        received.kind, jax.tree_util.tree_map(one, received.parts, handed.parts, is_leaf=is_bytes)
-    )
+    return jnp.where(ok, value, jnp.array(jnp.nan, part.dtype))
 
 
 def _flatten_with_keys(m: Measured) -> tuple[tuple[tuple[Any, Any], ...], SiteKind]:

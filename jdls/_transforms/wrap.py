@@ -25,13 +25,7 @@ import optax
 from jax import lax
 
 from jdls._numerics.checks import all_finite, check_int, check_limit
-from jdls._numerics.handoff import (
-    backward_amax,
-    backward_loss_nonzero,
-    nonzero,
-    recall,
-    recall_measurements,
-)
+from jdls._numerics.handoff import backward_amax, backward_loss_nonzero, nonzero, recall
 from jdls._numerics.norm import (
     AxisName,
     FloatLeaves,
@@ -43,7 +37,6 @@ from jdls._numerics.norm import (
 )
 from jdls._numerics.scalars import one_kernel, pick
 from jdls._scales.filter import non_array_hint
-from jdls._scales.grad import handoff_key
 from jdls._scales.scale import (
     AdaptiveScale,
     LossScale,
@@ -52,7 +45,6 @@ from jdls._scales.scale import (
     observes,
 )
 from jdls._sites.apart import sites_apart
-from jdls._sites.site import is_site
 from jdls._transforms.retry import SkipCause, classify, first_attempt, flushed, model_overflow
 from jdls._transforms.skip import cond_branches, keep_dtypes, select
 from jdls._transforms.stats import Stats, WrapState, step_applied
@@ -287,19 +279,12 @@ def wrap(
     # Sites among the parameters (per-layer scales, probes, FP8 state): never given to the
     # inner optimizer, never clipped or in the norm; each updated by its kind, skip-aware
     # (with optax.MultiSteps inside: once per applied step, not per micro-batch).
-    init, update = sites_apart(init_fn, update_fn, step_applied, _hold, _handed)
+    init, update = sites_apart(init_fn, update_fn, step_applied, _hold)
     return optax.GradientTransformationExtraArgs(init, update)
 
 
 def _hold(state: WrapState, sites: tuple[Any, ...]) -> WrapState:
     return state._replace(sites=sites)
-
-
-def _handed(state: WrapState, updates: Any) -> tuple[Any, ...] | None:
-    """The measurements the ``value_and_grad`` at this state's scale returned in this trace,
-    for gradients of the structure of ``updates`` (jdls/_numerics/handoff.py)."""
-    structure = jax.tree_util.tree_structure(updates, is_leaf=is_site)
-    return recall_measurements(handoff_key(state.scale), structure)
 
 
 def _measure(
