@@ -198,6 +198,35 @@ def test_what_a_transformation_in_front_loses_is_lost_not_changed():
             assert is_lost or float(amax) == 1.0, name  # the cotangent at the probe: ones
 
 
+def test_carried_measurements_are_recorded_as_received_or_lost():
+    """What the wrap records is what reaches it, never a measurement of another call: the
+    gradients of the step before, applied with a transformation in front that loses their
+    measurement (a delayed update), are lost, not replaced by this step's; a micro-batch
+    carried in and summed with one differentiated in the step is lost too (a sum of two
+    measurements), and with nothing in front."""
+    params = {"w": jnp.array([1.0, 2.0, 3.0]), "probe": jdls.Site(jdls.Probe())}
+    loss = lambda p, c: jnp.sum(jdls.apply_site(p["w"], p["probe"]) * c)  # noqa: E731
+
+    def recorded(front, carried, summed):
+        tx = optax.chain(front, jdls.wrap(optax.sgd(0.1), jdls.StaticScale(1.0)))
+        opt_state = tx.init(params)
+
+        @jax.jit
+        def step(carried, c):
+            grads = jdls.get_scale(opt_state).value_and_grad(loss)(params, c)[1]
+            applied = jax.tree.map(jnp.add, carried, grads) if summed else carried
+            updates, state = tx.update(applied, opt_state, params)
+            return jdls.Telemetry.of(jdls.apply_updates(params, updates, state)["probe"]).amax
+
+        return float(step(carried, jnp.float32(5.0))[0])
+
+    carried = jax.jit(jdls.StaticScale(1.0).value_and_grad(loss))(params, jnp.float32(2.0))[1]
+    assert recorded(jdls.clip(1.0), carried, summed=False) == 2.0  # the step before's
+    assert np.isnan(recorded(optax.add_noise(0.1, 0.55, 0), carried, summed=False))
+    for front in (optax.identity(), jdls.clip(1e9), optax.add_noise(0.1, 0.55, 0)):
+        assert np.isnan(recorded(front, carried, summed=True))
+
+
 def test_an_update_without_params_is_refused_where_sites_need_them():
     params = {"w": jnp.ones(3), "probe": jdls.Site(jdls.Probe())}
     tx = jdls.wrap(optax.sgd(0.1))
