@@ -19,7 +19,8 @@ the block of a stack scanned over its layers (``nn.scan``, ``nnx.scan``), in flo
   backward pass is linear in the cotangent and every scale a power of two, so each rounding
   is the same rounding times a power of two); under ``jit``, and through a scan (XLA compiles
   the scan's body even eagerly), to float32 rounding of each layer's largest gradient: XLA
-  compiles the two programs (one with a multiply at each layer's output, one without) into
+  compiles the two programs (one with a multiply at each layer's output, one without; a
+  module alone under ``jit`` is held to the eager case's reference, computed once) into
   different fusions, which may add in another order. A gradient that cancels to about zero
   (a bias before a normalization over the batch) is then that rounding's size. Each layer's
   measurement is its own gradients' largest magnitude.
@@ -31,6 +32,7 @@ row and one per-layer ratio (the inner call is not a second use).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -59,6 +61,15 @@ def _tokens() -> jax.Array:
 
 def _causal() -> jax.Array:
     return nn.make_causal_mask(jnp.ones((B, T)))
+
+
+@functools.cache
+def _target() -> jax.Array:
+    """The loss's fixed target, computed once and eagerly, also when first asked for inside a
+    trace: a constant of every loss's program, not a threefry draw compiled into each one
+    (that draw was most of the compile time of each NNX program, about 2 s of 2.2)."""
+    with jax.ensure_compile_time_eval():
+        return jax.random.normal(jax.random.key(3), (B, T, W))
 
 
 def _normal(key, shape, dtype=jnp.float32):
@@ -251,6 +262,31 @@ def _maybe_jit(fn: Callable, jit: bool) -> Callable:
     return jax.jit(fn) if jit else fn
 
 
+#: The bare models' eager loss and gradients of the modules alone, by (test, module): the eager
+#: case's reference (bit for bit), which the jitted case shares (to float32 rounding) instead
+#: of compiling a second program of the bare model (about 0.2 to 2 s a case).
+_EAGER_REFERENCES: dict[tuple[str, str], tuple[Any, Any]] = {}
+
+
+def _bare_reference(
+    key: tuple[str, str], loss: Callable, params: Any, inputs: Any, jit: bool, scanned: bool
+) -> tuple[Any, Any]:
+    """``jax.value_and_grad(loss)(params)``: a module alone, eagerly, once per ``key`` (the
+    same ``inputs``, everything the loss reads, checked bit for bit on reuse); a scanned
+    stack under ``jit`` when ``jit``, as the model (no eager case shares it)."""
+    if scanned:
+        return _maybe_jit(jax.value_and_grad(loss), jit)(params)
+    if key not in _EAGER_REFERENCES:
+        _EAGER_REFERENCES[key] = (inputs, jax.value_and_grad(loss)(params))
+    seen, reference = _EAGER_REFERENCES[key]
+    assert jax.tree.structure(seen) == jax.tree.structure(inputs), key
+    for a, b in zip(jax.tree.leaves(seen), jax.tree.leaves(inputs), strict=True):
+        if jnp.issubdtype(a.dtype, jax.dtypes.prng_key):  # an NNX model's Rngs
+            a, b = jax.random.key_data(a), jax.random.key_data(b)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(key))
+    return reference
+
+
 def _assert_grads_equal(grads: dict, ref: dict, exact: bool) -> None:
     """Bit for bit, or (``exact`` False: under ``jit`` or ``scan``) to float32 rounding of
     each layer's largest gradient (see the module docstring)."""
@@ -328,7 +364,7 @@ def _linen_input(layer: Layer) -> jax.Array:
 
 def _linen_loss(model: nn.Module, layer: Layer, rest: dict, x: jax.Array) -> Callable:
     """``loss(variables)``: ``rest`` (the batch statistics) updated but not differentiated."""
-    target = jax.random.normal(jax.random.key(3), (B, T, W))
+    target = _target()
 
     def loss(variables):
         kwargs = {"rngs": {"dropout": jax.random.key(4)}}
@@ -443,8 +479,13 @@ def test_linen_layer_scales_give_the_bare_models_gradients(
     loss = _linen_loss(model, layer, rest, x)
     value, grads = _maybe_jit(state.value_and_grad(loss), jit)(state.variables)
     bare_loss = _linen_loss(bare, layer, rest, x)
-    ref_value, ref = _maybe_jit(jax.value_and_grad(lambda p: bare_loss({"params": p})), jit)(
-        variables["params"]
+    ref_value, ref = _bare_reference(
+        ("linen", name),
+        lambda p: bare_loss({"params": p}),
+        variables["params"],
+        (variables["params"], rest, x),
+        jit,
+        scanned,
     )
     _assert_grads_equal(grads["params"], ref, exact=not (jit or scanned))
     np.testing.assert_allclose(value, ref_value, rtol=1e-6)
@@ -529,8 +570,7 @@ class NnxChain(nnx.Module):
 
 
 def _nnx_loss(model: NnxChain, x: jax.Array) -> jax.Array:
-    target = jax.random.normal(jax.random.key(3), (B, T, W))
-    return jnp.sum(model(x) * target)
+    return jnp.sum(model(x) * _target())
 
 
 def _nnx_rows(model: NnxChain, scanned: bool) -> set[str]:
@@ -592,7 +632,9 @@ def test_nnx_layer_scales_give_the_bare_models_gradients(
     def bare_loss(p):
         return _nnx_loss(nnx.merge(graphdef, p, rest, copy=True), x)
 
-    ref_value, ref = _maybe_jit(jax.value_and_grad(bare_loss), jit)(params)
+    ref_value, ref = _bare_reference(
+        ("nnx", name), bare_loss, params, (params, rest, x), jit, scanned
+    )
     got = nnx.to_pure_dict(nnx.state(grads, nnx.Not(jdls.nnx.SiteVariable)))
     _assert_grads_equal(got, nnx.to_pure_dict(ref), exact=not (jit or scanned))
     np.testing.assert_allclose(value, ref_value, rtol=1e-6)

@@ -358,7 +358,27 @@ def _dot32(a, b, dn):
 
 
 def _dot64(a, b, dn):
-    return jax.lax.dot_general(np.asarray(a, np.float64), np.asarray(b, np.float64), dn)
+    """The dot of ``a`` and ``b`` in float64, in numpy (JAX without x64 would compute it in
+    float32); contraction dimensions only, no batch dimensions."""
+    (lc, rc), (lb, rb) = dn
+    assert not lb and not rb
+    return np.tensordot(np.asarray(a, np.float64), np.asarray(b, np.float64), (lc, rc))
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3, 4))
+def _mx_scaled_dot(x, w, dn, fmt, rule):
+    """The reference of the MX forward: ``jax.lax.scaled_dot`` of the blocks, one program (not
+    each quantization's operations compiled one by one, eagerly)."""
+    qx = quantize_blocks(x, (1, 1, 32), fmt, rule)
+    qw = quantize_blocks(w, (1, 32, 1), fmt, rule)
+    return jax.lax.scaled_dot(
+        qx.values,
+        qw.values,
+        lhs_scale=qx.scales,
+        rhs_scale=qw.scales,
+        dimension_numbers=dn,
+        preferred_element_type=jnp.float32,
+    )
 
 
 @pytest.mark.parametrize("rule", RULES)
@@ -367,16 +387,7 @@ def _dot64(a, b, dn):
 def test_mx_forward_equals_scaled_dot(rule, fmt):
     x, w = jnp.asarray(_lognormal((2, 16, 96), 1)), jnp.asarray(_lognormal((2, 96, 24), 2))
     dn = (((2,), (1,)), ((0,), (0,)))
-    qx = quantize_blocks(x, (1, 1, 32), fmt, rule)
-    qw = quantize_blocks(w, (1, 32, 1), fmt, rule)
-    want = jax.lax.scaled_dot(
-        qx.values,
-        qw.values,
-        lhs_scale=qx.scales,
-        rhs_scale=qw.scales,
-        dimension_numbers=dn,
-        preferred_element_type=jnp.float32,
-    )
+    want = _mx_scaled_dot(x, w, dn, fmt, rule)
     got = jax.jit(lambda a, b: block_dot_general(a, b, dn, mx(fmt, rule)))(x, w)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
@@ -385,18 +396,23 @@ def test_mx_forward_equals_scaled_dot(rule, fmt):
 def test_deepseek_forward_equals_scaled_dot():
     x, w = jnp.asarray(_lognormal((32, 256), 3)), jnp.asarray(_lognormal((256, 256), 4))
     dn = (((1,), (0,)), ((), ()))
-    qx = quantize_blocks(x, (1, 128), "e4m3", "up")
-    qw = quantize_blocks(w, (128, 128), "e4m3", "up")
-    rhs_scale = jnp.repeat(qw.scales_float32, 128, axis=1)  # scaled_dot: one scale per column
-    want = jax.lax.scaled_dot(
-        qx.values,
-        qw.values,
-        lhs_scale=qx.scales_float32,
-        rhs_scale=rhs_scale,
-        dimension_numbers=dn,
-        preferred_element_type=jnp.float32,
-    )
-    got = block_dot_general(x, w, dn, deepseek())
+
+    @jax.jit  # the reference, one program
+    def reference(x, w):
+        qx = quantize_blocks(x, (1, 128), "e4m3", "up")
+        qw = quantize_blocks(w, (128, 128), "e4m3", "up")
+        rhs_scale = jnp.repeat(qw.scales_float32, 128, axis=1)  # scaled_dot: one per column
+        return jax.lax.scaled_dot(
+            qx.values,
+            qw.values,
+            lhs_scale=qx.scales_float32,
+            rhs_scale=rhs_scale,
+            dimension_numbers=dn,
+            preferred_element_type=jnp.float32,
+        )
+
+    want = reference(x, w)
+    got = block_dot_general(x, w, dn, deepseek())  # eagerly
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
@@ -411,7 +427,6 @@ def _value_and_vjp(x, w, g, dn, recipe):
     return (y, *vjp(g))
 
 
-@pytest.mark.full(keep=1)
 @pytest.mark.parametrize("recipe", [deepseek(), mx(), mx("e4m3", "down", backward="e5m2")])
 @pytest.mark.full
 def test_gradients_equal_float32_dots_of_the_requantized_operands(recipe):
@@ -507,7 +522,6 @@ def _dot32_f32(a, b, dn):
     return jax.lax.dot_general(a, b, dn, preferred_element_type=jnp.float32)
 
 
-@pytest.mark.full(keep=1)
 @pytest.mark.parametrize("recipe", [mx(), mx("e2m1", "down"), deepseek()])
 @pytest.mark.full
 def test_recipe_in_the_fp8_dot_gives_the_requantized_float32_dots(recipe):
@@ -534,8 +548,9 @@ def test_recipe_in_the_fp8_dot_gives_the_requantized_float32_dots(recipe):
     ]
     for got, exp in zip((y, dx, dw), want, strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(exp))
-    # the stand-alone block dot (bfloat16 operands, as scaled_dot) differs only in accumulation
-    y2 = block_dot_general(x, w, dn, recipe)
+    # the stand-alone block dot (bfloat16 operands, as scaled_dot) differs only in accumulation;
+    # jitted: a reference here, one program (eagerly, about 200 operations compiled one by one)
+    y2 = jax.jit(block_dot_general, static_argnums=(2, 3))(x, w, dn, recipe)
     np.testing.assert_allclose(np.asarray(y), np.asarray(y2), rtol=1e-5, atol=1e-4)
 
 
