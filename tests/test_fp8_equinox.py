@@ -62,6 +62,30 @@ def test_equinox_step_updates_sites_and_trains():
     assert set(rows) == {"a/site", "b/site"}
 
 
+@with_and_without_jit
+def test_the_partitioned_step_with_a_filter_jit_forward_reads_each_loss_scale(jit):
+    """Equinox's own step form: the model partitioned outside, the loss closing over the
+    static half and combining it with the differentiated one, the forward pass in an
+    ``eqx.filter_jit`` that JAX keeps across steps. At two loss scales each dot's recorded
+    output-gradient amax is the one at scale 1, jitted and not (an eager step's kept forward
+    pass is traced again at a new scale)."""
+    model, x = _Mlp(jax.random.key(0)), jax.random.normal(jax.random.key(1), (4, 8))
+    params, static = eqx.partition(model, eqx.is_array)
+    forward = eqx.filter_jit(lambda m, x: m(x))
+
+    def amaxes(value):
+        def loss(params):
+            return jnp.sum(forward(eqx.combine(params, static), x) ** 2)
+
+        grads = maybe_jit(jdls.StaticScale(value).value_and_grad(loss), jit)(params)[1]
+        return {k: v["grad"]["amax"] for k, v in fp8.telemetry(grads).items()}
+
+    want = amaxes(1.0)
+    assert set(want) == {"a/site", "b/site"} and all(v > 0 for v in want.values())
+    for value in (2.0**10, 2.0**12):
+        assert amaxes(value) == want
+
+
 def _train(tx, steps=6, jit=True):
     model = _Mlp(jax.random.key(0))
     opt_state = tx.init(eqx.filter(model, eqx.is_array))

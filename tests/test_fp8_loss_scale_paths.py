@@ -396,11 +396,13 @@ _X = jnp.array([[1.0, -3.5]])
 
 
 @pytest.mark.parametrize("form", ["jax.jit", "lax.scan", "jax.checkpoint"])
-def test_an_eager_step_tells_a_trace_kept_across_steps_each_steps_loss_scale(form):
+def test_an_eager_step_retraces_a_kept_trace_at_each_new_loss_scale(form):
     """A step that is not jitted, around a forward pass traced once and reused by JAX: the
-    dot is told the loss scale as data, so each step measures the unscaled output gradient
-    (1.0 at every scale; a trace that read the first step's scale as a constant recorded 2.0
-    at the second). A float16 loss past its seed cap (2**16, 2**17) too."""
+    differentiation's cache key is the concrete loss scale, so the kept trace is traced again
+    at each new scale and each step measures the unscaled output gradient (1.0 at every
+    scale; a trace that read the first step's scale as a constant recorded 2.0 at the
+    second). A float16 loss past its seed cap (2**16, 2**17) too, after a float32 one (the
+    cap keys the backward pass's trace)."""
     forward = _traced_once(form)
     site = fp8.init(RECIPE)
     if form == "lax.scan":
@@ -415,9 +417,9 @@ def test_an_eager_step_tells_a_trace_kept_across_steps_each_steps_loss_scale(for
             np.testing.assert_array_equal(grads.value.meter.grad.amax, 1.0, err_msg=str(value))
 
 
-def test_an_eager_nnx_step_tells_an_nnx_jit_forward_each_steps_loss_scale():
-    """The NNX form: the model's site variables are told in place while the loss runs (the
-    batch statistics a forward pass updates still reach the model), plain sites after."""
+def test_an_eager_nnx_step_retraces_an_nnx_jit_forward_at_each_new_loss_scale():
+    """The NNX form, with a forward pass that updates batch statistics: they still reach the
+    model, and its sites stay plain sites."""
     from flax import nnx
 
     class Model(nnx.Module):

@@ -7,13 +7,11 @@ and :func:`jdls.nnx.set_scale` (replace the scale, its rule included).
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from jdls._scales.grad import scaled_value_and_grad
 from jdls._scales.scale import LossScale, check_scale
-from jdls._sites.backward_scale import reads_loss_scale, tell_sites, untell_sites
 from jdls._transforms.stats import get_scale, replace_scale, snapshot
 
 __all__ = ["nnx_value_and_grad", "set_nnx_scale"]
@@ -80,7 +78,6 @@ def nnx_value_and_grad(
         fun,
         has_aux,
         lambda scaled: nnx.value_and_grad(scaled, argnums=argnums_spec, has_aux=True),
-        tell=_tell_variables,
     )
 
     def value_and_grad_fn(*args: Any, **kwargs: Any) -> Any:
@@ -88,29 +85,6 @@ def nnx_value_and_grad(
         return value, measurements(grads)  # the sites' measurements: SiteMeasurement
 
     return value_and_grad_fn
-
-
-@contextlib.contextmanager
-def _tell_variables(
-    args: tuple[Any, ...], kwargs: dict[str, Any], loss_scale: Any
-) -> Iterator[tuple[tuple[Any, ...], dict[str, Any]]]:
-    """The modules' site variables that read the loss scale told it, in place, while ``fun``
-    runs (jdls/_sites/backward_scale.py): a copy of the modules would lose what ``fun``
-    updates in them (batch statistics, RNG counts); each is a plain site again after."""
-    from flax import nnx
-
-    from jdls._frameworks.nnx_sites import SiteVariable
-
-    told = []
-    for _, node in nnx.iter_graph([args, kwargs]):
-        if isinstance(node, SiteVariable) and reads_loss_scale(node.get_value()):
-            node.set_value(tell_sites(node.get_value(), loss_scale=loss_scale))
-            told.append(node)
-    try:
-        yield args, kwargs
-    finally:
-        for variable in told:
-            variable.set_value(untell_sites(variable.get_value()))
 
 
 def set_nnx_scale(optimizer: Any, scale: LossScale) -> None:

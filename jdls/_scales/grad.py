@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import inspect
 import math
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager
+from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
 import jax
@@ -15,24 +13,11 @@ import jax.numpy as jnp
 
 from jdls._numerics.checks import is_float
 from jdls._numerics.handoff import remember_backward
-from jdls._sites.backward_scale import (
-    backward_scale,
-    set_seed_cap,
-    sites_reading_loss_scale,
-    tell_sites,
-)
+from jdls._sites.backward_scale import backward_scale, set_seed_cap
 from jdls._sites.measured import measured
 from jdls._sites.site import is_site
 
-__all__ = [
-    "Scaling",
-    "Teller",
-    "reject_axis_name",
-    "scaled_value_and_grad",
-    "seed_scale",
-    "tell_arguments",
-    "with_loss_scale",
-]
+__all__ = ["Scaling", "reject_axis_name", "scaled_value_and_grad", "seed_scale", "with_loss_scale"]
 
 T = TypeVar("T")
 
@@ -64,40 +49,20 @@ def reject_axis_name(axis_name: Any) -> None:
         )
 
 
-Teller = Callable[[tuple[Any, ...], dict[str, Any], Any], AbstractContextManager[Any]]
-
-
-@contextlib.contextmanager
-def tell_arguments(
-    args: tuple[Any, ...], kwargs: dict[str, Any], loss_scale: Any
-) -> Iterator[tuple[tuple[Any, ...], dict[str, Any]]]:
-    """The arguments of the differentiated function with the sites that read the loss scale
-    told it as data (jdls/_sites/backward_scale.py): pytrees, rebuilt only where such a site
-    is."""
-    if sites_reading_loss_scale((args, kwargs)):
-        args, kwargs = tell_sites((args, kwargs), loss_scale=loss_scale)
-    yield args, kwargs
-
-
 def scaled_value_and_grad(
     scale: Scaling,
     fun: Callable[..., Any],
     has_aux: bool,
     differentiate: Callable[[Callable[..., Any]], Callable[..., Any]],
-    tell: Teller = tell_arguments,
 ) -> Callable[..., Any]:
     """``value_and_grad`` of ``fun`` with the loss scaled and the results unscaled.
 
     ``differentiate(scaled)`` builds the gradient function of ``scaled`` (with
     ``has_aux=True``): ``jax.value_and_grad`` here, ``nnx.value_and_grad`` for NNX.
-    ``tell(args, kwargs, loss_scale)`` gives, around ``fun``, its arguments with the sites
-    that read the loss scale told it (:func:`tell_arguments` for pytrees; NNX tells its
-    modules' site variables in place, for ``fun`` to update them).
     """
 
     def scaled(*args: Any, **kwargs: Any) -> tuple[Any, tuple[Any, Any, Any]]:
-        with tell(args, kwargs, scale.loss_scale) as (told_args, told_kwargs):
-            out = fun(*told_args, **told_kwargs)
+        out = fun(*args, **kwargs)
         if has_aux:
             if not (isinstance(out, tuple) and len(out) == 2):
                 raise TypeError(

@@ -172,7 +172,7 @@ def scale_layers(
 
     prepared = list(args)
     for i, n in enumerate(argnums):
-        prepared[n] = tell_sites(put(args[n], (i,)), factor_in(i), last_scale)
+        prepared[n] = tell_sites(put(args[n], (i,)), factor_in(i))
     if unplaced:
         raise ValueError(
             f"{who}: these FP8 sites are in no layer with a per-layer site: {unplaced}. The "

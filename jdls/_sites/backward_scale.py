@@ -7,32 +7,27 @@ history too high for a window), so it divides what it measures by the loss scale
 multiplies its scale by it.
 
 jdls's scaled ``value_and_grad`` opens a :func:`backward_scale` context with its loss scale
-around the whole differentiation, and tells each site of the differentiated function's
-arguments that reads it the loss scale as data (:func:`tell_sites`, a :class:`ToldSite`):
-a trace that JAX keeps across calls (a ``jax.jit``, a ``lax.scan`` body, a
-``jax.checkpoint`` in a step that is not jitted) then takes it as an argument, where a
-concrete scale read from the context would be a constant of the first call's trace. A site
-reads it in its forward pass (:func:`site_loss_scale`: the told scale, else the context's,
-for a site the differentiation cannot see) and passes it on as an argument of its
-``custom_vjp`` (so that it reaches the backward rule as data, through ``lax.scan``, remat and
-``jit``). A 16-bit loss is seeded with at most the format's largest power of two (its
-cotangent must be finite), which is known only once the forward pass returned the loss: the
-context then records that cap (:func:`set_seed_cap`, a Python number, which also keys what
-is traced after it), and the backward rule, traced after the forward pass and inside the
-same ``value_and_grad`` call, applies it (:func:`seeded`).
+around the whole differentiation. A site reads it in its forward pass
+(:func:`current_loss_scale`) and passes it on as an argument of its ``custom_vjp`` (so that it
+reaches the backward rule as data, through ``lax.scan``, remat and ``jit``). A 16-bit loss is
+seeded with at most the format's largest power of two (its cotangent must be finite), which
+is known only once the forward pass returned the loss: the context then records that cap
+(:func:`set_seed_cap`, a Python number, which also keys what is traced after it), and the backward rule, traced after the forward pass
+and inside the same ``value_and_grad`` call, applies it (:func:`seeded`).
 
 Where the cotangent's scale differs from place to place, one context cannot say it: per-layer
 scales (``jdls/_scales/layer_scales.py``: inside layer ``k`` the cotangent carries layer
 ``k``'s scale) and per-loss scales with one backward pass (``jdls/_scales/multi_loss.py``:
-each region of the backward pass runs at its own level). There the differentiation also
-tells each site that reads the loss scale (a kind with ``reads_loss_scale``, the FP8 dot's)
-the factor between its cotangent and the loss's scale: the :class:`ToldSite`'s ``factor``,
-data as its ``loss_scale`` is (arrays stacked like the site's value, so that ``lax.scan``
-slices them with the site), and :func:`untell_sites` turns the gradients back into plain
-sites. The site passes the factor on beside the loss scale (:func:`site_factor`), and its
-backward rule measures at :func:`backward_level`: the seeded loss scale times the factor
-(the factor alone without a loss scale). The three paths share this one rule. The global
-path tells no factor (None: the loss scale alone). The per-layer path opens the context with the
+each region of the backward pass runs at its own level). There the differentiation *tells*
+each site that reads the loss scale (a kind with ``reads_loss_scale``, the FP8 dot's) the
+factor between its cotangent and the loss's scale: :func:`tell_sites` replaces such a site of
+the differentiated arguments by a :class:`ToldSite`, whose ``factor`` is data (an array,
+stacked like the site's value, so that ``lax.scan`` slices it with the site), and
+:func:`untell_sites` turns the gradients back into plain sites. The site passes the factor on
+beside the context's loss scale (:func:`site_factor`), and its backward rule measures at
+:func:`backward_level`: the seeded loss scale times the factor (the factor alone without a
+context). The three paths share this one rule. The global path tells no site (its factor is
+None: the context's scale alone, as before). The per-layer path opens the context with the
 loss's scale (the last layer's; a 16-bit loss's cap recorded as on the global path) and tells
 each site its layer's scale over it (a site belongs to the layer whose path holds it; a
 differentiated one in no layer is refused); a site it cannot see (closed over) quantizes at
@@ -70,7 +65,6 @@ __all__ = [
     "seeded",
     "set_seed_cap",
     "site_factor",
-    "site_loss_scale",
     "sites_reading_loss_scale",
     "tell_sites",
     "untell_sites",
@@ -99,22 +93,28 @@ def _stack() -> list[_Context]:
 
 # The context is read while tracing, so where a differentiation holds sites that read it, it
 # is part of every jitted function's cache key (``jax.make_user_context``): a ``jax.jit``
-# called inside the differentiation (a jitted forward pass, ``nn.jit``) that was traced
-# outside it, or inside another trace's, is traced again instead of reusing a trace that read
-# another loss scale, or none (or a tracer of a trace that has ended: JAX's
-# UnexpectedTracerError). Without such sites nothing is keyed: no trace is repeated. The
-# seed cap, known once the forward pass returned the loss, keys what is traced after it (the
-# backward rules, which read it, traced inside a kept trace's transposition).
+# called inside the differentiation (a jitted forward pass, ``nn.jit``), a ``lax.scan`` body
+# or a ``jax.checkpoint`` that was traced outside it, inside another trace's, or at another
+# concrete scale is traced again instead of reusing a trace that read another loss scale, or
+# none (or a tracer of a trace that has ended: JAX's UnexpectedTracerError). Without such
+# sites nothing is keyed: no trace is repeated. The seed cap, known once the forward pass
+# returned the loss, keys what is traced after it (the backward rules, which read it, are
+# traced in a kept trace's transposition).
 _CACHE_KEY = jax.make_user_context(default_value=None)
 
 
 def _cache_key(loss_scale: Any) -> Any:
     """What a trace that read ``loss_scale`` depends on: a traced scale belongs to the trace
     around it (a new token: one per trace of the step, so an inner ``jax.jit`` is traced once
-    per trace of the step); a concrete one (a scale built in the step, an eager step) keys
-    only that there is one, not its value, which would compile every operation of an eager
-    step again at each new scale (the sites are told the value as data: :class:`ToldSite`)."""
-    return object() if isinstance(loss_scale, jax.core.Tracer) else "concrete"
+    per trace of the step); a concrete one (a scale built in the step, an eager step) is a
+    constant of the trace, so its value is the key. An eager step then compiles its
+    operations once per loss scale it meets: the rules' scales are powers of two, a handful
+    over a run, and JAX keeps each compiled operation. (Telling the sites the scale as data
+    instead would change their pytree type, which no longer matches an untold copy of the
+    same tree: the static half of ``eqx.partition`` closed over by the loss.)"""
+    if isinstance(loss_scale, jax.core.Tracer):
+        return object()
+    return ("concrete", float(jnp.asarray(loss_scale, jnp.float32)))
 
 
 @contextlib.contextmanager
@@ -143,7 +143,7 @@ def current_loss_scale() -> Any:
 
 def set_seed_cap(cap: float | None) -> None:
     """The largest scale the innermost context's loss could be seeded with (a 16-bit
-    loss's largest power of two; None for a wider loss)."""
+    loss's largest power of two; None for a wider loss), which keys what is traced after."""
     stack = _stack()
     if stack:
         context = stack[-1]
@@ -186,41 +186,30 @@ def sites_reading_loss_scale(tree: Any) -> list[Site]:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class ToldSite(Site):
-    """A site told, for one differentiation, the loss scale of its backward pass and the
-    factor between its cotangent and that scale (:func:`tell_sites`): float32 arrays of the
-    site's stack shape, or None. As data, they reach a dot inside a ``jax.jit``, a
-    ``lax.scan`` or a ``jax.checkpoint`` traced once and reused (an eager step's concrete loss
-    scale read from the context would be a constant of that trace). Only the differentiation
-    that made it sees it; the gradients it returns are plain sites again
-    (:func:`untell_sites`)."""
+    """A site told, for one differentiation, the factor between its cotangent and the loss
+    scale of the context (:func:`tell_sites`): a float32 array of the site's stack shape.
+    Only the differentiation that made it sees it; the gradients it returns are plain sites
+    again (:func:`untell_sites`)."""
 
     factor: Any = None
-    loss_scale: Any = None
-
-
-_TOLD_KEYS = tuple(jax.tree_util.GetAttrKey(k) for k in ("value", "factor", "loss_scale"))
 
 
 def _told_flatten(site: ToldSite) -> tuple[tuple[tuple[Any, Any], ...], Any]:
-    children = (site.value, site.factor, site.loss_scale)
-    return tuple(zip(_TOLD_KEYS, children, strict=True)), site.kind
+    keys = (jax.tree_util.GetAttrKey("value"), jax.tree_util.GetAttrKey("factor"))
+    return tuple(zip(keys, (site.value, site.factor), strict=True)), site.kind
 
 
 def _told_unflatten(kind: Any, children: Iterable[Any]) -> ToldSite:
-    value, factor, loss_scale = children
+    value, factor = children
     site = object.__new__(ToldSite)
     object.__setattr__(site, "kind", kind)
     object.__setattr__(site, "value", value)
     object.__setattr__(site, "factor", factor)
-    object.__setattr__(site, "loss_scale", loss_scale)
     return site
 
 
 jax.tree_util.register_pytree_with_keys(
-    ToldSite,
-    _told_flatten,
-    _told_unflatten,
-    lambda s: ((s.value, s.factor, s.loss_scale), s.kind),
+    ToldSite, _told_flatten, _told_unflatten, lambda s: ((s.value, s.factor), s.kind)
 )
 
 
@@ -230,45 +219,28 @@ def site_factor(site: Any) -> Any:
     return site.factor if isinstance(site, ToldSite) else None
 
 
-def site_loss_scale(site: Any) -> Any:
-    """The loss scale of the backward pass ``site`` is differentiated in: the one it was told
-    (a float32 array), else the innermost context's (:func:`current_loss_scale`), else None."""
-    told = site.loss_scale if isinstance(site, ToldSite) else None
-    return current_loss_scale() if told is None else told
-
-
-def tell_sites(
-    tree: Any,
-    factor_of: Callable[[tuple[Any, ...], Site], Any] | None = None,
-    loss_scale: Any = None,
-) -> Any:
-    """``tree`` with each site that reads the loss scale told ``loss_scale`` and
-    ``factor_of(path, site)`` (its path: the keys as text, as ``jdls/_numerics/paths.py``
-    gives them), each broadcast to the site's stack shape in float32; a site told neither
-    (both None) is left as it is."""
-
-    def stacked(x: Site, data: Any) -> Any:
-        if data is None:
-            return None
-        stack = x.kind.stack_shape(x.value)
-        data = jnp.asarray(data, jnp.float32)
-        data = data.reshape(data.shape + (1,) * (len(stack) - data.ndim))
-        return jnp.broadcast_to(data, stack)
+def tell_sites(tree: Any, factor_of: Callable[[tuple[Any, ...], Site], Any]) -> Any:
+    """``tree`` with each site that reads the loss scale told ``factor_of(path, site)`` (its
+    path: the keys as text, as ``jdls/_numerics/paths.py`` gives them), broadcast to the
+    site's stack shape in float32; a site for which it returns None is left as it is."""
 
     def one(path: Any, x: Any) -> Any:
         if not reads_loss_scale(x) or isinstance(x, ToldSite):
             return x
-        factor = None if factor_of is None else factor_of(tuple(path_key(k) for k in path), x)
-        if factor is None and loss_scale is None:
+        factor = factor_of(tuple(path_key(k) for k in path), x)
+        if factor is None:
             return x
-        return ToldSite(x.kind, x.value, stacked(x, factor), stacked(x, loss_scale))
+        stack = x.kind.stack_shape(x.value)
+        factor = jnp.asarray(factor, jnp.float32)
+        factor = factor.reshape(factor.shape + (1,) * (len(stack) - factor.ndim))
+        return ToldSite(x.kind, x.value, jnp.broadcast_to(factor, stack))
 
     return jax.tree_util.tree_map_with_path(one, tree, is_leaf=is_site)
 
 
 def untell_sites(tree: Any) -> Any:
     """``tree`` (the gradients of told sites, say) with every :class:`ToldSite` a plain site
-    again, what it was told dropped."""
+    again, its factor dropped."""
 
     def one(x: Any) -> Any:
         return Site(x.kind, x.value) if isinstance(x, ToldSite) else x

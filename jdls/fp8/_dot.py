@@ -23,7 +23,7 @@ import numpy as np
 from jax import lax
 
 from jdls._numerics.axes import sum_like, vary_like, varying_axes
-from jdls._sites.backward_scale import backward_level, site_factor, site_loss_scale
+from jdls._sites.backward_scale import backward_level, current_loss_scale, site_factor
 from jdls._sites.dropped import watched
 from jdls._sites.site import Site
 from jdls.fp8._recipe import Quantized
@@ -363,10 +363,9 @@ def dot_general(
         else jnp.dtype(preferred_element_type)
     )
     dims = _normalize_dims(dimension_numbers)
-    # within jdls's value_and_grad: what g is scaled by (the loss's scale, told the site as
-    # data or else the context's, times the factor the per-layer and per-loss paths told
-    # the site; jdls/_sites/backward_scale.py)
-    loss_scale, factor = site_loss_scale(site), site_factor(site)
+    # within jdls's value_and_grad: what g is scaled by (the loss's scale, times the
+    # factor the per-layer and per-loss paths told the site; jdls/_sites/backward_scale.py)
+    loss_scale, factor = current_loss_scale(), site_factor(site)
     lhs, rhs = watched("an FP8 site", [lhs, rhs], site.value)
     return _fp8_dot(
         lhs,
