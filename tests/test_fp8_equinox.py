@@ -62,6 +62,8 @@ def test_equinox_step_updates_sites_and_trains():
     assert set(rows) == {"a/site", "b/site"}
 
 
+@pytest.mark.full  # 5 s a case; the quick run retraces a kept forward pass in
+# tests/test_fp8_loss_scale_paths.py
 @with_and_without_jit
 def test_the_partitioned_step_with_a_filter_jit_forward_reads_each_loss_scale(jit):
     """Equinox's own step form: the model partitioned outside, the loss closing over the

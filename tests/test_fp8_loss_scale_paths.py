@@ -395,7 +395,14 @@ def _traced_once(form):
 _X = jnp.array([[1.0, -3.5]])
 
 
-@pytest.mark.parametrize("form", ["jax.jit", "lax.scan", "jax.checkpoint"])
+@pytest.mark.parametrize(
+    "form",
+    [
+        "jax.jit",
+        pytest.param("lax.scan", marks=pytest.mark.full),  # 6 s: the same key, another cache
+        pytest.param("jax.checkpoint", marks=pytest.mark.full),  # 9 s
+    ],
+)
 def test_an_eager_step_retraces_a_kept_trace_at_each_new_loss_scale(form):
     """A step that is not jitted, around a forward pass traced once and reused by JAX: the
     differentiation's cache key is the concrete loss scale, so the kept trace is traced again
@@ -417,6 +424,7 @@ def test_an_eager_step_retraces_a_kept_trace_at_each_new_loss_scale(form):
             np.testing.assert_array_equal(grads.value.meter.grad.amax, 1.0, err_msg=str(value))
 
 
+@pytest.mark.full  # 3 s; the quick run retraces a jax.jit forward pass above
 def test_an_eager_nnx_step_retraces_an_nnx_jit_forward_at_each_new_loss_scale():
     """The NNX form, with a forward pass that updates batch statistics: they still reach the
     model, and its sites stay plain sites."""
