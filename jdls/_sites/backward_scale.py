@@ -12,8 +12,9 @@ around the whole differentiation. A site reads it in its forward pass
 reaches the backward rule as data, through ``lax.scan``, remat and ``jit``). A 16-bit loss is
 seeded with at most the format's largest power of two (its cotangent must be finite), which
 is known only once the forward pass returned the loss: the context then records that cap
-(:func:`set_seed_cap`, a Python number, which also keys what is traced after it), and the backward rule, traced after the forward pass
-and inside the same ``value_and_grad`` call, applies it (:func:`seeded`).
+(:func:`set_seed_cap`, a Python number, which also keys what is traced after it), and the
+backward rule, traced after the forward pass and inside the same ``value_and_grad`` call,
+applies it (:func:`seeded`).
 
 Where the cotangent's scale differs from place to place, one context cannot say it: per-layer
 scales (``jdls/_scales/layer_scales.py``: inside layer ``k`` the cotangent carries layer
