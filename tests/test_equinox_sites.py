@@ -228,6 +228,7 @@ class Overflowing(eqx.Module):
         return backward_gain(self.layer(h), self.gain)
 
 
+@pytest.mark.full  # about 8 s; tests/test_probe.py keeps first_nonfinite in the quick run
 def test_first_nonfinite_names_where_an_overflow_in_layer_2_starts():
     """Layer 2's backward pass overflows float16: the probes after it in forward order
     (layers[2]'s output and above, reached first) stay finite, those before it go inf;

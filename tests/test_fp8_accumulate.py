@@ -69,6 +69,7 @@ def test_multisteps_one_micro_batch_at_a_time_gives_the_same_state_as_accumulate
     assert float(site.value.pending.lhs.amax) == -np.inf
 
 
+@pytest.mark.full  # about 3 s
 def test_a_skipped_step_carries_its_finite_measurements_to_the_next():
     recipe = fp8.DelayedScaling(4)
     site = fp8.init(recipe)

@@ -258,6 +258,7 @@ def test_an_fp8_site_in_no_layer_is_refused():
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.full  # about 3 s; the linen layers' case stays in the quick run
 def test_nnx_layers_record_the_unscaled_output_gradient_amax():
     from flax import nnx
 
@@ -279,6 +280,7 @@ def test_nnx_layers_record_the_unscaled_output_gradient_amax():
     _assert_amaxes(_grad_amaxes(grads), _grad_amaxes(reference))
 
 
+@pytest.mark.full  # about 3 s; the linen layers' case stays in the quick run
 def test_equinox_layers_record_the_unscaled_output_gradient_amax():
     eqx = pytest.importorskip("equinox")
     import jdls.equinox

@@ -271,6 +271,7 @@ def test_the_step_warns_where_a_shared_site_records_nothing(jit):
         jax.block_until_ready(once(sites["down"]))
 
 
+@pytest.mark.full  # about 3 s
 def test_an_equinox_model_called_per_example_warns_in_its_step():
     """The Equinox idiom, ``jax.vmap(model)(x)`` with the model's FP8 layer closed over:
     every example uses the one site, so the step warns (it used to train with scales that

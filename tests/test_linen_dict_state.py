@@ -108,6 +108,7 @@ def test_without_sites_the_gradients_are_the_parameters_or_the_variables() -> No
     _same(new["params"], expected)
 
 
+@pytest.mark.full  # about 3 s
 def test_a_nan_loss_is_told_from_an_overflow_when_the_loss_is_passed() -> None:
     """apply_gradients(..., value=loss) and TrainState.apply_gradients(value=loss): a NaN
     batch is FORWARD (a loop's guard stops), an overflow of the scaled gradients GRADIENTS

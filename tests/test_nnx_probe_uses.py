@@ -426,6 +426,7 @@ def test_probes_called_again_keep_the_probes_and_bad_inputs_say_so() -> None:
         jdls.nnx.probes(Model(nnx.Rngs(0)), jnp.ones((2, 4, 5)))
 
 
+@pytest.mark.full  # about 5 s; tests/test_sites.py keeps stacked sites in the quick run
 @with_and_without_jit
 def test_stacked_names_a_vmap_stack_from_outside(jit) -> None:
     """``stacked=`` probes a stack made by ``nnx.vmap`` from outside its constructor: the

@@ -7,6 +7,7 @@ are refused."""
 from __future__ import annotations
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -561,3 +562,54 @@ def test_zero_dropped_batches_with_injected_scale_caused_overflows(scan):
     (_, state), finite = _run(tx, cs, params, 0, scan=scan)
     dropped = int(jdls.stats(state).skipped_steps)
     assert dropped >= 1 and int(state.inner_state[0].count) == steps - dropped
+
+
+# --------------------------------------------------------------------------------------------
+# One measurement per attempt: the loop's check is the wrap's own reduction, handed over.
+# --------------------------------------------------------------------------------------------
+
+
+_jaxprs_in = getattr(jax.extend.core, "jaxprs_in_params", None) or jax.core.jaxprs_in_params
+
+
+def _gradient_reads(fn, *args):
+    """``{primitive: count}`` of the reductions in the jaxpr of ``fn`` (sub-jaxprs included:
+    the loop's body, the conditionals' branches) that read a whole gradient-shaped array."""
+    shapes = {(8, 4), (3,)}
+    counts = {}
+
+    def walk(jaxpr):
+        for e in jaxpr.eqns:
+            name = e.primitive.name
+            if name.startswith("reduce_") and tuple(e.invars[0].aval.shape) in shapes:
+                counts[name] = counts.get(name, 0) + 1
+            for sub in _jaxprs_in(e.params):
+                walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return counts
+
+
+@pytest.mark.parametrize("scale", ["adaptive", "dynamic"])
+def test_a_finite_attempt_is_read_once_for_its_measurement(scale):
+    """The step decides whether to retry from the measurement the wrap takes (a sum of
+    squares and the largest magnitude per leaf), and the wrap, given the settled gradients,
+    takes that one instead of reading them again: a finite step reads each gradient as often
+    as the step without retries, with no separate finiteness check (``jdls.all_finite``)."""
+
+    def loss(params, x):
+        return jnp.sum(jnp.tanh(params["w"] @ x) * params["b"])
+
+    params = {"w": jnp.ones((8, 4)), "b": jnp.ones(3)}
+    make = {"adaptive": jdls.AdaptiveScale, "dynamic": jdls.DynamicScale}[scale]
+    tx = optax.chain(jdls.wrap(optax.adam(1e-3), make(HIGH)))
+    state = tx.init(params)
+    x = jnp.ones((4, 3))
+    once = _gradient_reads(jdls.retrying(loss, tx, retries=0), params, state, x)
+    retried = _gradient_reads(jdls.retrying(loss, tx, retries=2), params, state, x)
+    assert "reduce_and" not in retried and "reduce_or" not in retried
+    assert retried.get("reduce_sum") == once.get("reduce_sum")
+    # the step also reads the largest magnitude, which decides finiteness beside the sum
+    # (the default's rule reads it anyway)
+    assert retried.get("reduce_max") == 2  # one per leaf
+    assert once.get("reduce_max") == (2 if scale == "adaptive" else None)

@@ -87,6 +87,7 @@ def test_nnx_grad_of_the_params_alone_warns_on_an_fp8_model():
     assert "jdls.nnx.Optimizer" in str(caught[0].message)
 
 
+@pytest.mark.full  # about 5 s
 def test_a_plain_nnx_optimizer_refuses_the_measurements_naming_jdls_nnx_optimizer():
     """nnx.Optimizer filters the gradients by nnx.Param: the measurements, SiteMeasurements
     (an nnx.Param too), reach the wrap with parameters that hold no sites, and the wrap's

@@ -26,6 +26,7 @@ those kernels took most of the compile time of a many-leaf update (docs/performa
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, NamedTuple
 
@@ -39,13 +40,17 @@ from jdls._numerics.checks import is_float
 
 __all__ = [
     "AxisName",
+    "FirstPass",
     "FloatLeaves",
     "GlobalNorm",
     "amax",
     "check_sharded",
     "clip_by_norm",
+    "first_pass",
+    "fits_float32",
     "flatten_floats",
     "global_norm",
+    "hand_over",
     "sharded_flags",
     "tree_amax",
     "tree_norm",
@@ -319,8 +324,9 @@ def global_norm(
     xs = [leaves[i] for i in keep]
     is_sharded = (False,) * len(xs) if sharded is None else tuple(sharded[i] for i in keep)
     reduce, usual, careful = _branches(axis_name, is_sharded, largest)
-    total = reduce([_square_sum(x) for x in xs])
-    fast = [_largest(xs)] if largest else []
+    first = _handed(xs, largest) or first_pass(xs, largest=largest)
+    total = reduce(list(first.sums))
+    fast = [first.largest] if largest and first.largest is not None else []
     if not exact_overflow:
         if not largest or per_leaf:
             raise ValueError("exact_overflow=False needs largest=True and per_leaf=False")
@@ -341,6 +347,84 @@ def global_norm(
     if largest and axis_name is not None:
         top = lax.pmax(top, axis_name)
     return GlobalNorm(finite, norm, robust, down, scaled, leaf_flags, top if largest else None)
+
+
+class FirstPass(NamedTuple):
+    """What :func:`global_norm` reads the leaves for, before any decision: the sum of squares
+    of each non-empty leaf (float32 or wider) and, when asked for, their largest magnitude
+    (float32, this device's). Everything else it computes from these scalars, or from the
+    leaves again only when the sum overflowed."""
+
+    sums: tuple[jax.Array, ...]
+    largest: jax.Array | None
+
+    @property
+    def finite(self) -> jax.Array:
+        """Whether every element was finite: no NaN in the sum of squares (squares, sums and
+        ``max`` make none from finite values) and no inf among the magnitudes. Needs
+        ``largest`` over leaves whose magnitudes fit float32 (:func:`fits_float32`); this
+        device's, not agreed across an axis."""
+        if self.largest is None:
+            raise ValueError("FirstPass.finite needs the largest magnitude (largest=True)")
+        total = _ordered_sum(self.sums)
+        return ~jnp.isnan(total) & (self.largest < jnp.inf)
+
+
+def first_pass(leaves: Sequence[jax.Array], *, largest: bool) -> FirstPass:
+    """The one read of the non-empty float ``leaves`` that :func:`global_norm` makes."""
+    xs = [x for x in leaves if x.size > 0]
+    sums = tuple(_square_sum(x) for x in xs)
+    if not largest:
+        return FirstPass(sums, None)
+    return FirstPass(sums, _largest(xs) if xs else jnp.zeros((), _F32))
+
+
+# Measurements handed over with the leaves they measured, by the identity of those very leaf
+# objects (weak references: a record lives as long as its leaves, so no value outlives its
+# trace). jdls.retrying measures each attempt's gradients inside its loop, where it must decide
+# whether to retry; the wrap after the loop then reads the loop's outputs, new objects, for the
+# same measurement. Handed over, the gradients are read once per step, as without retries.
+_handed_over: dict[int, tuple[tuple[weakref.ref[Any], ...], FirstPass]] = {}
+
+
+def hand_over(leaves: Sequence[jax.Array], first: FirstPass) -> None:
+    """Record ``first``, measured on the non-empty float ``leaves``, for :func:`global_norm`
+    to use instead of reading them again."""
+    xs = [x for x in leaves if x.size > 0]
+    if not xs or len(xs) != len(first.sums):
+        return
+    try:
+        refs = tuple(weakref.ref(x) for x in xs)
+    except TypeError:  # a leaf that takes no weak reference: nothing is handed over
+        return
+    key = id(xs[0])
+    _handed_over[key] = (refs, first)
+    weakref.finalize(xs[0], _drop, key, refs[0])
+
+
+def _drop(key: int, ref: weakref.ref[Any]) -> None:
+    record = _handed_over.get(key)
+    if record is not None and record[0][0] is ref:
+        del _handed_over[key]
+
+
+def _handed(xs: Sequence[jax.Array], largest: bool) -> FirstPass | None:
+    """The first pass handed over for exactly the leaves ``xs`` (the same objects, in order),
+    if it holds what is asked for."""
+    record = _handed_over.get(id(xs[0]))
+    if record is None:
+        return None
+    refs, first = record
+    if len(refs) != len(xs) or any(r() is not x for r, x in zip(refs, xs, strict=True)):
+        return None
+    if largest and first.largest is None:
+        return None
+    return first
+
+
+def fits_float32(leaves: Sequence[jax.Array]) -> bool:
+    """Whether every finite element of every leaf has a finite float32 magnitude."""
+    return all(_fits_float32(x) for x in leaves)
 
 
 def _fits_float32(x: jax.Array) -> bool:

@@ -32,9 +32,9 @@ import optax
 from jax import lax
 
 from jdls._numerics.axes import vary_like, vary_over
-from jdls._numerics.checks import all_finite, check_int
+from jdls._numerics.checks import all_finite, check_int, is_float
 from jdls._numerics.handoff import nonzero
-from jdls._numerics.norm import AxisName
+from jdls._numerics.norm import AxisName, FirstPass, first_pass, fits_float32, hand_over
 from jdls._scales.scale import DynamicScale, LossScale, observes
 from jdls._sites.site import is_site
 from jdls._transforms.apply import apply_updates
@@ -183,7 +183,7 @@ def retrying(
             # and backward pass in the program, so that its temporaries are those of the step
             # without retries (a first attempt outside the loop kept its own and the loop's).
             def more(carry: tuple[Any, ...]) -> jax.Array:
-                s, _, _, finite, loss_finite, n, look = carry
+                s, _, _, _, finite, loss_finite, n, look = carry
                 # At the rule's minimum the scale cannot go lower: a retry would recompute
                 # the same overflow, so the step is skipped instead.
                 lower = s.back_off().loss_scale < s.loss_scale
@@ -191,7 +191,7 @@ def retrying(
                 return (n == 0) | ((overflow | look) & (n <= retries))
 
             def attempt(carry: tuple[Any, ...]) -> tuple[Any, ...]:
-                s, _, _, _, _, n, look = carry
+                s, _, _, _, _, _, n, look = carry
                 # After the first attempt, each one at the scale the rule backs off to (with
                 # hysteresis, after the overflows it would forgive: a lower scale every time),
                 # or, after gradients that all flushed, at the scale it looks at.
@@ -201,16 +201,19 @@ def retrying(
                 out, grads = differentiate(s)
                 loss = out[0] if has_aux else out
                 loss_finite = agree(all_finite(loss))
-                finite = agree(all_finite(grads)) if _CHECK else jnp.array(True)
-                look = _flushed(s, finite, grads, loss, axis_name)
-                return s, out, grads, finite, loss_finite, n + 1, look
+                first, finite = _measure(grads, s)
+                finite = agree(finite) if _CHECK else jnp.array(True)
+                look = _flushed(s, finite, first, loss, axis_name)
+                return s, out, grads, first, finite, loss_finite, n + 1, look
 
             # zeros_like of the abstract values keeps their shardings (the type of an array
             # under an explicit mesh), so the carry has the type the body returns.
-            shapes = jax.eval_shape(lambda: differentiate(scale))
-            out, grads = jax.tree_util.tree_map(lambda t: vary_like(jnp.zeros_like(t), t), shapes)
+            shapes = jax.eval_shape(lambda: _with_measure(differentiate(scale), scale))
+            out, grads, first = jax.tree_util.tree_map(
+                lambda t: vary_like(jnp.zeros_like(t), t), shapes
+            )
             no = jnp.array(False)
-            carry = (scale, out, grads, no, jnp.array(True), jnp.int32(0), no)
+            carry = (scale, out, grads, first, no, jnp.array(True), jnp.int32(0), no)
 
             # Only the gradients (and the scale, the loss) pass through the loop, never the
             # optimizer state; the barriers keep XLA from moving the update into the loop.
@@ -221,7 +224,12 @@ def retrying(
                     return tree
                 return jax.tree_util.tree_map(lax.optimization_barrier, tree)
 
-            scale, out, grads, _, _, n, _ = fence(lax.while_loop(more, attempt, fence(carry)))
+            scale, out, grads, first, _, _, n, _ = fence(
+                lax.while_loop(more, attempt, fence(carry))
+            )
+            # The wrap (and a jdls.clip in front of it) reads these gradients for the same
+            # measurement the loop made: handed over, they are read once, as without retries.
+            hand_over(_gradient_floats(grads), first)
             tries = n - 1
             opt_state = replace_scale(opt_state, scale)
         loss = out[0] if has_aux else out
@@ -260,18 +268,43 @@ def _next_scale(scale: DynamicScale, look: jax.Array) -> DynamicScale:
     return jax.tree_util.tree_map(lambda h, b: jnp.where(look, h, b), higher, lower)
 
 
+def _gradient_floats(grads: Any) -> list[Any]:
+    """The float leaves of ``grads`` that the wrap measures, in its order: the sites'
+    measurements are not gradients."""
+    leaves = jax.tree_util.tree_leaves(grads, is_leaf=is_site)
+    return [x for x in leaves if not is_site(x) and is_float(x)]
+
+
+def _measure(grads: Any, scale: LossScale) -> tuple[FirstPass, jax.Array]:
+    """This attempt's measurement of its gradients, the one the wrap makes (a sum of squares
+    per leaf and, beside it, their largest magnitude), and whether they are all finite (this
+    device's), decided from it as the wrap decides."""
+    floats = _gradient_floats(grads)
+    if fits_float32(floats):
+        first = first_pass(floats, largest=True)
+        return first, first.finite
+    # a float64 or complex magnitude may overflow float32: its finiteness is read apart
+    return first_pass(floats, largest=observes(scale)), all_finite(floats)
+
+
+def _with_measure(differentiated: tuple[Any, Any], scale: LossScale) -> tuple[Any, Any, Any]:
+    out, grads = differentiated
+    return out, grads, _measure(grads, scale)[0]
+
+
 def _flushed(
-    scale: LossScale, finite: jax.Array, grads: Any, loss: Any, axis_name: AxisName | None
+    scale: LossScale,
+    finite: jax.Array,
+    first: FirstPass,
+    loss: Any,
+    axis_name: AxisName | None,
 ) -> jax.Array:
     """Whether this attempt's gradients all flushed, as :func:`jdls.wrap` judges it (all zero,
     the loss not, before the rule's first measurement), on every device alike: the next
-    attempt looks at a higher scale. The sites' measurements are not gradients: left out."""
+    attempt looks at a higher scale. ``first`` measured the gradients, not the sites."""
     if not observes(scale):
         return jnp.array(False)
-    leaves = jax.tree_util.tree_leaves(grads, is_leaf=is_site)
-    floats = [x for x in leaves if not is_site(x) and jnp.issubdtype(x.dtype, jnp.inexact)]
-    maxima = [jnp.max(jnp.abs(x)).astype(jnp.float32) for x in floats if x.size]
-    largest = jnp.max(jnp.stack([jnp.float32(0), *maxima]))
+    largest = jnp.float32(0) if first.largest is None else first.largest
     nonzero_loss = nonzero(loss)
     if axis_name is not None:
         largest = lax.pmax(largest, axis_name)
