@@ -19,6 +19,11 @@ without retries. Only the loss, the gradients and the scale pass through the loo
 optimizer state: the whole chain (clipping before the wrap, transformations after it,
 ``inject_hyperparams``, ``MultiSteps`` inside the wrap) runs once, on the gradients of the
 attempt that settled.
+
+Each attempt decides from the measurement the wrap takes (a sum of squares and the largest
+magnitude per leaf, :func:`jdls._numerics.norm.first_pass`), carried out of the loop and
+handed to the wrap with the gradients it measured: a finite step reads its gradients once for
+it, as the step without retries does.
 """
 
 from __future__ import annotations
