@@ -270,7 +270,7 @@ def test_each_layer_gets_its_own_scale_in_forward_order():
 
 
 @pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
-@pytest.mark.full(keep=1)
+@pytest.mark.full  # about 5 s; the linen and NNX per-layer gradients stay in the quick run
 def test_per_layer_gradients_equal_the_unwrapped_models(jit):
     model = jdls.equinox.set_layer_scales(scaled(), LEVELS)
     tokens, targets = batch()

@@ -287,6 +287,7 @@ class _Qkv(nn.Module):
         return fp8.linen.Einsum(self.recipe, name="qkv_fp8")(QKV.equation, x, w)
 
 
+@pytest.mark.full  # about 4 s
 def test_linen_hand_written_parameter_has_its_kernel_in_the_rhs_role():
     model = _Qkv(fp8.DelayedScaling(4))
     x = jax.random.normal(jax.random.key(1), QKV.x_shape)

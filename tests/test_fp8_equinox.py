@@ -179,6 +179,7 @@ def test_apply_updates_without_the_state_names_the_fix():
         jdls.apply_updates(model, updates, other)
 
 
+@pytest.mark.full  # about 4 s
 @with_and_without_jit
 def test_per_loss_scales_measure_an_equinox_models_fp8_sites(jit):
     """jdls.multi_loss_value_and_grad on an Equinox model (split as Equinox splits it, its

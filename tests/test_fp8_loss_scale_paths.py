@@ -174,6 +174,7 @@ def _fp8_only(tree):
     )
 
 
+@pytest.mark.full  # about 4 s
 @with_and_without_jit
 def test_layer_scales_change_neither_the_gradients_nor_the_fp8_states(jit):
     """Per-layer scales that move every step (powers of two, far apart) give the gradients and

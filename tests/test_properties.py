@@ -157,6 +157,7 @@ def _torch_trajectory(flags, init_scale, growth_factor, backoff_factor, growth_i
     return out
 
 
+@pytest.mark.full  # about 6 s; tests/test_presets.py checks the PyTorch rule against torch in the quick run
 @SETTINGS
 @given(flags=runs(400, LONG), s0=any_scale(2.0**-100, 2.0**127), n=st.sampled_from([1, 3]))
 def test_pytorch_to_zero_and_to_float32_max(flags, s0, n):
