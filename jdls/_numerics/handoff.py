@@ -121,9 +121,10 @@ class _Backward:
         self.loss: Any = None
         self.earlier_nonzero: jax.Array | None = None
 
-    def add(self, leaves: Sequence[Any], loss: Any) -> None:
-        if self.latest:
-            folded = amax(self.latest)
+    def add(self, leaves: Sequence[Any], loss: Any, largest: Any = None) -> None:
+        for folded in ([amax(self.latest)] if self.latest else []) + (
+            [] if largest is None else [largest]
+        ):
             self.earlier = (
                 folded if self.earlier is None else jax.numpy.maximum(self.earlier, folded)
             )
@@ -143,13 +144,17 @@ def _current_trace() -> Any:
     return _trace_state(convention="jdls")
 
 
-def remember_backward(loss_scale: Any, leaves: Sequence[Any], loss: Any = None) -> None:
+def remember_backward(
+    loss_scale: Any, leaves: Sequence[Any], loss: Any = None, largest: Any = None
+) -> None:
     """Record the unscaled gradient ``leaves`` (and the ``loss``) that a backward pass at
     ``loss_scale`` (the scale's own array) produced in the current trace. The record holds
     the last call's leaves and loss for as long as the scale array lives (under ``jit``: the
     trace; eagerly: the optimizer state that holds the scale), never longer, and an earlier
-    call's only as their largest magnitude and whether its loss was nonzero."""
-    if not leaves:
+    call's only as their largest magnitude and whether its loss was nonzero. ``largest``: the
+    largest magnitude of gradients this call measured and does not hand over as ``leaves``
+    (``jdls.retrying``: each device's own, before the step averages them)."""
+    if not leaves and largest is None:
         return
     try:
         scale_ref = weakref.ref(loss_scale)
@@ -161,7 +166,7 @@ def remember_backward(loss_scale: Any, leaves: Sequence[Any], loss: Any = None) 
         record = _Backward(scale_ref, trace)
         _backward[key] = record
         weakref.finalize(loss_scale, _forget_backward, key, scale_ref)
-    record.add(leaves, loss)
+    record.add(leaves, loss, largest)
 
 
 def _forget_backward(key: int, ref: weakref.ref[Any]) -> None:
@@ -214,12 +219,13 @@ def backward_amax(
     if found is None:
         return measured
     latest, earlier = found
-    same = {id(x) for x in latest} == {id(x) for x in received}
+    same = bool(latest) and {id(x) for x in latest} == {id(x) for x in received}
     if same and earlier is None:
         return measured  # the very gradients the wrap received: already measured
-    largest = measured if same else amax(latest)
-    if earlier is not None:
-        largest = jax.numpy.maximum(largest, earlier)
+    parts = ([measured if same else amax(latest)] if latest else []) + (
+        [] if earlier is None else [earlier]
+    )
+    largest = parts[0] if len(parts) == 1 else jax.numpy.maximum(*parts)
     if axis_name is not None:
         largest = jax.lax.pmax(largest, axis_name)
     return largest

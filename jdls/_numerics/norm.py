@@ -511,8 +511,12 @@ def amax(leaves: Sequence[jax.Array], *, axis_name: AxisName | None = None) -> j
     ``axis_name`` (a ``pmax``: right whether the leaves are split or not). An inf gives inf;
     a NaN may be dropped (XLA's max reduction on CPU drops it in large arrays), so decide
     finiteness with ``all_finite`` or the norm, not with this."""
-    maxima = [_leaf_amax(x) for x in leaves if x.size > 0]
-    out = _stacked_max(maxima) if maxima else jnp.zeros((), _F32)
+    xs = [x for x in leaves if x.size > 0]
+    handed = _handed(xs, largest=True) if xs else None
+    if handed is not None and handed.largest is not None:
+        out = handed.largest  # measured already, where they were computed
+    else:
+        out = _stacked_max([_leaf_amax(x) for x in xs]) if xs else jnp.zeros((), _F32)
     if axis_name is not None:
         out = lax.pmax(out, axis_name)
     return out

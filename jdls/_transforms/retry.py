@@ -49,8 +49,12 @@ class SkipCause(enum.IntEnum):
 
     NONE = 0  #: the step was taken
     FORWARD = 1  #: the loss itself was not finite (bad data, a forward overflow)
-    BACKWARD = 2  #: the loss was finite, the gradients were not, even after the retries
-    GRADIENTS = 3  #: the gradients were not finite, and no loss was given to tell which
+    #: the loss was finite, the gradients were not, even after the retries of a
+    #: ``jdls.retrying`` step (``retries=0`` included)
+    BACKWARD = 2
+    #: the gradients were not finite, in a step without ``jdls.retrying`` (the wrap alone):
+    #: the loss given as ``value`` was finite, or no loss was given
+    GRADIENTS = 3
     #: the step overflowed where the scale cannot be the cause: a scale below 2**-24, or a
     #: dynamic scale at most 1 that its rule could not lower. The model overflows by itself
     #: (a float16 forward pass, a norm's sum of squares): no scale helps.

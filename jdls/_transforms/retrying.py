@@ -38,8 +38,15 @@ from jax import lax
 
 from jdls._numerics.axes import vary_like, vary_over
 from jdls._numerics.checks import all_finite, check_int, is_float
-from jdls._numerics.handoff import nonzero
-from jdls._numerics.norm import AxisName, FirstPass, first_pass, fits_float32, hand_over
+from jdls._numerics.handoff import nonzero, remember_backward
+from jdls._numerics.norm import (
+    AxisName,
+    FirstPass,
+    amax,
+    first_pass,
+    fits_float32,
+    hand_over,
+)
 from jdls._scales.scale import DynamicScale, LossScale, observes
 from jdls._sites.site import is_site
 from jdls._transforms.apply import apply_updates
@@ -173,22 +180,29 @@ def retrying(
     def step(params: Any, opt_state: Any, *batch: Any) -> tuple[Any, Any, Any]:
         scale = _check_state(opt_state, retries)
 
-        def differentiate(s: LossScale) -> tuple[Any, Any]:
+        def differentiate(s: LossScale) -> tuple[Any, Any, jax.Array]:
+            """The loss and the averaged gradients at ``s``, and, for a rule that observes
+            under an ``axis_name``, this device's largest gradient magnitude before the
+            averaging: the one the rule sets the scale from, as in the step without retries
+            (``value_and_grad`` hands it to the wrap; inside the loop this step does)."""
             p = _per_device(params, axis_name)
             out, grads = s.value_and_grad(loss_fn, has_aux=has_aux)(p, *batch)
+            own = jnp.zeros((), jnp.float32)
             if axis_name is not None:
                 _check_not_averaged(out[0] if has_aux else out, p, axis_name)
-            return out, mean_unsharded(grads, axis_name, False)
+                if observes(s):
+                    own = amax(_gradient_floats(grads))
+            return out, mean_unsharded(grads, axis_name, False), own
 
         if not retries:
-            out, grads = differentiate(scale)
+            out, grads, _ = differentiate(scale)
             tries = jnp.zeros((), jnp.int32)
         else:
             # Every attempt, the first included, runs in the loop body: one copy of the forward
             # and backward pass in the program, so that its temporaries are those of the step
             # without retries (a first attempt outside the loop kept its own and the loop's).
             def more(carry: tuple[Any, ...]) -> jax.Array:
-                s, _, _, _, finite, loss_finite, n, look = carry
+                s, _, _, _, _, finite, loss_finite, n, look = carry
                 # At the rule's minimum the scale cannot go lower: a retry would recompute
                 # the same overflow, so the step is skipped instead.
                 lower = s.back_off().loss_scale < s.loss_scale
@@ -196,29 +210,29 @@ def retrying(
                 return (n == 0) | ((overflow | look) & (n <= retries))
 
             def attempt(carry: tuple[Any, ...]) -> tuple[Any, ...]:
-                s, _, _, _, _, _, n, look = carry
+                s, _, _, _, _, _, _, n, look = carry
                 # After the first attempt, each one at the scale the rule backs off to (with
                 # hysteresis, after the overflows it would forgive: a lower scale every time),
                 # or, after gradients that all flushed, at the scale it looks at.
                 s = jax.tree_util.tree_map(
                     lambda now, lower: jnp.where(n == 0, now, lower), s, _next_scale(s, look)
                 )
-                out, grads = differentiate(s)
+                out, grads, own = differentiate(s)
                 loss = out[0] if has_aux else out
                 loss_finite = agree(all_finite(loss))
                 first, finite = _measure(grads, s)
                 finite = agree(finite) if _CHECK else jnp.array(True)
-                look = _flushed(s, finite, first, loss, axis_name)
-                return s, out, grads, first, finite, loss_finite, n + 1, look
+                look = _flushed(s, finite, own if axis_name else first.largest, loss, axis_name)
+                return s, out, grads, first, own, finite, loss_finite, n + 1, look
 
             # zeros_like of the abstract values keeps their shardings (the type of an array
             # under an explicit mesh), so the carry has the type the body returns.
             shapes = jax.eval_shape(lambda: _with_measure(differentiate(scale), scale))
-            out, grads, first = jax.tree_util.tree_map(
+            out, grads, own, first = jax.tree_util.tree_map(
                 lambda t: vary_like(jnp.zeros_like(t), t), shapes
             )
             no = jnp.array(False)
-            carry = (scale, out, grads, first, no, jnp.array(True), jnp.int32(0), no)
+            carry = (scale, out, grads, first, own, no, jnp.array(True), jnp.int32(0), no)
 
             # Only the gradients (and the scale, the loss) pass through the loop, never the
             # optimizer state; the barriers keep XLA from moving the update into the loop.
@@ -229,12 +243,24 @@ def retrying(
                     return tree
                 return jax.tree_util.tree_map(lax.optimization_barrier, tree)
 
-            scale, out, grads, first, _, _, n, _ = fence(
+            scale, out, grads, first, own, _, _, n, _ = fence(
                 lax.while_loop(more, attempt, fence(carry))
             )
             # The wrap (and a jdls.clip in front of it) reads these gradients for the same
             # measurement the loop made: handed over, they are read once, as without retries.
-            hand_over(_gradient_floats(grads), first)
+            floats = _gradient_floats(grads)
+            hand_over(floats, first)
+            if observes(scale):
+                # What value_and_grad hands to the wrap in the step without retries (it did so
+                # inside the loop, out of the wrap's sight): the gradients the backward pass
+                # computed, whatever a transformation in front of the wrap makes of them, and
+                # under an axis_name each device's largest before the averaging.
+                remember_backward(
+                    scale.loss_scale,
+                    [] if axis_name else floats,
+                    out[0] if has_aux else out,
+                    largest=own if axis_name else None,
+                )
             tries = n - 1
             opt_state = replace_scale(opt_state, scale)
         loss = out[0] if has_aux else out
@@ -292,24 +318,27 @@ def _measure(grads: Any, scale: LossScale) -> tuple[FirstPass, jax.Array]:
     return first_pass(floats, largest=observes(scale)), all_finite(floats)
 
 
-def _with_measure(differentiated: tuple[Any, Any], scale: LossScale) -> tuple[Any, Any, Any]:
-    out, grads = differentiated
-    return out, grads, _measure(grads, scale)[0]
+def _with_measure(
+    differentiated: tuple[Any, Any, jax.Array], scale: LossScale
+) -> tuple[Any, Any, jax.Array, FirstPass]:
+    out, grads, own = differentiated
+    return out, grads, own, _measure(grads, scale)[0]
 
 
 def _flushed(
     scale: LossScale,
     finite: jax.Array,
-    first: FirstPass,
+    largest: jax.Array | None,
     loss: Any,
     axis_name: AxisName | None,
 ) -> jax.Array:
     """Whether this attempt's gradients all flushed, as :func:`jdls.wrap` judges it (all zero,
     the loss not, before the rule's first measurement), on every device alike: the next
-    attempt looks at a higher scale. ``first`` measured the gradients, not the sites."""
+    attempt looks at a higher scale. ``largest``: the gradients' largest magnitude (this
+    device's), as the wrap's rule reads it; the sites' measurements are not gradients."""
     if not observes(scale):
         return jnp.array(False)
-    largest = jnp.float32(0) if first.largest is None else first.largest
+    largest = jnp.float32(0) if largest is None else largest
     nonzero_loss = nonzero(loss)
     if axis_name is not None:
         largest = lax.pmax(largest, axis_name)
