@@ -16,9 +16,10 @@ on every call. Cases:
   <= 1.02x, goal 1.01x);
 * two ablations, where the cost of a finite step goes: ``jdls.wrap(adam) + the loop's
   check``, the step without retries that also decides ``jdls.all_finite(grads)`` (the
-  check a retry loop needs, beside the wrap's own); ``the loop without its check``,
-  ``retrying`` whose loop counts every attempt as finite (``_retrying._CHECK = False``):
-  the ``lax.while_loop`` around the backward pass alone;
+  separate check the retry loop made before it shared the wrap's measurement: what sharing
+  it saves); ``the loop without its check``, ``retrying`` whose loop counts every attempt
+  as finite (``_retrying._CHECK = False``): the ``lax.while_loop`` around the backward pass
+  and the measurement it hands to the wrap;
 * ``retrying without barriers, finite``: the same without the ``lax.optimization_barrier``
   around the retry loop's carry (what the barriers save);
 * ``retrying, retries once``: ``c = 3``: one extra forward and backward inside the step.
