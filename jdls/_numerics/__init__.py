@@ -5,8 +5,9 @@ validators whose errors say what to pass instead, dtype predicates, ``all_finite
 float leaves of a gradient tree on their way to a decision (``norm``: flattening, the exact
 global norm and the largest magnitude from one pass of squares, clipping by the norm, and the
 helpers that keep a value varying over the same mesh axes as another), and what a producer
-measured handed to the wrap behind it by the identity of its arrays (``handoff``: from
-``jdls.clip`` and from the scale's own ``value_and_grad``), and the scalars a step decides
+measured handed to the wrap behind it by the identity of its arrays (``by_identity``, the
+record; ``handoff``: from ``jdls.clip`` and from the scale's own ``value_and_grad``; ``norm``:
+from ``jdls.retrying``'s loop), and the scalars a step decides
 from them, compiled as one kernel (``scalars``), and the plain keys of pytree paths
 (``paths``).
 

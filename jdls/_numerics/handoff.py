@@ -44,6 +44,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.extend
 
+from jdls._numerics.by_identity import ByIdentity
 from jdls._numerics.norm import GlobalNorm, amax
 
 __all__ = [
@@ -58,42 +59,23 @@ __all__ = [
 
 
 class _Record(NamedTuple):
-    leaves: tuple[weakref.ref[Any], ...]
     norm: GlobalNorm
     axis_name: Hashable | None
 
 
-_records: dict[int, _Record] = {}
+_records: ByIdentity[_Record] = ByIdentity()
 
 
 def remember(leaves: Sequence[Any], norm: GlobalNorm, axis_name: Hashable | None) -> None:
     """Record ``norm``, measured before clipping, for the float ``leaves`` a clip returns."""
-    if not leaves:
-        return
-    try:
-        refs = tuple(weakref.ref(x) for x in leaves)
-    except TypeError:  # a leaf that takes no weak reference: nothing is handed over
-        return
-    key = id(leaves[0])
-    _records[key] = _Record(refs, norm, axis_name)
-    weakref.finalize(leaves[0], _forget, key, refs[0])
-
-
-def _forget(key: int, ref: weakref.ref[Any]) -> None:
-    record = _records.get(key)
-    if record is not None and record.leaves[0] is ref:
-        del _records[key]
+    _records.put(leaves, _Record(norm, axis_name))
 
 
 def recall(leaves: Sequence[Any], axis_name: Hashable | None) -> GlobalNorm | None:
     """The norm recorded for exactly these ``leaves`` (the same objects, in order, measured
     across the same ``axis_name``), or None."""
-    if not leaves:
-        return None
-    record = _records.get(id(leaves[0]))
-    if record is None or len(record.leaves) != len(leaves) or record.axis_name != axis_name:
-        return None
-    if any(ref() is not x for ref, x in zip(record.leaves, leaves, strict=True)):
+    record = _records.get(leaves)
+    if record is None or record.axis_name != axis_name:
         return None
     return record.norm
 

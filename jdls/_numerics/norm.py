@@ -26,7 +26,6 @@ those kernels took most of the compile time of a many-leaf update (docs/performa
 from __future__ import annotations
 
 import functools
-import weakref
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, NamedTuple
 
@@ -36,6 +35,7 @@ import numpy as np
 from jax import lax
 
 from jdls._numerics.axes import vary_like
+from jdls._numerics.by_identity import ByIdentity
 from jdls._numerics.checks import is_float
 
 __all__ = [
@@ -380,44 +380,25 @@ def first_pass(leaves: Sequence[jax.Array], *, largest: bool) -> FirstPass:
 
 
 # Measurements handed over with the leaves they measured, by the identity of those very leaf
-# objects (weak references: a record lives as long as its leaves, so no value outlives its
-# trace). jdls.retrying measures each attempt's gradients inside its loop, where it must decide
+# objects. jdls.retrying measures each attempt's gradients inside its loop, where it must decide
 # whether to retry; the wrap after the loop then reads the loop's outputs, new objects, for the
 # same measurement. Handed over, the gradients are read once per step, as without retries.
-_handed_over: dict[int, tuple[tuple[weakref.ref[Any], ...], FirstPass]] = {}
+_handed_over: ByIdentity[FirstPass] = ByIdentity()
 
 
 def hand_over(leaves: Sequence[jax.Array], first: FirstPass) -> None:
     """Record ``first``, measured on the non-empty float ``leaves``, for :func:`global_norm`
     to use instead of reading them again."""
     xs = [x for x in leaves if x.size > 0]
-    if not xs or len(xs) != len(first.sums):
-        return
-    try:
-        refs = tuple(weakref.ref(x) for x in xs)
-    except TypeError:  # a leaf that takes no weak reference: nothing is handed over
-        return
-    key = id(xs[0])
-    _handed_over[key] = (refs, first)
-    weakref.finalize(xs[0], _drop, key, refs[0])
-
-
-def _drop(key: int, ref: weakref.ref[Any]) -> None:
-    record = _handed_over.get(key)
-    if record is not None and record[0][0] is ref:
-        del _handed_over[key]
+    if len(xs) == len(first.sums):
+        _handed_over.put(xs, first)
 
 
 def _handed(xs: Sequence[jax.Array], largest: bool) -> FirstPass | None:
     """The first pass handed over for exactly the leaves ``xs`` (the same objects, in order),
     if it holds what is asked for."""
-    record = _handed_over.get(id(xs[0]))
-    if record is None:
-        return None
-    refs, first = record
-    if len(refs) != len(xs) or any(r() is not x for r, x in zip(refs, xs, strict=True)):
-        return None
-    if largest and first.largest is None:
+    first = _handed_over.get(xs)
+    if first is None or (largest and first.largest is None):
         return None
     return first
 
