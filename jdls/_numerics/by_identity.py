@@ -23,6 +23,7 @@ class ByIdentity(Generic[T]):
 
     Example:
       >>> import jax.numpy as jnp
+      >>> from jdls._numerics.by_identity import ByIdentity
       >>> norms: ByIdentity[str] = ByIdentity()
       >>> a, b = jnp.ones(2), jnp.zeros(3)
       >>> norms.put([a, b], "measured")
