@@ -204,6 +204,7 @@ _WIDE = settings(
 )
 
 
+@pytest.mark.full  # about 7 s; the capability matrix keeps a sample quick
 @_QUICK
 @given(compositions.filter(_supported))
 def test_a_drawn_composition_gives_the_plain_step(composition):

@@ -338,10 +338,11 @@ def _losses(p, x):
 @pytest.mark.parametrize(
     "weights",
     [
-        pytest.param(None, id="unweighted", marks=pytest.mark.full),  # the weighted case is quick
+        pytest.param(None, id="unweighted"),
         pytest.param({"a": 2.0, "b": 0.5}, id="weighted"),
     ],
 )
+@pytest.mark.full  # about 4 s; the scanned stack's per-layer scales stay in the quick run
 def test_one_backward_pass_tells_each_dot_its_regions_scale(weights, jit):
     """``backward="one"``: a head's dot runs at its loss's scale, the trunk's at the smaller
     of the two; each records the amax of the gradient of the weighted sum of the losses, as

@@ -45,7 +45,7 @@ def _same(a, b) -> None:
     [
         pytest.param("both", marks=pytest.mark.full),
         pytest.param("probes", marks=pytest.mark.full),
-        "layer_scales",
+        pytest.param("layer_scales", marks=pytest.mark.full),  # about 6 s
         pytest.param("fp8", marks=pytest.mark.full),
     ],
 )
@@ -210,7 +210,10 @@ def test_mistakes_name_the_fix() -> None:
 
 
 @with_and_without_jit
-@pytest.mark.parametrize("name", ["probes", pytest.param("fp8", marks=pytest.mark.full)])
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param("probes", marks=pytest.mark.full), pytest.param("fp8", marks=pytest.mark.full)],
+)  # about 4 s
 def test_an_optimizer_initialised_on_the_variables_steps_as_on_the_parameters(name, jit):
     """``tx.init(variables)`` (the wrap keeps the sites apart) and ``tx.init(variables
     ["params"])`` give one training, bit for bit, over three steps with a skipped one; the

@@ -425,7 +425,7 @@ def recovery(loss_fn, params: dict, expected: dict, backward: str, small: str) -
 
 
 @both_backwards
-@pytest.mark.full(keep=1)
+@pytest.mark.full  # about 4 s
 def test_per_loss_scales_recover_the_small_heads_flushed_gradients(backward: str) -> None:
     """float16, a head weighted 1e-4: the best global scale flushes most of its gradient to
     zero; its own scale keeps it (>= 10x fewer flushed values), also in the one backward

@@ -95,6 +95,7 @@ def test_no_module_imports_private_jax() -> None:
     assert found == []
 
 
+@pytest.mark.full  # about 4 s, a new process; tests/test_equinox.py keeps one quick
 def test_the_equinox_faces_load_on_first_use():
     """``import jdls`` and no more: ``jdls.equinox`` and ``jdls.fp8.equinox`` are imported on
     first use (Equinox is optional), as the docs use them."""

@@ -286,7 +286,7 @@ def test_an_outer_vmap_keeps_one_measurement_per_example() -> None:
 
 
 @pytest.mark.parametrize("check_vma", [True, False])
-@pytest.mark.full(keep=1)
+@pytest.mark.full  # about 6 s; tests/test_measured.py keeps a data-parallel measurement quick
 def test_probes_under_shard_map_measure_every_device(check_vma: bool) -> None:
     from jax.sharding import Mesh
     from jax.sharding import PartitionSpec as P
