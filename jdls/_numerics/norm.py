@@ -366,8 +366,13 @@ class FirstPass(NamedTuple):
         device's, not agreed across an axis."""
         if self.largest is None:
             raise ValueError("FirstPass.finite needs the largest magnitude (largest=True)")
-        total = _ordered_sum(self.sums)
-        return ~jnp.isnan(total) & (self.largest < jnp.inf)
+        return _finite_from(jnp.isnan(_ordered_sum(self.sums)), self.largest)
+
+
+def _finite_from(nan: jax.Array, top: jax.Array) -> jax.Array:
+    """Finiteness from the first pass: the sum of squares is NaN exactly when an element is,
+    and the largest magnitude is inf exactly when an element is."""
+    return ~nan & (top < jnp.inf)
 
 
 def first_pass(leaves: Sequence[jax.Array], *, largest: bool) -> FirstPass:
@@ -425,7 +430,7 @@ def _from_largest(
     if axis_name is not None:
         nan = lax.pmax(nan.astype(jnp.int32), axis_name) > 0
         top = lax.pmax(top, axis_name)
-    finite = ~nan & (top < jnp.inf)
+    finite = _finite_from(nan, top)
     robust = finite & ~jnp.isfinite(total)
     norm = jnp.sqrt(total)
     if unknown and axis_name is not None:
