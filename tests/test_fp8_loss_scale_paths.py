@@ -29,6 +29,7 @@ def _grad_amaxes(grads):
 def _assert_amaxes(got, want):
     assert sorted(got) == sorted(want)
     for k in want:
+        assert np.all(np.isfinite(want[k])), f"{k}: no amax recorded ({want[k]})"
         np.testing.assert_allclose(got[k], want[k], rtol=1e-6, err_msg=k)
 
 
@@ -311,6 +312,49 @@ def test_equinox_layers_record_the_unscaled_output_gradient_amax():
     reference_fn = eqx.filter_jit(jdls.equinox.value_and_grad(loss, jdls.StaticScale(1.0)))
     _, reference = reference_fn(plain, x)
     _assert_amaxes(_grad_amaxes(grads), _grad_amaxes(reference))
+
+
+@with_and_without_jit
+def test_an_equinox_loss_combining_a_closed_over_static_half_is_told_its_layers_scales(jit):
+    """The canonical Equinox step (``eqx.combine(params, static)`` inside the loss): the told
+    sites keep their pytree type, so the static half combines with them, and the gradients
+    and recorded amaxes are those of the loss given the whole model."""
+    eqx = pytest.importorskip("equinox")
+    import jdls.equinox
+    import jdls.fp8.equinox
+
+    class Net(eqx.Module):
+        a: eqx.Module
+        b: eqx.Module
+
+        def __call__(self, x):
+            return self.b(jax.nn.relu(self.a(x)))
+
+    ka, kb = jax.random.split(jax.random.key(0))
+    net = Net(
+        fp8.equinox.Linear(8, 8, recipe=RECIPE, key=ka),
+        fp8.equinox.Linear(8, 4, recipe=RECIPE, key=kb),
+    )
+    model = jdls.equinox.set_layer_scales(
+        jdls.equinox.layer_scales(net, jdls.StaticScale(1.0)), [2.0**4, 2.0**14]
+    )
+    params, static = eqx.partition(model, eqx.is_array)
+    x = jax.random.normal(jax.random.key(2), (16, 8))
+
+    def loss(m, x):
+        return jnp.mean((m(x) - 1.0) ** 2)  # the batch at once: one use of each site
+
+    def loss_of_params(p, x):
+        return loss(eqx.combine(p, static), x)
+
+    wrap = eqx.filter_jit if jit else (lambda f: f)
+    value, grads = wrap(jdls.equinox.layer_scaled_value_and_grad(loss_of_params))(params, x)
+    want_value, want = wrap(jdls.equinox.layer_scaled_value_and_grad(loss))(model, x)
+    assert_bitwise_equal(value, want_value)
+    assert_bitwise_equal(eqx.filter(grads, eqx.is_array), eqx.filter(want, eqx.is_array))
+    sites = [s for s in jax.tree_util.tree_leaves(grads, is_leaf=jdls.is_site) if jdls.is_site(s)]
+    assert len(sites) == 4 and all(s.factor is None for s in sites)  # two FP8, two per-layer
+    assert _grad_amaxes(grads) and all(v.max() > 0 for v in _grad_amaxes(grads).values())
 
 
 # --------------------------------------------------------------------------------------------
