@@ -576,3 +576,21 @@ def test_update_sites_combines_the_devices_measurements_as_each_kind_says() -> N
     np.testing.assert_allclose(
         whole.zeros, (np.asarray(per_device[0].zeros) + np.asarray(per_device[1].zeros)) / 2
     )
+
+
+@pytest.mark.parametrize(
+    "site",
+    [jdls.Site(jdls.Probe()), jdls.layer_site(jdls.AdaptiveScale(), 0)],
+    ids=["probe", "layer_scale"],
+)
+def test_a_sites_pytree_structure_is_the_one_checkpoints_were_written_with(site):
+    """A site flattens to its value alone (no empty node beside it, not even a None): orbax
+    restores a checkpoint by comparing its recorded key paths, empty nodes included, with the
+    target's, so any change refuses every checkpoint written before."""
+    paths = jax.tree_util.tree_flatten_with_path(site.value, is_leaf=lambda x: x is None)[0]
+    got = jax.tree_util.tree_flatten_with_path(site, is_leaf=lambda x: x is None)[0]
+    assert [p for p, _ in got] == [(jax.tree_util.GetAttrKey("value"), *p) for p, _ in paths]
+    assert (
+        jax.tree_util.tree_structure(site).num_nodes
+        == 1 + jax.tree_util.tree_structure(site.value).num_nodes
+    )

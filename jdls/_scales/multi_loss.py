@@ -30,6 +30,7 @@ from jdls._scales.loss_adjust import keyed_items, rebuilt
 from jdls._scales.loss_sets import EMPTY, Levels, all_sets, analyze, evaluate, var_set
 from jdls._scales.scale import LossScale, check_scale
 from jdls._sites.backward_scale import (
+    ToldSite,
     sites_reading_loss_scale,
     tell_sites,
     untell_sites,
@@ -67,7 +68,7 @@ def _factor_leaves(tree: Any) -> list[bool]:
     (``jdls/_sites/backward_scale.py``)."""
     out: list[bool] = []
     for x in jax.tree_util.tree_leaves(tree, is_leaf=is_site):
-        if is_site(x) and x.factor is not None:
+        if isinstance(x, ToldSite):
             out.extend([False] * len(jax.tree_util.tree_leaves(x.value)))
             out.extend([True] * len(jax.tree_util.tree_leaves(x.factor)))
         elif is_site(x):

@@ -21,11 +21,10 @@ scales (``jdls/_scales/layer_scales.py``: inside layer ``k`` the cotangent carri
 ``k``'s scale) and per-loss scales with one backward pass (``jdls/_scales/multi_loss.py``:
 each region of the backward pass runs at its own level). There the differentiation *tells*
 each site that reads the loss scale (a kind with ``reads_loss_scale``, the FP8 dot's) the
-factor between its cotangent and the loss's scale: :func:`tell_sites` sets such a site's
-``factor`` (a field of every site, None elsewhere) to data (an array, stacked like the
-site's value, so that ``lax.scan`` slices it with the site), and :func:`untell_sites` turns
-the gradients back into plain sites. A told site keeps its pytree type, so that it combines
-with an untold copy of itself (the static half of ``eqx.partition``, closed over by the loss). The site passes the factor on
+factor between its cotangent and the loss's scale: :func:`tell_sites` replaces such a site of
+the differentiated arguments by a :class:`ToldSite`, whose ``factor`` is data (an array,
+stacked like the site's value, so that ``lax.scan`` slices it with the site), and
+:func:`untell_sites` turns the gradients back into plain sites. The site passes the factor on
 beside the context's loss scale (:func:`site_factor`), and its backward rule measures at
 :func:`backward_level`: the seeded loss scale times the factor (the factor alone without a
 context). The three paths share this one rule. The global path tells no site (its factor is
@@ -49,16 +48,17 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from jdls._numerics.paths import path_key
-from jdls._sites.site import Site, is_site, told_site
+from jdls._sites.site import Site, is_site
 
 __all__ = [
+    "ToldSite",
     "backward_level",
     "backward_scale",
     "current_loss_scale",
@@ -110,9 +110,13 @@ def _cache_key(loss_scale: Any) -> Any:
     per trace of the step); a concrete one (a scale built in the step, an eager step) is a
     constant of the trace, so its value is the key. An eager step then compiles its
     operations once per loss scale it meets: the rules' scales are powers of two, a handful
-    over a run, and JAX keeps each compiled operation. (The global path reads the scale from
-    the context rather than telling the sites, so that a site the differentiation cannot see,
-    closed over by the loss, measures at the loss's scale too.)"""
+    over a run, and JAX keeps each compiled operation. (Telling the sites the scale as data
+    instead would change their pytree type, which no longer matches an untold copy of the
+    same tree: the static half of ``eqx.partition`` closed over by the loss. The per-layer
+    and per-loss paths, which must tell, refuse that form with JAX's pytree error, whose
+    text names the fix: see :class:`ToldSite`. A field of every site holding the factor
+    would match, but would change every site's pytree structure, which orbax checkpoints
+    written before record.)"""
     if isinstance(loss_scale, jax.core.Tracer):
         return object()
     return ("concrete", float(jnp.asarray(loss_scale, jnp.float32)))
@@ -185,10 +189,55 @@ def sites_reading_loss_scale(tree: Any) -> list[Site]:
     return [x for x in jax.tree_util.tree_leaves(tree, is_leaf=is_site) if reads_loss_scale(x)]
 
 
+class _ToldSiteType(type(Site)):  # type: ignore[misc]
+    """The type of told sites, whose ``repr`` names the fix where JAX's "pytree structure
+    error" meets one beside a copy that was not told (the static half of ``eqx.partition``
+    closed over by the loss, combined with the differentiated half inside it)."""
+
+    def __repr__(cls) -> str:
+        return (
+            f"<class '{cls.__module__}.{cls.__qualname__}'> (an FP8 site that jdls's per-layer "
+            "or per-loss differentiation told its cotangent's scale, met beside an untold copy: "
+            "the loss combines the differentiated half of a model with a static half it closes "
+            "over, eqx.combine(params, static) inside the loss. Differentiate the model itself "
+            "instead: combine before the call, jdls.equinox.layer_scaled_value_and_grad(loss)"
+            "(eqx.combine(params, static), ...), with loss(model, ...))"
+        )
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ToldSite(Site, metaclass=_ToldSiteType):
+    """A site told, for one differentiation, the factor between its cotangent and the loss
+    scale of the context (:func:`tell_sites`): a float32 array of the site's stack shape.
+    Only the differentiation that made it sees it; the gradients it returns are plain sites
+    again (:func:`untell_sites`)."""
+
+    factor: Any = None
+
+
+def _told_flatten(site: ToldSite) -> tuple[tuple[tuple[Any, Any], ...], Any]:
+    keys = (jax.tree_util.GetAttrKey("value"), jax.tree_util.GetAttrKey("factor"))
+    return tuple(zip(keys, (site.value, site.factor), strict=True)), site.kind
+
+
+def _told_unflatten(kind: Any, children: Iterable[Any]) -> ToldSite:
+    value, factor = children
+    site = object.__new__(ToldSite)
+    object.__setattr__(site, "kind", kind)
+    object.__setattr__(site, "value", value)
+    object.__setattr__(site, "factor", factor)
+    return site
+
+
+jax.tree_util.register_pytree_with_keys(
+    ToldSite, _told_flatten, _told_unflatten, lambda s: ((s.value, s.factor), s.kind)
+)
+
+
 def site_factor(site: Any) -> Any:
     """The factor ``site`` was told (a float32 array), or None (the global path, or no
     differentiation that tells)."""
-    return getattr(site, "factor", None)
+    return site.factor if isinstance(site, ToldSite) else None
 
 
 def tell_sites(tree: Any, factor_of: Callable[[tuple[Any, ...], Site], Any]) -> Any:
@@ -197,7 +246,7 @@ def tell_sites(tree: Any, factor_of: Callable[[tuple[Any, ...], Site], Any]) -> 
     site's stack shape in float32; a site for which it returns None is left as it is."""
 
     def one(path: Any, x: Any) -> Any:
-        if not reads_loss_scale(x) or x.factor is not None:
+        if not reads_loss_scale(x) or isinstance(x, ToldSite):
             return x
         factor = factor_of(tuple(path_key(k) for k in path), x)
         if factor is None:
@@ -205,16 +254,16 @@ def tell_sites(tree: Any, factor_of: Callable[[tuple[Any, ...], Site], Any]) -> 
         stack = x.kind.stack_shape(x.value)
         factor = jnp.asarray(factor, jnp.float32)
         factor = factor.reshape(factor.shape + (1,) * (len(stack) - factor.ndim))
-        return told_site(x.kind, x.value, jnp.broadcast_to(factor, stack))
+        return ToldSite(x.kind, x.value, jnp.broadcast_to(factor, stack))
 
     return jax.tree_util.tree_map_with_path(one, tree, is_leaf=is_site)
 
 
 def untell_sites(tree: Any) -> Any:
-    """``tree`` (the gradients of told sites, say) with every told site a plain site again,
-    its factor dropped."""
+    """``tree`` (the gradients of told sites, say) with every :class:`ToldSite` a plain site
+    again, its factor dropped."""
 
     def one(x: Any) -> Any:
-        return Site(x.kind, x.value) if is_site(x) and x.factor is not None else x
+        return Site(x.kind, x.value) if isinstance(x, ToldSite) else x
 
     return jax.tree_util.tree_map(one, tree, is_leaf=is_site)

@@ -38,7 +38,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-__all__ = ["Site", "SiteKind", "SiteUpdate", "fresh_site", "is_site", "told_site"]
+__all__ = ["Site", "SiteKind", "SiteUpdate", "fresh_site", "is_site"]
 
 
 class SiteKind:
@@ -144,12 +144,6 @@ class Site(metaclass=_SiteType):
 
     kind: SiteKind
     value: Any = None
-    # Set only inside jdls's per-layer and per-loss differentiation, for a site that measures
-    # its cotangent unscaled (jdls/_sites/backward_scale.py): the factor between that
-    # cotangent's scale and the loss's, as data. A field of every site (None elsewhere), so
-    # that a told site has the pytree type of an untold copy of it: the static half of
-    # ``eqx.partition`` closed over by the loss combines with the told half.
-    factor: Any = dataclasses.field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, SiteKind):
@@ -193,30 +187,19 @@ class Site(metaclass=_SiteType):
         return Site(self.kind, value)
 
 
-_KEYS = (jax.tree_util.GetAttrKey("value"), jax.tree_util.GetAttrKey("factor"))
-
-
 def _flatten_with_keys(site: Site) -> tuple[tuple[tuple[Any, Any], ...], SiteKind]:
-    return tuple(zip(_KEYS, (site.value, site.factor), strict=True)), site.kind
+    return ((jax.tree_util.GetAttrKey("value"), site.value),), site.kind
 
 
 def _unflatten(kind: SiteKind, children: Iterable[Any]) -> Site:
-    value, factor = children
-    return told_site(kind, value, factor)
-
-
-def told_site(kind: SiteKind, value: Any, factor: Any) -> Site:
-    """A site of ``kind`` holding ``value``, told ``factor`` (None: an untold site, as
-    ``Site(kind, value)``)."""
     site = object.__new__(Site)
     object.__setattr__(site, "kind", kind)
-    object.__setattr__(site, "value", value)
-    object.__setattr__(site, "factor", factor)
+    object.__setattr__(site, "value", next(iter(children)))
     return site
 
 
 jax.tree_util.register_pytree_with_keys(
-    Site, _flatten_with_keys, _unflatten, lambda s: ((s.value, s.factor), s.kind)
+    Site, _flatten_with_keys, _unflatten, lambda s: ((s.value,), s.kind)
 )
 
 
