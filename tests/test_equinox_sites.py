@@ -503,3 +503,60 @@ def test_a_layer_called_twice_is_refused_with_per_layer_scales() -> None:
     loss = lambda m: jnp.sum(m(jnp.ones(3)))  # noqa: E731
     with pytest.raises(ValueError, match=r"position\(s\) \[1\] was applied more than once"):
         jdls.equinox.layer_scaled_value_and_grad(loss)(model)
+
+
+def _frozen(model, select, keep_sites):
+    """Equinox's fine-tuning filter: ``select`` frozen; with ``keep_sites``, the sites stay
+    trainable (the fix jdls's refusal names)."""
+    spec = jax.tree_util.tree_map(eqx.is_array, model)
+    spec = eqx.tree_at(
+        select, spec, replace_fn=lambda s: jax.tree_util.tree_map(lambda _: False, s)
+    )
+    if keep_sites:
+        spec = jax.tree_util.tree_map(
+            lambda s, x: True if jdls.is_site(x) else s, spec, model, is_leaf=jdls.is_site
+        )
+    return eqx.partition(model, spec)
+
+
+@pytest.mark.full  # about 14 s; tests/test_sites.py refuses a halved site in the quick run
+def test_a_frozen_layer_keeps_its_sites_or_is_refused_naming_the_fix():
+    """A filter that freezes a layer with its site (or ``eqx.is_inexact_array``, which moves a
+    scale's integer counters to the static half) is refused where the half is differentiated
+    or given to ``tx.init``, naming the fix; with the sites kept trainable the gradients are
+    those of the frozen unwrapped model, and a jitted step trains the layers not frozen."""
+    model = jdls.equinox.set_layer_scales(scaled(), LEVELS)
+    tokens, targets = batch()
+    tx = jdls.wrap(optax.sgd(0.1), jdls.NoOpScale())
+    for diff, static in (
+        _frozen(model, lambda m: m.head, keep_sites=False),
+        eqx.partition(model, eqx.is_inexact_array),
+    ):
+        fn = jdls.equinox.layer_scaled_value_and_grad(
+            lambda d, *b, static=static: loss_fn(eqx.combine(d, static), *b)
+        )
+        with pytest.raises(ValueError, match=r"freeze a layer's parameters but not its sites"):
+            fn(diff, tokens, targets)
+        with pytest.raises(ValueError, match=r"tx.init: the \w+ site at .* holds None"):
+            tx.init(diff)
+
+    diff, static = _frozen(model, lambda m: m.head, keep_sites=True)
+
+    def loss(d, tokens, targets):
+        return loss_fn(eqx.combine(d, static), tokens, targets)
+
+    _, grads = jdls.equinox.layer_scaled_value_and_grad(loss)(diff, tokens, targets)
+    bare_diff, bare_static = _frozen(jdls.equinox.unwrap(model), lambda m: m.head, False)
+    want = jax.grad(lambda d: loss_fn(eqx.combine(d, bare_static), tokens, targets))(bare_diff)
+    assert grads.head.jdls_wrapped.weight is None
+    assert_close_tree(params_of(grads), eqx.filter(want, eqx.is_array))
+
+    @eqx.filter_jit
+    def step(diff, opt_state):
+        _, grads = jdls.equinox.layer_scaled_value_and_grad(loss)(diff, tokens, targets)
+        updates, opt_state = tx.update(grads, opt_state, diff)
+        return jdls.equinox.apply_updates(diff, updates, opt_state), opt_state
+
+    new, _ = step(diff, tx.init(diff))
+    assert not np.array_equal(new.layers.jdls_wrapped.up.weight, diff.layers.jdls_wrapped.up.weight)
+    assert new.head.jdls_wrapped.weight is None  # the frozen head stays in the static half

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from _helpers import (
     assert_bitwise_equal,
@@ -594,3 +595,24 @@ def test_a_sites_pytree_structure_is_the_one_checkpoints_were_written_with(site)
         jax.tree_util.tree_structure(site).num_nodes
         == 1 + jax.tree_util.tree_structure(site.value).num_nodes
     )
+
+
+@with_and_without_jit
+def test_a_site_a_filter_halved_is_refused_naming_the_fix(jit):
+    """``eqx.is_inexact_array`` moves a scale's integer counters to the static half, and a
+    filter that freezes a layer moves its whole site: ``tx.init`` and ``jdls.update_sites``
+    refuse such a half, naming the fix, instead of failing inside a kind's update."""
+    site = jdls.layer_site(jdls.DynamicScale(), 0)
+    whole = {"w": jnp.ones(3), "site": site}
+    halves = {
+        "counters": jax.tree_util.tree_map(lambda x: x if x.dtype.kind == "f" else None, site),
+        "frozen": jax.tree_util.tree_map(lambda x: None, site),
+    }
+    tx = jdls.wrap(optax.sgd(0.1))
+    maybe = jax.jit if jit else (lambda f: f)
+    maybe(tx.init)(whole)  # whole: accepted
+    for half in halves.values():
+        with pytest.raises(ValueError, match=r"tx.init: the LayerScale site at site holds None"):
+            maybe(tx.init)({"w": jnp.ones(3), "site": half})
+        with pytest.raises(ValueError, match=r"freeze a layer's parameters but not its sites"):
+            maybe(jdls.update_sites)({"site": half}, {"site": site})

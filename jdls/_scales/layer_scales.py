@@ -35,7 +35,7 @@ from jdls._sites.backward_scale import (
     untell_sites,
 )
 from jdls._sites.measured import measured as measured_sites
-from jdls._sites.site import Site, is_site
+from jdls._sites.site import Site, is_site, refuse_halved
 
 __all__ = ["layer_scaled_value_and_grad", "scale_layers"]
 
@@ -133,6 +133,7 @@ def scale_layers(
     maps a site's path (argument index first) to its layer's path, ``param_path`` a
     parameter's path to the same space."""
     diff = tuple(args[n] for n in argnums)
+    refuse_halved(diff, who)
     sites = layer_sites(diff)
     if not sites:
         raise ValueError(

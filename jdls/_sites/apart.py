@@ -11,7 +11,7 @@ from typing import Any
 
 import jax
 
-from jdls._sites.site import SiteUpdate, is_site
+from jdls._sites.site import SiteUpdate, is_site, refuse_halved
 from jdls._sites.update import merge_sites, split_sites, update_sites
 
 __all__ = ["site_leaves", "sites_apart"]
@@ -41,6 +41,7 @@ def sites_apart(
     passes on."""
 
     def init(params: Any) -> Any:
+        refuse_halved(params, "the params given to tx.init")
         state = init_fn(split_sites(params)[0])
         sites = site_leaves(params)
         if hold is not None and sites:

@@ -38,7 +38,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-__all__ = ["Site", "SiteKind", "SiteUpdate", "fresh_site", "is_site"]
+__all__ = ["Site", "SiteKind", "SiteUpdate", "fresh_site", "is_site", "refuse_halved"]
 
 
 class SiteKind:
@@ -309,3 +309,43 @@ def _extra_axes(kind: SiteKind, value: Any) -> tuple[int, ...]:
                 f"{extra} and {tuple(shape[:n])}"
             )
     return extra or ()
+
+
+def _is_none(x: Any) -> bool:
+    return x is None
+
+
+def refuse_halved(tree: Any, who: str) -> None:
+    """Refuse the sites of ``tree`` that a filter split: a ``None`` where a site's value holds
+    an array (no kind's value holds ``None``). ``eqx.partition`` does that with a filter
+    spec that freezes a site's layer (the whole value goes to the other half), or with
+    ``eqx.is_inexact_array`` (a scale's integer counters go to the other half); such a half
+    cannot be differentiated, updated or told its scale.
+
+    Example:
+      >>> import jax, jdls
+      >>> from jdls._sites.site import refuse_halved
+      >>> site = jdls.layer_site(jdls.DynamicScale(), 0)
+      >>> refuse_halved({"head": site}, "jdls.wrap: tx.init")  # whole: nothing to say
+      >>> halved = jax.tree_util.tree_map(lambda x: x if x.dtype.kind == "f" else None, site)
+      >>> refuse_halved({"head": halved}, "jdls.wrap: tx.init")
+      Traceback (most recent call last):
+      ...
+      ValueError: jdls.wrap: tx.init: the LayerScale site at head holds None where its value ...
+    """
+    found = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_site)[0]
+    for path, site in found:
+        if not is_site(site):
+            continue
+        if any(x is None for x in jax.tree_util.tree_leaves(site.value, is_leaf=_is_none)):
+            where = jax.tree_util.keystr(path, simple=True, separator="/") or "(root)"
+            raise ValueError(
+                f"{who}: the {type(site.kind).__name__} site at {where} holds None where its "
+                "value holds arrays: a filter split it, as eqx.partition does with a "
+                "filter_spec that freezes the site's layer, or with eqx.is_inexact_array, "
+                "which moves a scale's integer counters to the other half. Keep every site "
+                "whole in the half that is differentiated and updated: partition with "
+                "eqx.is_array, and freeze a layer's parameters but not its sites, e.g. spec = "
+                "jax.tree_util.tree_map(lambda s, x: True if jdls.is_site(x) else s, spec, "
+                "model, is_leaf=jdls.is_site)"
+            )

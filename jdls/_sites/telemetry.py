@@ -120,7 +120,9 @@ class Telemetry(NamedTuple):
         found = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_site)[0]
         entries = []
         for path, site in found:
-            if isinstance(site, Site) and isinstance(site.kind, Probe):
+            # a probe without a value measured nothing (not differentiated: the gradient of
+            # a frozen half, jdls warned SiteNotDifferentiated): no row
+            if isinstance(site, Site) and isinstance(site.kind, Probe) and site.value is not None:
                 keys = [str(path_key(k)) for k in path if path_key(k) != WRAPPED]
                 if keys[-1:] == ["value"]:  # an NNX Variable's value
                     keys = keys[:-1]

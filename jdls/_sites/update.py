@@ -15,7 +15,7 @@ from jax import lax
 
 from jdls._numerics.paths import path_key
 from jdls._sites.measured import Measured
-from jdls._sites.site import Site, is_site
+from jdls._sites.site import Site, is_site, refuse_halved
 
 __all__ = ["merge_sites", "split_sites", "update_sites"]
 
@@ -105,6 +105,7 @@ def update_sites(sites: Any, measurements: Any, finite: Any = True, axis_name: A
       >>> jdls.Telemetry.of(sites).amax.tolist()
       [1.0]
     """
+    refuse_halved(sites, "jdls.update_sites")
     finite = jnp.asarray(finite, bool)
     measured_sites = jax.tree_util.tree_map(
         lambda x: x if is_site(x) else None, measurements, is_leaf=is_site
