@@ -20,7 +20,6 @@ import sys
 import zlib
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -132,33 +131,6 @@ def _decorator(item: pytest.Item, name: str) -> tuple[str, ...]:
         if name in names:
             return tuple(names)
     return (name,)  # a parametrized fixture
-
-
-# Under ``--dist loadgroup`` (CI's run of the rest of the full suite) each of these files stays
-# on one worker, so that its module-scoped fixture (a subprocess run, trained models) runs
-# once; every other test goes to whichever worker is free, so that neither waits at the end.
-_ONE_WORKER = (
-    "test_benchmarks_smoke.py",
-    "test_checkpoint.py",
-    "test_distributed.py",
-    "test_span_bench.py",
-)
-
-
-def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """``--dist loadgroup``, grouped by file for ``_ONE_WORKER``. (pytest-xdist 3.8 marks an
-    ``xdist_group`` in the test's node id, which pytest 9 no longer lets it change: its own
-    groups fall apart.) Other modes: pytest-xdist's own scheduler."""
-    if config.getvalue("dist") != "loadgroup":
-        return None
-    from xdist.scheduler import LoadScopeScheduling
-
-    class ByFileOrTest(LoadScopeScheduling):  # type: ignore[misc]
-        def _split_scope(self, nodeid: str) -> str:
-            path = nodeid.split("::")[0]
-            return path if Path(path).name in _ONE_WORKER else nodeid
-
-    return ByFileOrTest(config, log)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -108,23 +108,3 @@ def test_no_import_circles() -> None:
         if module not in state:
             visit(module, [module])
     assert circles == []
-
-
-def test_every_test_file_with_a_module_fixture_stays_on_one_worker() -> None:
-    """A module- or session-scoped fixture runs once per worker that runs the file's tests:
-    tests/conftest.py keeps such a file on one worker under CI's ``--dist loadgroup``."""
-    import conftest
-
-    def wide(decorator: ast.expr) -> bool:
-        return isinstance(decorator, ast.Call) and any(
-            k.arg == "scope" and getattr(k.value, "value", None) in ("module", "session")
-            for k in decorator.keywords
-        )
-
-    with_fixture = sorted(
-        p.name
-        for p in Path(__file__).parent.rglob("test_*.py")
-        for node in ast.walk(ast.parse(p.read_text()))
-        if isinstance(node, ast.FunctionDef) and any(map(wide, node.decorator_list))
-    )
-    assert with_fixture and set(with_fixture) <= set(conftest._ONE_WORKER), with_fixture
