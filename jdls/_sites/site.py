@@ -38,6 +38,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jdls._numerics.paths import path_key
+
 __all__ = ["Site", "SiteKind", "SiteUpdate", "fresh_site", "is_site", "refuse_halved"]
 
 
@@ -338,7 +340,7 @@ def refuse_halved(tree: Any, who: str) -> None:
         if not is_site(site):
             continue
         if any(x is None for x in jax.tree_util.tree_leaves(site.value, is_leaf=_is_none)):
-            where = jax.tree_util.keystr(path, simple=True, separator="/") or "(root)"
+            where = "/".join(str(path_key(k)) for k in path) or "(root)"  # as sites are named
             raise ValueError(
                 f"{who}: the {type(site.kind).__name__} site at {where} holds None where its "
                 "value holds arrays: a filter split it, as eqx.partition does with a "
