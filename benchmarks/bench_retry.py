@@ -22,9 +22,6 @@ on every call. Cases:
   and the measurement it hands to the wrap;
 * ``retrying without barriers, finite``: the same without the ``lax.optimization_barrier``
   around the retry loop's carry (what the barriers save);
-* ``retrying without the row-major carry, finite``: the same without pinning the carried
-  gradients to the row-major layout on CPU (``jdls._numerics.layout.PIN = False``: XLA then
-  transposes a kernel's gradient into the carry and back after the loop);
 * ``retrying, retries once``: ``c = 3``: one extra forward and backward inside the step.
 
 Memory: ``memory_analysis()`` of each compiled step (parameters and state donated): the
@@ -53,7 +50,6 @@ import jdls
 from benchmarks import _harness as h
 from benchmarks import _models as m
 from benchmarks import bench_step
-from jdls._numerics import layout as _layout
 from jdls._transforms import retrying as _retrying
 
 SCALE = 2.0**15
@@ -142,16 +138,14 @@ def run(
     finite = {"data": work.batch, "c": jnp.float32(0.0)}
     outlier = {"data": work.batch, "c": jnp.float32(OUTLIER)}
     # (label, retries, variant, batch, expected retries); the variants: "" as shipped,
-    # "barriers": the loop without its barriers, "layout": without the row-major carry,
-    # "loop": the loop without its check (every attempt counts as finite), "check": the step
-    # without retries plus the loop's check.
+    # "barriers": the loop without its barriers, "loop": the loop without its check (every
+    # attempt counts as finite), "check": the step without retries plus the loop's check.
     specs = [
         ("jdls.wrap(adam)", 0, "", finite, 0),
         ("jdls.retrying(retries=2), finite", 2, "", finite, 0),
         ("ablation: jdls.wrap(adam) + the loop's check", 0, "check", finite, 0),
         ("ablation: retrying, the loop without its check, finite", 2, "loop", finite, 0),
         ("jdls.retrying(retries=2) without barriers, finite", 2, "barriers", finite, 0),
-        ("jdls.retrying(retries=2) without the row-major carry, finite", 2, "layout", finite, 0),
         ("jdls.retrying(retries=2), retries once", 2, "", outlier, 1),
     ]
     if not ablations:  # --quick: the cases as shipped
@@ -163,14 +157,13 @@ def run(
         # read when the step is traced, in Runner()
         _retrying._BARRIERS = variant != "barriers"
         _retrying._CHECK = variant != "loop"
-        _layout.PIN = variant != "layout"
         try:
             step = make_step(loss, tx, retries, check=variant == "check")
             method = bench_step.Method(tx.init, step)
             runners.append(bench_step.Runner(method, params, batch))
             facts.append(compiled_facts(runners[-1]))
         finally:
-            _retrying._BARRIERS = _retrying._CHECK = _layout.PIN = True
+            _retrying._BARRIERS = _retrying._CHECK = True
     grad_bytes = 4 * (work.n_params + 1)  # one float32 gradient buffer
     base = facts[0][1]
     cases = [

@@ -679,33 +679,3 @@ def test_a_finite_attempt_is_read_once_for_its_measurement(scale):
     # (the default's rule reads it anyway)
     assert retried.get("reduce_max") == 2  # one per leaf
     assert once.get("reduce_max") == (2 if scale == "adaptive" else None)
-
-
-@pytest.mark.skipif(
-    jax.__version_info__ < (0, 10),
-    reason="XLA:CPU before jax 0.10 keeps a third gradient buffer in the loop, pinned or not",
-)
-def test_the_loop_keeps_a_kernels_gradient_in_the_update_s_layout():
-    """Compiled for CPU, the retry loop carries each gradient in the layout the update reads
-    (row-major), not in the transposed one of the backward pass's ``dot``: the finite step
-    then needs less than half a gradient buffer more than the step without retries (with
-    the transposed carry, 0.85 of one on this MLP: a copy into the carry and one back)."""
-
-    def loss(params, x):
-        h = x.astype(jnp.float16)
-        for w in params:
-            h = jnp.tanh(h @ w.astype(jnp.float16))
-        return jnp.mean(h.astype(jnp.float32) ** 2)
-
-    params = [jnp.full((256, 512), 0.01), jnp.full((512, 512), 0.01), jnp.full((512, 256), 0.01)]
-    x = jnp.ones((64, 256))
-    tx = jdls.wrap(optax.adam(1e-3))
-    state = tx.init(params)
-    buffer = 4 * sum(p.size for p in params)
-
-    def temporaries(retries):
-        step = jax.jit(jdls.retrying(loss, tx, retries=retries), donate_argnums=(0, 1))
-        compiled = step.lower(params, state, x).compile()
-        return compiled.memory_analysis().temp_size_in_bytes / buffer
-
-    assert temporaries(2) - temporaries(0) < 0.5

@@ -39,7 +39,6 @@ from jax import lax
 from jdls._numerics.axes import vary_like, vary_over
 from jdls._numerics.checks import all_finite, check_int, is_float
 from jdls._numerics.handoff import nonzero, remember_backward
-from jdls._numerics.layout import row_major
 from jdls._numerics.norm import (
     AxisName,
     FirstPass,
@@ -219,7 +218,6 @@ def retrying(
                     lambda now, lower: jnp.where(n == 0, now, lower), s, _next_scale(s, look)
                 )
                 out, grads, own = differentiate(s)
-                grads = _row_major(grads)
                 loss = out[0] if has_aux else out
                 loss_finite = agree(all_finite(loss))
                 first, finite = _measure(grads, s)
@@ -299,15 +297,6 @@ def _next_scale(scale: DynamicScale, look: jax.Array) -> DynamicScale:
         return lower
     higher = scale.adjust(True, grad_amax=jnp.zeros((), jnp.float32))
     return jax.tree_util.tree_map(lambda h, b: jnp.where(look, h, b), higher, lower)
-
-
-def _row_major(grads: Any) -> Any:
-    """``grads`` as the loop carries them: every float leaf of two or more dimensions
-    row-major on CPU (:func:`jdls._numerics.layout.row_major`); the sites' measurements as
-    they are."""
-    return jax.tree_util.tree_map(
-        lambda x: x if is_site(x) else row_major(x), grads, is_leaf=is_site
-    )
 
 
 def _gradient_floats(grads: Any) -> list[Any]:
