@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["path_key"]
+__all__ = ["path_key", "path_name"]
 
 
 def path_key(entry: Any) -> Any:
@@ -23,3 +23,17 @@ def path_key(entry: Any) -> Any:
         if hasattr(entry, attr):
             return getattr(entry, attr)
     return entry
+
+
+def path_name(path: Any) -> str:
+    """A pytree path as jdls names a site in its messages: the plain keys joined by ``/``,
+    ``(root)`` for the empty path.
+
+    Example:
+      >>> import jax
+      >>> from jdls._numerics.paths import path_name
+      >>> (path, _), = jax.tree_util.tree_flatten_with_path({"a": [7]})[0]
+      >>> path_name(path), path_name(())
+      ('a/0', '(root)')
+    """
+    return "/".join(str(path_key(k)) for k in path) or "(root)"

@@ -38,7 +38,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jdls._numerics.paths import path_key
+from jdls._numerics.paths import path_name
 
 __all__ = ["Site", "SiteKind", "SiteUpdate", "fresh_site", "is_site", "refuse_halved"]
 
@@ -340,7 +340,7 @@ def refuse_halved(tree: Any, who: str) -> None:
         if not is_site(site):
             continue
         if any(x is None for x in jax.tree_util.tree_leaves(site.value, is_leaf=_is_none)):
-            where = "/".join(str(path_key(k)) for k in path) or "(root)"  # as sites are named
+            where = path_name(path)
             raise ValueError(
                 f"{who}: the {type(site.kind).__name__} site at {where} holds None where its "
                 "value holds arrays: a filter split it, as eqx.partition does with a "

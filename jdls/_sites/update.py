@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jdls._numerics.paths import path_key
+from jdls._numerics.paths import path_name
 from jdls._sites.measured import Measured
 from jdls._sites.site import Site, is_site, refuse_halved
 
@@ -131,7 +131,7 @@ def _warn_unrecorded(measured: Any) -> None:
             continue
         flag = m.kind.unrecorded(m.value)
         if flag is not None:
-            names.append("/".join(str(path_key(k)) for k in path) or "(root)")
+            names.append(path_name(path))
             flags.append(jnp.any(jnp.asarray(flag, bool)))
     if not flags:
         return
