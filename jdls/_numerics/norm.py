@@ -35,22 +35,17 @@ import numpy as np
 from jax import lax
 
 from jdls._numerics.axes import vary_like
-from jdls._numerics.by_identity import ByIdentity
 from jdls._numerics.checks import is_float
 
 __all__ = [
     "AxisName",
-    "FirstPass",
     "FloatLeaves",
     "GlobalNorm",
     "amax",
     "check_sharded",
     "clip_by_norm",
-    "first_pass",
-    "fits_float32",
     "flatten_floats",
     "global_norm",
-    "hand_over",
     "sharded_flags",
     "tree_amax",
     "tree_norm",
@@ -324,7 +319,7 @@ def global_norm(
     xs = [leaves[i] for i in keep]
     is_sharded = (False,) * len(xs) if sharded is None else tuple(sharded[i] for i in keep)
     reduce, usual, careful = _branches(axis_name, is_sharded, largest)
-    first = _handed(xs, largest) or first_pass(xs, largest=largest)
+    first = first_pass(xs, largest=largest)
     total = reduce(list(first.sums))
     fast = [first.largest] if largest and first.largest is not None else []
     if not exact_overflow:
@@ -358,16 +353,6 @@ class FirstPass(NamedTuple):
     sums: tuple[jax.Array, ...]
     largest: jax.Array | None
 
-    @property
-    def finite(self) -> jax.Array:
-        """Whether every element was finite: no NaN in the sum of squares (squares, sums and
-        ``max`` make none from finite values) and no inf among the magnitudes. Needs
-        ``largest`` over leaves whose magnitudes fit float32 (:func:`fits_float32`); this
-        device's, not agreed across an axis."""
-        if self.largest is None:
-            raise ValueError("FirstPass.finite needs the largest magnitude (largest=True)")
-        return _finite_from(jnp.isnan(_ordered_sum(self.sums)), self.largest)
-
 
 def _finite_from(nan: jax.Array, top: jax.Array) -> jax.Array:
     """Finiteness from the first pass: the sum of squares is NaN exactly when an element is,
@@ -382,35 +367,6 @@ def first_pass(leaves: Sequence[jax.Array], *, largest: bool) -> FirstPass:
     if not largest:
         return FirstPass(sums, None)
     return FirstPass(sums, _largest(xs) if xs else jnp.zeros((), _F32))
-
-
-# Measurements handed over with the leaves they measured, by the identity of those very leaf
-# objects. jdls.retrying measures each attempt's gradients inside its loop, where it must decide
-# whether to retry; the wrap after the loop then reads the loop's outputs, new objects, for the
-# same measurement. Handed over, the gradients are read once per step, as without retries.
-_handed_over: ByIdentity[FirstPass] = ByIdentity()
-
-
-def hand_over(leaves: Sequence[jax.Array], first: FirstPass) -> None:
-    """Record ``first``, measured on the non-empty float ``leaves``, for :func:`global_norm`
-    to use instead of reading them again."""
-    xs = [x for x in leaves if x.size > 0]
-    if len(xs) == len(first.sums):
-        _handed_over.put(xs, first)
-
-
-def _handed(xs: Sequence[jax.Array], largest: bool) -> FirstPass | None:
-    """The first pass handed over for exactly the leaves ``xs`` (the same objects, in order),
-    if it holds what is asked for."""
-    first = _handed_over.get(xs)
-    if first is None or (largest and first.largest is None):
-        return None
-    return first
-
-
-def fits_float32(leaves: Sequence[jax.Array]) -> bool:
-    """Whether every finite element of every leaf has a finite float32 magnitude."""
-    return all(_fits_float32(x) for x in leaves)
 
 
 def _fits_float32(x: jax.Array) -> bool:
@@ -498,11 +454,7 @@ def amax(leaves: Sequence[jax.Array], *, axis_name: AxisName | None = None) -> j
     a NaN may be dropped (XLA's max reduction on CPU drops it in large arrays), so decide
     finiteness with ``all_finite`` or the norm, not with this."""
     xs = [x for x in leaves if x.size > 0]
-    handed = _handed(xs, largest=True) if xs else None
-    if handed is not None and handed.largest is not None:
-        out = handed.largest  # measured already, where they were computed
-    else:
-        out = _stacked_max([_leaf_amax(x) for x in xs]) if xs else jnp.zeros((), _F32)
+    out = _stacked_max([_leaf_amax(x) for x in xs]) if xs else jnp.zeros((), _F32)
     if axis_name is not None:
         out = lax.pmax(out, axis_name)
     return out

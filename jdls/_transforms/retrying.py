@@ -4,26 +4,23 @@ The step owns differentiation and the update, so that a retried step is, through
 optimizer, the step taken directly at the backed-off scale with the same batch::
 
     scale = jdls.get_scale(opt_state)
-    loss, grads = differentiate(scale)                       # per device, then averaged
-    while grads overflow and the loss is finite and tries < retries and scale > its minimum:
-        scale = scale.back_off()                             # a lower scale, as the rule backs off
-        loss, grads = differentiate(scale)                   # the same batch
+    params, opt_state = step(params, opt_state at scale)   # the step without retries
+    while the wrap skipped it for overflowing gradients, the loss is finite,
+            tries < retries and scale > its minimum:
+        scale = scale.back_off()                           # lower, as the rule backs off
+        params, opt_state = step(params, opt_state at scale)   # the same batch, the same inputs
     # (grads all zero, the loss not, before the rule's first measurement: they flushed, and
     # the step is recomputed the same way at the higher scale the rule looks at)
-    opt_state = the state with the settled scale
-    updates, opt_state = tx.update(grads, opt_state, params, value=loss)  # once, after the loop
 
-Every attempt, the first included, is one iteration of a single ``lax.while_loop``, so the
-compiled program holds one forward and backward pass and its temporaries are those of the step
-without retries. Only the loss, the gradients and the scale pass through the loop, never the
-optimizer state: the whole chain (clipping before the wrap, transformations after it,
-``inject_hyperparams``, ``MultiSteps`` inside the wrap) runs once, on the gradients of the
-attempt that settled.
-
-Each attempt decides from the measurement the wrap takes (a sum of squares and the largest
-magnitude per leaf, :func:`jdls._numerics.norm.first_pass`), carried out of the loop and
-handed to the wrap with the gradients it measured: a finite step reads its gradients once for
-it, as the step without retries does.
+Every attempt, the first included, is one iteration of a single ``lax.while_loop`` whose body
+is the whole step without retries: differentiation, the whole chain (clipping before the wrap,
+transformations after it, ``inject_hyperparams``, ``MultiSteps`` inside the wrap) and the
+update. A finite step is therefore the step without retries, compiled in a loop of one
+iteration: its fusions, its reads of the gradients (the wrap decides whether to retry from
+the measurement it takes anyway) and its temporaries. A skipped attempt is a no-op through the
+chain, so the next one starts from the same parameters and state (the loop's carry, updated
+in place: nothing is copied on a finite step), with the statistics and the sites the skip
+recorded put back as they were.
 """
 
 from __future__ import annotations
@@ -37,38 +34,22 @@ import optax
 from jax import lax
 
 from jdls._numerics.axes import vary_like, vary_over
-from jdls._numerics.checks import all_finite, check_int, is_float
-from jdls._numerics.handoff import nonzero, remember_backward
+from jdls._numerics.checks import all_finite, check_int
 from jdls._numerics.norm import (
     AxisName,
-    FirstPass,
-    amax,
-    first_pass,
-    fits_float32,
-    hand_over,
 )
 from jdls._scales.scale import DynamicScale, LossScale, observes
 from jdls._sites.site import is_site
 from jdls._transforms.apply import apply_updates
-from jdls._transforms.retry import SkipCause, flushed, mean_unsharded
+from jdls._transforms.retry import SkipCause, mean_unsharded
 from jdls._transforms.stats import (
     Stats,
     WrapState,
     get_scale,
-    replace_scale,
     stats,
 )
 
 __all__ = ["retrying"]
-
-#: Whether the retry loop's carry is fenced with ``lax.optimization_barrier`` (read when a step
-#: is traced; ``benchmarks/bench_retry.py`` measures the step without them).
-_BARRIERS = True
-
-#: Whether the loop checks the gradients (read when a step is traced). Only for
-#: ``benchmarks/bench_retry.py``, which measures the loop without its check: with False every
-#: attempt counts as finite, so a step never retries.
-_CHECK = True
 
 
 def retrying(
@@ -85,19 +66,19 @@ def retrying(
     ``step = jdls.retrying(loss_fn, tx, retries=2)`` returns
     ``step(params, opt_state, *batch) -> (params, opt_state, loss)`` that
 
-    1. differentiates ``loss_fn(params, *batch)`` at the scale of the one :func:`jdls.wrap`
-       in ``tx`` (``jdls.get_scale(opt_state)``);
-    2. while the gradients are not finite, the loss is finite, fewer than ``retries``
-       attempts were made and the scale is above the rule's minimum, backs the scale off as
-       the rule does (``scale.back_off()``: one overflow, or with hysteresis as many as lower
-       the scale) and differentiates the same batch again, inside the compiled step
+    1. takes the step without retries: differentiates ``loss_fn(params, *batch)`` at the
+       scale of the one :func:`jdls.wrap` in ``tx`` (``jdls.get_scale(opt_state)``), runs
+       ``tx.update(grads, opt_state, params, value=loss)`` and applies the updates;
+    2. while the wrap skipped that step for gradients that were not finite, the loss is
+       finite, fewer than ``retries`` attempts were made and the scale is above the rule's
+       minimum, backs the scale off as the rule does (``scale.back_off()``: one overflow, or
+       with hysteresis as many as lower the scale) and takes the step again from the same
+       parameters and state with the same batch, inside the compiled step
        (``lax.while_loop``; a finite step takes one iteration, its first attempt); at the
        minimum a retry would recompute the same overflow, so the step is skipped instead;
        gradients that are all zero while the loss is not, before the rule's first
        measurement (they flushed, ``jdls.SkipCause.UNDERFLOW``), are recomputed the same
-       way at the scale the rule looks at (:meth:`jdls.rules.Rule.looks_for_flushed`);
-    3. runs ``tx.update(grads, opt_state, params, value=loss)`` once, with the scale set to
-       the one the loop settled on, and applies the updates.
+       way at the scale the rule looks at (:meth:`jdls.rules.Rule.looks_for_flushed`).
 
     A retried step is therefore, bit for bit, the step taken directly at the backed-off scale
     with the same batch, through the whole of ``tx``: ``jdls.wrap`` alone or with
@@ -180,111 +161,96 @@ def retrying(
     def step(params: Any, opt_state: Any, *batch: Any) -> tuple[Any, Any, Any]:
         scale = _check_state(opt_state, retries)
 
-        def differentiate(s: LossScale) -> tuple[Any, Any, jax.Array]:
-            """The loss and the averaged gradients at ``s``, and, for a rule that observes
-            under an ``axis_name``, this device's largest gradient magnitude before the
-            averaging: the one the rule sets the scale from, as in the step without retries
-            (``value_and_grad`` hands it to the wrap; inside the loop this step does)."""
-            p = _per_device(params, axis_name)
+        def differentiate(p: Any, s: LossScale) -> tuple[Any, Any]:
+            """The loss and the averaged gradients of ``p`` at ``s``, as the step without
+            retries computes them."""
+            p = _per_device(p, axis_name)
             out, grads = s.value_and_grad(loss_fn, has_aux=has_aux)(p, *batch)
-            own = jnp.zeros((), jnp.float32)
             if axis_name is not None:
                 _check_not_averaged(out[0] if has_aux else out, p, axis_name)
-                if observes(s):
-                    own = amax(_gradient_floats(grads))
-            return out, mean_unsharded(grads, axis_name, False), own
+            return out, mean_unsharded(grads, axis_name, False)
 
-        if not retries:
-            out, grads, _ = differentiate(scale)
-            tries = jnp.zeros((), jnp.int32)
-        else:
-            # Every attempt, the first included, runs in the loop body: one copy of the forward
-            # and backward pass in the program, so that its temporaries are those of the step
-            # without retries (a first attempt outside the loop kept its own and the loop's).
-            def more(carry: tuple[Any, ...]) -> jax.Array:
-                s, _, _, _, _, finite, loss_finite, n, look = carry
-                # At the rule's minimum the scale cannot go lower: a retry would recompute
-                # the same overflow, so the step is skipped instead.
-                lower = s.back_off().loss_scale < s.loss_scale
-                overflow = ~finite & loss_finite & lower
-                return (n == 0) | ((overflow | look) & (n <= retries))
-
-            def attempt(carry: tuple[Any, ...]) -> tuple[Any, ...]:
-                s, _, _, _, _, _, _, n, look = carry
-                # After the first attempt, each one at the scale the rule backs off to (with
-                # hysteresis, after the overflows it would forgive: a lower scale every time),
-                # or, after gradients that all flushed, at the scale it looks at.
-                s = jax.tree_util.tree_map(
-                    lambda now, lower: jnp.where(n == 0, now, lower), s, _next_scale(s, look)
-                )
-                out, grads, own = differentiate(s)
-                loss = out[0] if has_aux else out
-                loss_finite = agree(all_finite(loss))
-                first, finite = _measure(grads, s)
-                finite = agree(finite) if _CHECK else jnp.array(True)
-                look = _flushed(s, finite, own if axis_name else first.largest, loss, axis_name)
-                return s, out, grads, first, own, finite, loss_finite, n + 1, look
-
-            # zeros_like of the abstract values keeps their shardings (the type of an array
-            # under an explicit mesh), so the carry has the type the body returns.
-            shapes = jax.eval_shape(lambda: _with_measure(differentiate(scale), scale))
-            out, grads, own, first = jax.tree_util.tree_map(
-                lambda t: vary_like(jnp.zeros_like(t), t), shapes
+        def take(p: Any, state: Any) -> tuple[Any, Any, Any]:
+            """One whole step from ``p`` and ``state`` at the scale ``state`` holds: the
+            step without retries. A step the wrap skipped is a no-op through the whole
+            chain: transformations after the wrap (weight decay, a schedule's count) and
+            their states do not move either. Sites keep what their kinds made of the step
+            (a probe records a skipped step too)."""
+            out, grads = differentiate(p, get_scale(state))
+            loss = out[0] if has_aux else out
+            updates, new_state = update(grads, state, p, value=loss)
+            new_p = apply_updates(p, updates, new_state)
+            applied = stats(new_state).finite
+            new_p = jax.tree_util.tree_map(
+                lambda new, old: new if is_site(new) else jnp.where(applied, new, old),
+                new_p,
+                p,
+                is_leaf=is_site,
             )
-            no = jnp.array(False)
-            carry = (scale, out, grads, first, own, no, jnp.array(True), jnp.int32(0), no)
-
-            # Only the gradients (and the scale, the loss) pass through the loop, never the
-            # optimizer state; the barriers keep XLA from moving the update into the loop.
-            # One barrier per leaf: a barrier over several values makes them all vary across
-            # the axes any of them varies over (shard_map with check_vma).
-            def fence(tree: Any) -> Any:
-                if not _BARRIERS:
-                    return tree
-                return jax.tree_util.tree_map(lax.optimization_barrier, tree)
-
-            scale, out, grads, first, own, _, _, n, _ = fence(
-                lax.while_loop(more, attempt, fence(carry))
+            new_state = jax.tree_util.tree_map(
+                lambda new, old: (
+                    new if isinstance(new, WrapState) else jnp.where(applied, new, old)
+                ),
+                new_state,
+                state,
+                is_leaf=lambda x: isinstance(x, WrapState),
             )
-            # The wrap (and a jdls.clip in front of it) reads these gradients for the same
-            # measurement the loop made: handed over, they are read once, as without retries.
-            floats = _gradient_floats(grads)
-            hand_over(floats, first)
-            if observes(scale):
-                # What value_and_grad hands to the wrap in the step without retries (it did so
-                # inside the loop, out of the wrap's sight): the gradients the backward pass
-                # computed, whatever a transformation in front of the wrap makes of them, and
-                # under an axis_name each device's largest before the averaging.
-                remember_backward(
-                    scale.loss_scale,
-                    [] if axis_name else floats,
-                    out[0] if has_aux else out,
-                    largest=own if axis_name else None,
-                )
-            tries = n - 1
-            opt_state = replace_scale(opt_state, scale)
-        loss = out[0] if has_aux else out
+            return new_p, new_state, out
+
         before = stats(opt_state)
-        updates, new_state = update(grads, opt_state, params, value=loss)
-        new_params = apply_updates(params, updates, new_state)
-        # A step the wrap skipped is a no-op through the whole chain: transformations after
-        # the wrap (weight decay, a schedule's count) and their states do not move either.
-        # Sites keep what their kinds made of the step (a probe records a skipped step too).
-        applied = stats(new_state).finite
-        new_params = jax.tree_util.tree_map(
-            lambda new, old: new if is_site(new) else jnp.where(applied, new, old),
-            new_params,
-            params,
-            is_leaf=is_site,
-        )
-        new_state = jax.tree_util.tree_map(
-            lambda new, old: new if isinstance(new, WrapState) else jnp.where(applied, new, old),
-            new_state,
-            opt_state,
-            is_leaf=lambda x: isinstance(x, WrapState),
-        )
-        opt_state = _record(new_state, before, tries)
-        return new_params, opt_state, out
+        if not retries:
+            new_params, new_state, out = take(params, opt_state)
+            return new_params, _record(new_state, before, jnp.zeros((), jnp.int32)), out
+
+        def given(p: Any, state: Any, s: LossScale) -> tuple[Any, Any]:
+            """The step's own inputs at scale ``s``: a skipped attempt leaves the parameters
+            and the optimizer state as they were (``p``, ``state``) except for what it
+            records, the sites and the wrap's statistics, which are put back."""
+            p = jax.tree_util.tree_map(
+                lambda now, was: was if is_site(was) else now, p, params, is_leaf=is_site
+            )
+            state = jax.tree_util.tree_map(
+                lambda now, was: (
+                    now._replace(scale=s, stats=was.stats, sites=was.sites)
+                    if isinstance(now, WrapState)
+                    else now
+                ),
+                state,
+                opt_state,
+                is_leaf=lambda x: isinstance(x, WrapState),
+            )
+            return p, state
+
+        def more(carry: tuple[Any, ...]) -> jax.Array:
+            *_, n, again, _ = carry
+            return (n == 0) | (again & (n <= retries))
+
+        def attempt(carry: tuple[Any, ...]) -> tuple[Any, ...]:
+            s, p, state, _, n, _, look = carry
+            # After the first attempt, each one at the scale the rule backs off to (with
+            # hysteresis, after the overflows it would forgive: a lower scale every time),
+            # or, after gradients that all flushed, at the scale it looks at.
+            s = jax.tree_util.tree_map(
+                lambda now, lower: jnp.where(n == 0, now, lower), s, _next_scale(s, look)
+            )
+            p, state, out = take(*given(p, state, s))
+            taken = stats(state)
+            loss = out[0] if has_aux else out
+            loss_finite = agree(all_finite(loss))
+            look = taken.cause == SkipCause.UNDERFLOW
+            # At the rule's minimum the scale cannot go lower: a retry would recompute the
+            # same overflow, so the step is skipped instead.
+            lower = s.back_off().loss_scale < s.loss_scale
+            overflow = ~taken.finite & ~look & loss_finite & lower
+            again = overflow | look
+            return s, p, state, out, n + 1, again, look
+
+        shapes = jax.eval_shape(lambda: differentiate(params, scale)[0])
+        out = jax.tree_util.tree_map(lambda t: vary_like(jnp.zeros_like(t), t), shapes)
+        no = jnp.array(False)
+        carry = (scale, params, opt_state, out, jnp.int32(0), no, no)
+        _, new_params, new_state, out, n, _, _ = lax.while_loop(more, attempt, carry)
+        return new_params, _record(new_state, before, n - 1), out
 
     return step
 
@@ -297,53 +263,6 @@ def _next_scale(scale: DynamicScale, look: jax.Array) -> DynamicScale:
         return lower
     higher = scale.adjust(True, grad_amax=jnp.zeros((), jnp.float32))
     return jax.tree_util.tree_map(lambda h, b: jnp.where(look, h, b), higher, lower)
-
-
-def _gradient_floats(grads: Any) -> list[Any]:
-    """The float leaves of ``grads`` that the wrap measures, in its order: the sites'
-    measurements are not gradients."""
-    leaves = jax.tree_util.tree_leaves(grads, is_leaf=is_site)
-    return [x for x in leaves if not is_site(x) and is_float(x)]
-
-
-def _measure(grads: Any, scale: LossScale) -> tuple[FirstPass, jax.Array]:
-    """This attempt's measurement of its gradients, the one the wrap makes (a sum of squares
-    per leaf and, beside it, their largest magnitude), and whether they are all finite (this
-    device's), decided from it as the wrap decides."""
-    floats = _gradient_floats(grads)
-    if fits_float32(floats):
-        first = first_pass(floats, largest=True)
-        return first, first.finite
-    # a float64 or complex magnitude may overflow float32: its finiteness is read apart
-    return first_pass(floats, largest=observes(scale)), all_finite(floats)
-
-
-def _with_measure(
-    differentiated: tuple[Any, Any, jax.Array], scale: LossScale
-) -> tuple[Any, Any, jax.Array, FirstPass]:
-    out, grads, own = differentiated
-    return out, grads, own, _measure(grads, scale)[0]
-
-
-def _flushed(
-    scale: LossScale,
-    finite: jax.Array,
-    largest: jax.Array | None,
-    loss: Any,
-    axis_name: AxisName | None,
-) -> jax.Array:
-    """Whether this attempt's gradients all flushed, as :func:`jdls.wrap` judges it (all zero,
-    the loss not, before the rule's first measurement), on every device alike: the next
-    attempt looks at a higher scale. ``largest``: the gradients' largest magnitude (this
-    device's), as the wrap's rule reads it; the sites' measurements are not gradients."""
-    if not observes(scale):
-        return jnp.array(False)
-    largest = jnp.float32(0) if largest is None else largest
-    nonzero_loss = nonzero(loss)
-    if axis_name is not None:
-        largest = lax.pmax(largest, axis_name)
-        nonzero_loss = lax.pmax(nonzero_loss.astype(jnp.int32), axis_name) > 0
-    return flushed(scale, finite, largest, nonzero_loss)
 
 
 def _check_state(opt_state: Any, retries: int) -> LossScale:
