@@ -519,6 +519,18 @@ CASES = [
         r"gradients do not have the tree structure of the params .*only in gradients: \['v'\].*only in params: \['w'\]",
     ),
     Case(
+        "update-none-at-an-integer-parameter",
+        lambda: _update(
+            jdls.wrap(optax.adam(0.1), jdls.DynamicScale()),
+            {"n": None, "w": jnp.ones(3)},
+            params={"n": jnp.array(2, jnp.int32), "w": jnp.ones(3)},
+        ),
+        ValueError,
+        r"the gradients are None at arrays that are not floating-point, \['n'\] \(int32\), which "
+        r"differentiation holds fixed: give the optimizer the floating-point arrays only \(with "
+        r"Equinox, eqx.filter\(model, eqx.is_inexact_array\)",
+    ),
+    Case(
         "update-shape-mismatch",
         lambda: _update(jdls.wrap(optax.sgd(0.1), jdls.DynamicScale()), {"w": jnp.ones(1)}),
         ValueError,

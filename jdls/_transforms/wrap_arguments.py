@@ -93,6 +93,7 @@ def check_match(updates: Any, params: Any) -> None:
             + describe_mismatch(updates, params)
             + "). Pass the gradients of the params given to tx.update"
             + ("; " + hint if (hint := non_array_hint(params, "the params")) else "")
+            + _held_fixed_hint(updates, params)
             + "."
         )
     grads_found, _ = jax.tree_util.tree_flatten_with_path(updates)
@@ -104,6 +105,33 @@ def check_match(updates: Any, params: Any) -> None:
                 f"{g_shape} but its parameter has shape {p_shape}; pass the gradients of the "
                 "params given to tx.update (optax.apply_updates would broadcast or fail)"
             )
+
+
+def _held_fixed_hint(updates: Any, params: Any) -> str:
+    """Where the gradients hold None at arrays of the params that are not floating-point
+    (differentiation holds them fixed, as Equinox's does): the fix, naming them."""
+    try:
+        pairs = jax.tree_util.tree_flatten_with_path(
+            jax.tree_util.tree_map(
+                lambda g, p: (g, p), updates, params, is_leaf=lambda x: x is None
+            ),
+            is_leaf=lambda x: isinstance(x, tuple) and len(x) == 2,
+        )[0]
+    except (ValueError, TypeError):
+        return ""
+    fixed = [
+        f"{jax.tree_util.keystr(path) or '<root>'} ({np.dtype(p.dtype).name})"
+        for path, (g, p) in pairs
+        if g is None and hasattr(p, "dtype") and not np.issubdtype(np.dtype(p.dtype), np.inexact)
+    ]
+    if not fixed:
+        return ""
+    return (
+        f"; the gradients are None at arrays that are not floating-point, {', '.join(fixed[:3])}"
+        ", which differentiation holds fixed: give the optimizer the floating-point arrays "
+        "only (with Equinox, eqx.filter(model, eqx.is_inexact_array), or keep integer state "
+        "out of the parameters)"
+    )
 
 
 def is_arrays(x: Any) -> bool:
