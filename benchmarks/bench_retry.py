@@ -24,6 +24,7 @@ temporary bytes, and the difference to the baseline in units of one float32 grad
 (target: at most one); beside it the ``copy`` instructions of the compiled HLO module. Run::
 
     python -m benchmarks retries [--quick] [--rounds N]
+    python -m benchmarks.bench_retry --compile [--rounds N]   # compile time, CPU time
     XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1" \
       python -m benchmarks.bench_retry --only mlp-512 --cpu-time   # steadier when loaded
 """
@@ -182,6 +183,43 @@ def run(
     )
 
 
+def compile_run(work: bench_step.Workload, *, rounds: int, warmup: int = 1) -> h.Section:
+    """Compile time of ``jdls.retrying(retries=2)`` against the step without retries:
+    process CPU time of trace, lowering and compilation of a fresh ``jax.jit`` each round
+    (parameters and state donated), the persistent compilation cache off, interleaved
+    rounds, medians of per-round ratios."""
+    loss = with_probe(work.loss)
+    params = {"model": work.params, "probe": jnp.zeros((), jnp.float32)}
+    batch = {"data": work.batch, "c": jnp.float32(0.0)}
+    tx = jdls.wrap(bench_step.adam())
+    state = tx.init(params)
+
+    def compiles(retries: int) -> Callable[[], Any]:
+        def run() -> Any:
+            step: Any = jax.jit(jdls.retrying(loss, tx, retries=retries), donate_argnums=(0, 1))
+            return step.lower(params, state, batch).compile()
+
+        return run
+
+    cases = [
+        h.Case("without retries", compiles(0)),
+        h.Case("jdls.retrying(retries=2)", compiles(2)),
+    ]
+    cache = jax.config.jax_enable_compilation_cache  # type: ignore[attr-defined]
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        rows = h.time_cases(cases, rounds=rounds, warmup=warmup, clock=time.process_time)
+    finally:
+        jax.config.update("jax_enable_compilation_cache", cache)
+    note = (
+        f"{work.description}, plus the outlier's probe; process CPU time of trace + lower + "
+        f"compile of a fresh jit, {rounds} interleaved rounds; ratio = median of the "
+        "per-round ratios to the step without retries."
+    )
+    title = f"Retries, compile time, {work.title[len('Full train step, ') :]}"
+    return h.Section(title, note, rows, h.TIME_COLUMNS, {"rounds": rounds})
+
+
 def suite(quick: bool = False, rounds: int | None = None) -> list[h.Section]:
     """The ``retries`` suite: the MLP 512-1024-1024-1024-10, and the MLP and the transformer
     of ``bench_step``. ``quick``: the first workload at a tiny size, the cases as shipped
@@ -215,6 +253,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="time.process_time instead of wall time (steadier on a loaded machine; run "
         "XLA:CPU on one thread for it to be the work of the step)",
     )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile time (process CPU time) instead of step time, 5 rounds by default",
+    )
     args = parser.parse_args(argv)
     print(h.environment_markdown(h.environment()), flush=True)
     works = {
@@ -225,6 +268,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     clock = time.process_time if args.cpu_time else time.perf_counter
     for name, (make, rounds) in works.items():
         if args.only not in (None, name):
+            continue
+        if args.compile:
+            print(compile_run(make(args.quick), rounds=args.rounds or 5).markdown(), flush=True)
             continue
         section = run(
             make(args.quick),
