@@ -616,3 +616,35 @@ def test_a_site_a_filter_halved_is_refused_naming_the_fix(jit):
             maybe(tx.init)({"w": jnp.ones(3), "site": half})
         with pytest.raises(ValueError, match=r"freeze a layer's parameters but not its sites"):
             maybe(jdls.update_sites)({"site": half}, {"site": site})
+
+
+@pytest.mark.parametrize("retries", [0, 2])
+def test_a_step_donating_parameters_and_state_with_sites_runs(retries):
+    """The wrap's state holds the sites in buffers of its own, from ``tx.init`` and after an
+    eager ``jdls.apply_updates``: a step that donates both (``donate_argnums=(0, 1)``, as the
+    guides do) is never given one buffer twice."""
+
+    def loss_fn(p, x):
+        h = jdls.apply_site(p["w"].astype(jnp.float16) * x.astype(jnp.float16), p["probe"])
+        return jnp.sum(h.astype(jnp.float32))
+
+    tx = jdls.wrap(optax.adam(1e-3), jdls.DynamicScale(2.0**15))
+    params = {"w": jnp.ones(3), "probe": jdls.Site(jdls.Probe())}
+    opt_state = tx.init(params)
+
+    def shared(p, s):
+        ours = {id(x) for x in jax.tree_util.tree_leaves(p)}
+        return [x for x in jax.tree_util.tree_leaves(s) if id(x) in ours]
+
+    assert not shared(params, opt_state)
+    step = jax.jit(jdls.retrying(loss_fn, tx, retries=retries), donate_argnums=(0, 1))
+    x = jnp.array([3.0, 1.0, 0.5])  # overflows at 2**15, not at 2**14
+    params, opt_state, _ = step(params, opt_state, x)
+    assert int(jdls.stats(opt_state).retries) == min(retries, 1)
+    # an eager step, then the donating one again
+    loss, grads = jdls.get_scale(opt_state).value_and_grad(loss_fn)(params, x / 4)
+    updates, opt_state = tx.update(grads, opt_state, params, value=loss)
+    params = jdls.apply_updates(params, updates, opt_state)
+    assert not shared(params, opt_state)
+    params, opt_state, _ = step(params, opt_state, x / 4)
+    assert bool(jdls.stats(opt_state).finite)

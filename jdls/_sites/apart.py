@@ -11,7 +11,7 @@ from typing import Any
 
 import jax
 
-from jdls._sites.site import SiteUpdate, is_site, refuse_halved
+from jdls._sites.site import SiteUpdate, fresh_site, is_site, refuse_halved
 from jdls._sites.update import merge_sites, split_sites, update_sites
 
 __all__ = ["site_leaves", "sites_apart"]
@@ -45,7 +45,9 @@ def sites_apart(
         state = init_fn(split_sites(params)[0])
         sites = site_leaves(params)
         if hold is not None and sites:
-            state = hold(state, tuple(sites))
+            # copies: a step that donates both the parameters and the state (jax.jit with
+            # donate_argnums=(0, 1)) cannot be given one buffer twice
+            state = hold(state, tuple(fresh_site(x) for x in sites))
         return state
 
     def update(updates: Any, state: Any, params: Any = None, **extra: Any) -> Any:

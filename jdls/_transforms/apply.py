@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from jdls._sites.apart import site_leaves
-from jdls._sites.site import is_site
+from jdls._sites.site import fresh_site, is_site
 from jdls._transforms.stats import snapshot, wrap_states
 
 __all__ = ["apply_updates"]
@@ -108,7 +108,9 @@ def apply_updates(params: Any, updates: Any, opt_state: Any = None) -> Any:
                     f"meets a {type(getattr(new, 'kind', new)).__name__} in the optimizer "
                     "state; pass the state tx.update returned for these parameters"
                 )
-            return new
+            # a copy (free under jit): the parameters and the state, both donated to the
+            # next step, cannot share a buffer
+            return fresh_site(new)
         if u is None or p is None:
             return p
         return jnp.asarray(p + u).astype(jnp.asarray(p).dtype)
