@@ -35,9 +35,7 @@ from jax import lax
 
 from jdls._numerics.axes import vary_like, vary_over
 from jdls._numerics.checks import all_finite, check_int
-from jdls._numerics.norm import (
-    AxisName,
-)
+from jdls._numerics.norm import AxisName
 from jdls._scales.scale import DynamicScale, LossScale, observes
 from jdls._sites.site import is_site
 from jdls._transforms.apply import apply_updates

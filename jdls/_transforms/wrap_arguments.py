@@ -110,18 +110,15 @@ def check_match(updates: Any, params: Any) -> None:
 def _held_fixed_hint(updates: Any, params: Any) -> str:
     """Where the gradients hold None at arrays of the params that are not floating-point
     (differentiation holds them fixed, as Equinox's does): the fix, naming them."""
-    try:
-        pairs = jax.tree_util.tree_flatten_with_path(
-            jax.tree_util.tree_map(
-                lambda g, p: (g, p), updates, params, is_leaf=lambda x: x is None
-            ),
-            is_leaf=lambda x: isinstance(x, tuple) and len(x) == 2,
-        )[0]
+    try:  # the gradients' subtree (None where held fixed) at each leaf of the params
+        treedef: Any = jax.tree_util.tree_structure(params)
+        grads = treedef.flatten_up_to(updates)
     except (ValueError, TypeError):
         return ""
+    found, _ = jax.tree_util.tree_flatten_with_path(params)
     fixed = [
         f"{jax.tree_util.keystr(path) or '<root>'} ({np.dtype(p.dtype).name})"
-        for path, (g, p) in pairs
+        for (path, p), g in zip(found, grads, strict=True)
         if g is None and hasattr(p, "dtype") and not np.issubdtype(np.dtype(p.dtype), np.inexact)
     ]
     if not fixed:
