@@ -28,7 +28,7 @@ Example:
 """
 
 from jdls._frameworks import flax_serialization  # noqa: F401 (registers the scales and sites)
-from jdls._frameworks.linen_sites import SITES
+from jdls._frameworks.linen_scope import SITES
 from jdls._frameworks.linen_sites import layer_scales_linen as layer_scales
 from jdls._frameworks.linen_sites import probes_linen as probes
 from jdls._frameworks.linen_state import TrainState

@@ -29,9 +29,9 @@ Example:
 from jdls._frameworks import flax_serialization  # noqa: F401 (registers the scales and sites)
 from jdls._frameworks.nnx_layer_scales import layer_scale_nnx as layer_scale
 from jdls._frameworks.nnx_layer_scales import layer_scales_nnx as layer_scales
+from jdls._frameworks.nnx_model import SiteVariable
 from jdls._frameworks.nnx_scale import nnx_value_and_grad as value_and_grad
 from jdls._frameworks.nnx_scale import set_nnx_scale as set_scale
-from jdls._frameworks.nnx_sites import SiteVariable
 from jdls._frameworks.nnx_sites import probes_nnx as probes
 from jdls._frameworks.nnx_step import Optimizer, SiteMeasurement
 from jdls._frameworks.nnx_step import (

@@ -20,7 +20,7 @@ import optax
 from flax import serialization
 from flax.training import train_state
 
-from jdls._frameworks.linen_sites import SITES
+from jdls._frameworks.linen_scope import SITES
 from jdls._frameworks.linen_step import split_gradients
 from jdls._frameworks.linen_step import value_and_grad as variables_value_and_grad
 from jdls._scales.grad import reject_axis_name

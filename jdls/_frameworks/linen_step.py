@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import optax
 
-from jdls._frameworks.linen_sites import SITES
+from jdls._frameworks.linen_scope import SITES
 from jdls._scales.layer_scales import scale_layers
 from jdls._scales.layer_site import layer_sites
 from jdls._scales.scale import LossScale, check_scale

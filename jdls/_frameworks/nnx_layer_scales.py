@@ -14,7 +14,8 @@ from typing import Any
 
 from flax import nnx
 
-from jdls._frameworks.nnx_sites import LAYER_SCALE, SiteVariable, attach_site, modules_in_order
+from jdls._frameworks.nnx_model import SiteVariable, modules_in_order
+from jdls._frameworks.nnx_sites import LAYER_SCALE, attach_site
 from jdls._scales.layer_site import LayerScale, layer_site
 from jdls._scales.scale import LossScale, check_scale
 

@@ -62,7 +62,7 @@ def nnx_value_and_grad(
     scale = snapshot(check_scale(scale))
 
     argnums_spec: Any = argnums if isinstance(argnums, int) else tuple(argnums)
-    from jdls._frameworks.nnx_sites import SiteVariable
+    from jdls._frameworks.nnx_model import SiteVariable
 
     if wrt is None:
         wrt = nnx.Param

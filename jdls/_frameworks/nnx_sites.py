@@ -19,7 +19,7 @@ import dataclasses
 import functools
 import inspect
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -28,34 +28,18 @@ from flax import nnx
 from flax.core.tracers import current_trace
 
 from jdls._frameworks.linen_sites import probe_name
+from jdls._frameworks.nnx_model import SiteVariable, modules_in_order
+from jdls._numerics.checks import holds_floats
 from jdls._scales.layer_site import note_applied
 from jdls._sites.apply import apply_site
 from jdls._sites.probe import Probe
 from jdls._sites.site import Site
 
-__all__ = [
-    "LAYER_SCALE",
-    "SiteVariable",
-    "attach_site",
-    "modules_in_order",
-    "probes_nnx",
-]
+__all__ = ["LAYER_SCALE", "attach_site", "probes_nnx"]
 
 PROBE = "jdls_probe"
 LAYER_SCALE = "jdls_layer_scale"
 _ORIGINAL = "_jdls_sites_of"
-
-
-class SiteVariable(nnx.Variable):  # type: ignore[type-arg]
-    """An NNX ``Variable`` holding a :class:`jdls.Site`: the model's state, not a parameter
-    (``nnx.Optimizer(..., wrt=nnx.Param)`` leaves it alone; :class:`Optimizer` updates it).
-
-    Example:
-      >>> import jdls
-      >>> v = jdls.nnx.SiteVariable(jdls.Site(jdls.Probe()))
-      >>> v.get_value().value.shape
-      (6,)
-    """
 
 
 def _has_call(cls: type) -> bool:
@@ -155,17 +139,6 @@ def _identity(module: Any) -> int | None:
     return min(positions) if positions else None
 
 
-def _has_floats(tree: Any) -> bool:
-    """Whether ``tree`` holds a floating-point array (what a probe measures) and no module or
-    variable (a method that returns part of the model, not a value)."""
-    leaves = jax.tree_util.tree_leaves(
-        tree, is_leaf=lambda x: isinstance(x, nnx.Module | nnx.Variable)
-    )
-    if any(isinstance(x, nnx.Module | nnx.Variable) for x in leaves):
-        return False
-    return any(hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact) for x in leaves)
-
-
 def _after(module: Any, method: str, use: int, out: Any) -> Any:
     """``out`` of the ``use``-th call of ``module.method`` through the sites it holds: the
     call's probe (the method's first one where the module has none for this use: one probe
@@ -173,7 +146,7 @@ def _after(module: Any, method: str, use: int, out: Any) -> Any:
     scale (the probe sees the layer's own scale)."""
     own = vars(module)
     first = method == "__call__" and use == 1
-    if first or _has_floats(out):
+    if first or holds_floats(out, refuse=(nnx.Module, nnx.Variable)):
         record = _RECORD.get()
         if record is not None:
             identity = _identity(module)
@@ -248,72 +221,6 @@ def attach_site(module: Any, name: str, site: Site) -> None:
     if _ORIGINAL not in vars(cls):
         object.__setattr__(module, "__class__", _with_sites(cls))
     setattr(module, name, SiteVariable(site))
-
-
-def _children(value: Any, path: tuple[Any, ...]) -> Iterator[tuple[tuple[Any, ...], Any]]:
-    """The nodes under an attribute ``value`` at ``path``: a module, or the entries of a
-    list or dict (in order)."""
-    if isinstance(value, nnx.Module):
-        yield path, value
-    elif isinstance(value, list | tuple):
-        for i, v in enumerate(value):
-            yield from _children(v, (*path, i))
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            yield from _children(v, (*path, k))
-
-
-def _attributes(node: Any) -> Iterator[tuple[Any, Any]]:
-    """A module's attributes in the order they were assigned (an ``nnx.List``'s entries in
-    list order, an ``nnx.Dict``'s in insertion order)."""
-    if isinstance(node, nnx.List):
-        yield from enumerate(node)
-    elif isinstance(node, nnx.Dict):
-        yield from node.items()
-    else:
-        for name, value in vars(node).items():
-            if not name.startswith("_pytree__"):
-                yield name, value
-
-
-def modules_in_order(model: Any, who: str) -> list[tuple[tuple[Any, ...], Any]]:
-    """Every module of ``model`` once, as ``(path, module)``: each module after its
-    submodules (the order in which they return), siblings in the order their attributes
-    were assigned. Refuses a site other than a probe reachable under two paths (one
-    ``jdls.fp8.nnx.DotGeneral`` passed to several layers): JAX sums its uses' measurements,
-    so it would never measure one use."""
-    found: list[tuple[tuple[Any, ...], Any]] = []
-    placed: set[int] = set()
-    sites: dict[int, tuple[Any, ...]] = {}
-
-    def visit(node: Any, path: tuple[Any, ...], stack: tuple[int, ...]) -> None:
-        for name, value in _attributes(node):
-            if isinstance(value, SiteVariable):
-                _once(value, (*path, name), sites, who)
-                continue
-            for child_path, child in _children(value, (*path, name)):
-                if id(child) not in stack:  # a cycle back to an enclosing module
-                    visit(child, child_path, (*stack, id(child)))
-        if id(node) not in placed:
-            placed.add(id(node))
-            found.append((path, node))
-
-    visit(model, (), (id(model),))
-    return found
-
-
-def _once(variable: SiteVariable, path: tuple[Any, ...], sites: dict[int, Any], who: str) -> None:
-    first = sites.setdefault(id(variable), path)
-    if first == path or isinstance(variable.get_value().kind, Probe):
-        return  # a shared module's probe counts its uses (Telemetry: uses, NaN amax)
-    at = "/".join(map(str, first)), "/".join(map(str, path))
-    raise ValueError(
-        f"{who}: one site is at {at[0]} and at {at[1]}: a module holding a site (a "
-        "jdls.fp8.nnx.DotGeneral, a per-layer scale) is shared by several layers, so JAX "
-        "sums their measurements and the site never records one (its FP8 scales never "
-        "move). Make one per layer: nnx.Linear(..., dot_general=jdls.fp8.nnx.DotGeneral("
-        "recipe)) in each layer, not one DotGeneral passed to all."
-    )
 
 
 def probes_nnx(

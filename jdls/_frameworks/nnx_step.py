@@ -18,7 +18,7 @@ from typing import Any, cast
 import jax
 from flax import nnx
 
-from jdls._frameworks.nnx_sites import SiteVariable, modules_in_order
+from jdls._frameworks.nnx_model import SiteVariable, modules_in_order
 from jdls._scales.layer_scales import scale_layers
 from jdls._scales.layer_site import applied_in_order
 from jdls._sites.update import update_sites

@@ -24,6 +24,7 @@ __all__ = [
     "check_number",
     "check_positive_finite",
     "finite_flag",
+    "holds_floats",
     "is_float",
     "is_float_array",
 ]
@@ -41,6 +42,16 @@ I32_MAX = int(np.iinfo(np.int32).max)
 def is_float(x: Any) -> bool:
     """Whether ``x`` (an array, a scalar or a ``ShapeDtypeStruct``) has a float or complex dtype."""
     return bool(jnp.issubdtype(jnp.result_type(x), jnp.inexact))
+
+
+def holds_floats(tree: Any, refuse: type | tuple[type, ...] = ()) -> bool:
+    """Whether ``tree`` holds an array (anything with a dtype) of a float or complex dtype and
+    no leaf of a type in ``refuse`` (what a probe after a method measures: not a method that
+    returns part of the model)."""
+    leaves = jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, refuse))
+    if any(isinstance(x, refuse) for x in leaves):
+        return False
+    return any(hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact) for x in leaves)
 
 
 def is_float_array(x: Any) -> bool:

@@ -12,14 +12,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jdls._numerics.checks import is_float
 from jdls._sites.dropped import watched
 from jdls._sites.site import Site, SiteKind
 
 __all__ = ["apply_site"]
-
-
-def _is_float(x: Any) -> bool:
-    return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
 
 
 def _cotangent(measurement: Any, value: Any) -> Any:
@@ -30,7 +27,7 @@ def _cotangent(measurement: Any, value: Any) -> Any:
     def leaf(m: Any, v: Any) -> Any:
         if m is None:  # no measurement for this part of the value: zeros
             return jax.tree_util.tree_map(lambda u: leaf(jnp.zeros_like(u), u), v)
-        if not _is_float(v):
+        if not is_float(v):
             return np.zeros(jnp.shape(v), jax.dtypes.float0)
         m = jnp.asarray(m).astype(jnp.result_type(v))
         if m.shape != jnp.shape(v):
@@ -69,7 +66,7 @@ def _global(kind: SiteKind, measurement: Any, value: Any) -> Any:
     from jdls._numerics.axes import varying_axes
 
     def axes(tree: Any) -> frozenset[Any]:
-        leaves = [x for x in jax.tree_util.tree_leaves(tree) if _is_float(x)]
+        leaves = [x for x in jax.tree_util.tree_leaves(tree) if is_float(x)]
         return frozenset().union(*map(varying_axes, leaves)) if leaves else frozenset()
 
     extra = tuple(sorted(axes(measurement) - axes(value), key=str))
@@ -117,7 +114,7 @@ def apply_site(x: Any, site: Site) -> Any:
             "iteration (scan over the stacked sites with the stacked parameters)"
         )
     leaves, treedef = jax.tree_util.tree_flatten(x)
-    floats = [i for i, leaf in enumerate(leaves) if _is_float(leaf)]
+    floats = [i for i, leaf in enumerate(leaves) if is_float(leaf)]
     if not floats:
         return x
     ins = watched(f"a {type(site.kind).__name__} site", [leaves[i] for i in floats], site.value)

@@ -26,7 +26,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 
-from jdls._frameworks.linen_sites import require_site
+from jdls._frameworks.linen_scope import require_site
 from jdls._sites.site import Site
 from jdls.fp8._delayed import DelayedScaling
 from jdls.fp8._dot import dot_general

@@ -26,7 +26,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from jdls._frameworks.nnx_sites import SiteVariable
+from jdls._frameworks.nnx_model import SiteVariable
 from jdls._sites.site import Site
 from jdls.fp8._delayed import DelayedScaling
 from jdls.fp8._dot import dot_general
