@@ -16,7 +16,6 @@ scanned stack) and the measurements come out as their gradients, so ``lax.scan``
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -86,35 +85,25 @@ def _unscale(g: jax.Array, level: jax.Array) -> jax.Array:
 def _layer_measure(grads: list[jax.Array], stack: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
     """The largest magnitude and the finiteness of a layer's gradients, per stacked layer.
 
-    One max reduction per layer over all its leaves (XLA fuses the concatenation into the
-    reduction: no copy): a non-finite value counts as an infinity, so the layer is finite
-    exactly where its largest magnitude is (an inf or NaN never reaches the max, which
-    XLA's CPU reduction may otherwise let drop a NaN). A non-finite layer's largest
-    magnitude reads inf."""
+    Per leaf, over its axes past the stack's, ``max(abs(g))`` and the sum of squares: the two
+    reductions XLA fuses with their reads (no copy of a gradient, whatever its layout or
+    sharding). The layer is finite exactly where its largest magnitude is below inf and its
+    sum of squares is not NaN: an inf reaches the maximum, a NaN the sum (XLA's CPU maximum
+    may drop a NaN; a sum keeps it; finite values make no NaN in either). A non-finite
+    layer's largest magnitude reads inf."""
     grads = [g for g in grads if g.size]
     if not grads:
         return jnp.zeros(stack, _F32), jnp.ones(stack, _F32)
-
-    def magnitude(g: jax.Array) -> jax.Array:
+    amaxes, sums = [], []
+    for g in grads:
         g = g.astype(_F32)
-        return pick(jnp.isfinite(g), jnp.abs(g), jnp.inf)
-
-    if all(_reshapes_freely(g) for g in grads):
-        k = math.prod(stack)
-        flat = [g.reshape(k, -1) for g in grads]
-        every = flat[0] if len(flat) == 1 else jnp.concatenate(flat, axis=1)
-        amax = jnp.max(magnitude(every), axis=1).reshape(stack)
-    else:  # a leaf sharded along an explicit mesh axis: one reduction per leaf, no reshape
-        per_leaf = [jnp.max(magnitude(g), axis=tuple(range(len(stack), g.ndim))) for g in grads]
-        amax = per_leaf[0] if len(per_leaf) == 1 else jnp.max(jnp.stack(per_leaf), axis=0)
-    return amax, (amax < jnp.inf).astype(_F32)
-
-
-def _reshapes_freely(g: jax.Array) -> bool:
-    """Whether ``g`` may be reshaped without naming the result's sharding: not sharded along
-    an axis of an explicit mesh (``jax.set_mesh``), where JAX asks for ``out_sharding``."""
-    spec = getattr(getattr(jax.typeof(g), "sharding", None), "spec", None)
-    return not spec or all(p is None for p in spec)
+        axes = tuple(range(len(stack), g.ndim))
+        amaxes.append(jnp.max(jnp.abs(g), axis=axes))
+        sums.append(jnp.sum(g * g, axis=axes))
+    amax = amaxes[0] if len(amaxes) == 1 else jnp.max(jnp.stack(amaxes), axis=0)
+    total = sums[0] if len(sums) == 1 else jnp.sum(jnp.stack(sums), axis=0)
+    finite = (amax < jnp.inf) & ~jnp.isnan(total)
+    return pick(finite, amax, jnp.inf), finite.astype(_F32)
 
 
 def scale_layers(
