@@ -73,6 +73,12 @@ SUITES: dict[str, Suite] = {
             "jdls.retrying(retries=2): a finite step, a step that retries once, memory, HLO copies",
         ),
         Suite(
+            "accumulate",
+            "benchmarks.bench_accumulate",
+            "suite",
+            "jdls.accumulate over 4 micro-batches against a plain lax.scan: time and memory",
+        ),
+        Suite(
             "capabilities",
             "benchmarks.bench_capabilities",
             "suite",

@@ -181,7 +181,11 @@ def accumulate(
         ok = a.finite
         grads = jax.tree_util.tree_unflatten(tree.treedef, a.leaves)
         # A dropped micro-batch never enters the sum: ``where``, not a multiplication (0 * inf).
-        total = _add_kept(total, grads, ok, first)
+        # Where any dropped micro-batch skips the step (no retries, max_dropped=0), the sum
+        # is not returned then (NaN instead), so every micro-batch is added as it comes: the
+        # additions need not wait for the step's decision, and XLA fuses each with the
+        # gradient it adds.
+        total = _add_kept(total, grads, ok if retries or max_dropped else jnp.array(True), first)
         loss_sum = jnp.where(ok, loss_sum + loss.astype(jnp.float32), loss_sum)
         new_scale = a.scale.adjust(False)  # the dropped micro-batch's own overflow
         s = jax.tree_util.tree_map(lambda old, new: jnp.where(ok, old, new), a.scale, new_scale)
