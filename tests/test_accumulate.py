@@ -420,3 +420,47 @@ def test_a_probe_over_micro_batches_reads_as_the_step():
     t = jdls.Telemetry.of({"h": grads["h"]})
     assert t.uses.tolist() == [1.0] and t.amax.tolist() == [8.0]  # 2 * 4.0
     np.testing.assert_allclose(t.zeros, [1.0 / 6.0], rtol=1e-6)  # one zero of the 6 values
+
+
+def test_accumulating_needs_at_most_half_a_gradient_buffer_more_than_a_plain_scan():
+    """Each micro-batch's check is a largest magnitude and a sum of squares beside the sum,
+    not a ``lax.cond`` holding the gradients: the compiled step holds at most half a gradient
+    buffer more than a plain ``lax.scan`` summing unchecked gradients (1.8 buffers more with
+    the exact-overflow branch in the scan, on the benchmark MLP)."""
+
+    def loss(params, x):
+        h = x
+        for w in params["w"]:
+            h = jnp.tanh(h.astype(jnp.float16) @ w.astype(jnp.float16))
+        return jnp.mean(h.astype(jnp.float32) ** 2)
+
+    keys = jax.random.split(jax.random.key(0), 3)
+    params = {"w": [jax.random.normal(k, (256, 256)) / 16 for k in keys]}
+    tx = jdls.wrap(optax.adam(1e-3), jdls.DynamicScale(2.0**10))
+    xs = jnp.ones((4, 64, 256))
+
+    def plain(params, state, xs):
+        scale = jdls.get_scale(state)
+
+        def body(total, x):
+            return jax.tree_util.tree_map(
+                jnp.add, total, scale.value_and_grad(loss)(params, x)
+            ), None
+
+        zeros = (jnp.float32(0), jax.tree_util.tree_map(jnp.zeros_like, params))
+        (value, grads), _ = jax.lax.scan(body, zeros, xs)
+        updates, state = tx.update(jax.tree_util.tree_map(lambda g: g / 4, grads), state, params)
+        return optax.apply_updates(params, updates), state, value / 4
+
+    def accumulated(params, state, xs):
+        value, grads, info = jdls.accumulate(loss, jdls.get_scale(state), params, xs)
+        updates, state = tx.update(grads, jdls.set_scale(state, info.scale), params)
+        return optax.apply_updates(params, updates), state, value
+
+    def temporaries(step):
+        compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, tx.init(params), xs).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    gradient_buffer = 4 * 3 * 256 * 256
+    extra = (temporaries(accumulated) - temporaries(plain)) / gradient_buffer
+    assert extra <= 0.5, f"{extra:.2f} gradient buffers more than the plain scan"

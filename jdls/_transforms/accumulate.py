@@ -252,7 +252,11 @@ def _add_kept(total: Any, grads: Any, ok: jax.Array, first: jax.Array) -> Any:
 
 
 def _measure(tree: FloatLeaves) -> tuple[GlobalNorm, jax.Array]:
-    n = tree_norm(tree)
+    """Whether a micro-batch's gradients are finite, from their largest magnitude and their
+    sum of squares (exact: an inf reaches the maximum, a NaN the sum), without the second,
+    scaled pass that tells an inf from a sum of squares that overflows: that pass sits in a
+    ``lax.cond`` that holds the gradients, which cost the scan about a gradient buffer."""
+    n = tree_norm(tree, largest=True, exact_overflow=False)
     return n, n.finite
 
 
