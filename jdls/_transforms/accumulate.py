@@ -3,7 +3,7 @@
 ``jdls.accumulate`` runs a ``lax.scan`` over the micro-batches of one step. Each micro-batch's
 loss and gradients are computed at the current scale and checked; with ``retries``, a
 micro-batch whose gradients overflow while its loss is finite is recomputed at lower scales,
-as ``jdls.retrying`` does for a whole step (``jdls/_transforms/retry.py``). A micro-batch that
+as ``jdls.retrying`` does for a whole step. A micro-batch that
 is still not finite is **dropped**: it never enters the sum, and the divisor is the number of
 micro-batches kept. Every failed attempt counts for the scale's rule as the overflows that
 lower the scale (``scale.back_off()``: one, or with hysteresis also those it would forgive),
@@ -16,7 +16,7 @@ the micro-batches one by one to ``jdls.wrap(optax.MultiSteps(...))`` would. When
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -24,12 +24,11 @@ from jax import lax
 
 from jdls._numerics.axes import agree, vary_like
 from jdls._numerics.checks import check_int
-from jdls._numerics.norm import FloatLeaves, GlobalNorm, flatten_floats, tree_norm
+from jdls._numerics.norm import FloatLeaves, flatten_floats, tree_norm
 from jdls._scales.layer_site import layer_sites
 from jdls._scales.scale import DynamicScale, LossScale, check_scale
 from jdls._sites.measured import measured, raw
 from jdls._sites.site import Site, is_site
-from jdls._transforms.retry import first_attempt, retry, value_and_grad_of
 
 __all__ = ["AccumulateInfo", "accumulate"]
 
@@ -162,34 +161,70 @@ def accumulate(
         ),
     )
 
+    def differentiate(s: LossScale, batch: Any) -> tuple[Any, Any, Any, Any, Any]:
+        """One micro-batch at the scale ``s``: its loss, aux and gradients (measurements as
+        floats), whether it is kept (finite gradients and loss) and whether its loss is
+        finite, each decided alike on every device (as one device on the whole batch)."""
+        fn = value_and_grad or _of_scale(s)
+        if has_aux:
+            (loss, aux), grads = fn(loss_fn, has_aux=True)(params, batch)
+        else:
+            (loss, grads), aux = fn(loss_only)(params, batch), None
+        grads = raw(grads)
+        finite = agree(_finite(flatten_floats(grads)))
+        loss_finite = agree(jnp.all(jnp.isfinite(loss)))
+        return loss, aux, grads, finite & loss_finite, loss_finite
+
     def body(carry: tuple[Any, ...], batch: Any) -> tuple[tuple[Any, ...], Any]:
         total, loss_sum, s, tries, first = carry
-        differentiate = value_and_grad or _of_scale(s)
-        if has_aux:
-            (loss, aux), grads = differentiate(loss_fn, has_aux=True)(params, batch)
-        else:
-            (loss, grads), aux = differentiate(loss_only)(params, batch), None
-        grads = raw(grads)
-        tree = flatten_floats(grads)
-        n, finite = _measure(tree)
-        # across devices (pmap, shard_map), one decision: as one device on the whole batch
-        finite, loss_finite = agree(finite), agree(jnp.all(jnp.isfinite(loss)))
-        a = first_attempt(s, tree, n, finite & loss_finite, loss_finite)
         if retries:
-            recompute = value_and_grad_of(lambda p: loss_only(p, batch), params)
-            a = retry(a, tree.treedef, tree.float_idx, recompute, _measure, retries, _same)
-        ok = a.finite
-        grads = jax.tree_util.tree_unflatten(tree.treedef, a.leaves)
+            total, loss_sum, s, n, ok, aux = _retried(total, loss_sum, s, first, batch)
+            return (total, loss_sum, s, tries + n, jnp.array(False)), (ok, aux)
+        loss, aux, grads, ok, _ = differentiate(s, batch)
         # A dropped micro-batch never enters the sum: ``where``, not a multiplication (0 * inf).
-        # Where any dropped micro-batch skips the step (no retries, max_dropped=0), the sum
-        # is not returned then (NaN instead), so every micro-batch is added as it comes: the
+        # Where any dropped micro-batch skips the step (max_dropped=0), the sum is not
+        # returned then (NaN instead), so every micro-batch is added as it comes: the
         # additions need not wait for the step's decision, and XLA fuses each with the
         # gradient it adds.
-        total = _add_kept(total, grads, ok if retries or max_dropped else jnp.array(True), first)
+        total = _add_kept(total, grads, ok if max_dropped else jnp.array(True), first)
         loss_sum = jnp.where(ok, loss_sum + loss.astype(jnp.float32), loss_sum)
-        new_scale = a.scale.adjust(False)  # the dropped micro-batch's own overflow
-        s = jax.tree_util.tree_map(lambda old, new: jnp.where(ok, old, new), a.scale, new_scale)
-        return (total, loss_sum, s, tries + a.tries, jnp.array(False)), (ok, aux)
+        s = _pick(ok, s, s.adjust(False))  # a dropped micro-batch's own overflow
+        return (total, loss_sum, s, tries, jnp.array(False)), (ok, aux)
+
+    def _retried(
+        total: Any, loss_sum: Any, s: LossScale, first: Any, batch: Any
+    ) -> tuple[Any, Any, LossScale, Any, Any, Any]:
+        """The micro-batch's attempts in one ``lax.while_loop``, each the whole micro-step
+        (differentiate, check, add where kept), so that the sum is updated in place and no
+        gradients are held apart from it. While an attempt overflows with a finite loss, the
+        next runs at ``back_off()`` of its scale, up to ``retries`` times, as long as that is
+        lower. The scale that goes on is the last one whose loss was finite; backed off once
+        more (``adjust(False)``) when the micro-batch is dropped. Only the last attempt's
+        measurements (sites) enter the sum."""
+
+        def attempt(c: tuple[Any, ...]) -> tuple[Any, ...]:
+            total, loss_sum, cur, base, n, k, _, _, _ = c
+            loss, aux, grads, ok, loss_finite = differentiate(cur, batch)
+            base = _pick(loss_finite, cur, base)
+            n = n + (loss_finite & (k > 0)).astype(jnp.int32)  # a retry whose loss was finite
+            lower = cast(DynamicScale, cur).back_off()
+            again = ~ok & loss_finite & (n < retries) & (lower.loss_scale < cur.loss_scale)
+            total = _add_kept(total, grads, ok, first, final=~again)
+            loss_sum = jnp.where(ok, loss_sum + loss.astype(jnp.float32), loss_sum)
+            return (total, loss_sum, _pick(again, lower, cur), base, n, k + 1, again, ok, aux)
+
+        zero = jnp.zeros((), jnp.int32)
+        init = (total, loss_sum, s, s, zero, zero, jnp.array(True), jnp.array(False), aux_zeros)
+        total, loss_sum, _, base, n, _, _, ok, aux = lax.while_loop(lambda c: c[6], attempt, init)
+        return total, loss_sum, _pick(ok, base, base.adjust(False)), n, ok, aux
+
+    # The aux's type for the retry loop's carry (the forward pass alone).
+    aux_zeros = None
+    if retries and has_aux:
+        aux_zeros = jax.tree_util.tree_map(
+            lambda t: vary_like(jnp.zeros_like(t), t),
+            jax.eval_shape(lambda: loss_fn(params, _first(micro_batches))[1]),
+        )
 
     loss_sum = vary_like(jnp.zeros((), jnp.float32), first_loss)
     init = (zeros, loss_sum, scale, jnp.zeros((), jnp.int32), jnp.array(True))
@@ -227,12 +262,13 @@ def _refuse_layer_sites(params: Any) -> None:
         )
 
 
-def _add_kept(total: Any, grads: Any, ok: jax.Array, first: jax.Array) -> Any:
+def _add_kept(total: Any, grads: Any, ok: jax.Array, first: jax.Array, final: Any = True) -> Any:
     """``total + grads`` where ``ok``. A site's measurements are what the backward passes saw,
     of every micro-batch, kept or dropped (a layer that overflowed must back off): they
     combine by the kind's ``accumulate(a, b)`` when it has one (an FP8 amax, a per-layer
     amax: the maximum), else add (a probe's counts), the first micro-batch's taking the place
-    of the zeros; they are never divided by the number of micro-batches."""
+    of the zeros; they are never divided by the number of micro-batches. Of a micro-batch's
+    retried attempts, only the last (``final``) gives its measurements."""
 
     def add(t: Any, g: Any) -> Any:
         if is_site(t):
@@ -243,7 +279,10 @@ def _add_kept(total: Any, grads: Any, ok: jax.Array, first: jax.Array) -> Any:
                 else jax.tree_util.tree_map(jnp.add, t.value, g.value)
             )
             value = jax.tree_util.tree_map(
-                lambda a, b: jnp.where(first, b, a).astype(b.dtype), value, g.value
+                lambda a, b, old: jnp.where(final, jnp.where(first, b, a), old).astype(b.dtype),
+                value,
+                g.value,
+                t.value,
             )
             return Site(t.kind, value)
         return jnp.where(ok, t + g, t).astype(t.dtype)
@@ -251,17 +290,17 @@ def _add_kept(total: Any, grads: Any, ok: jax.Array, first: jax.Array) -> Any:
     return jax.tree_util.tree_map(add, total, grads, is_leaf=is_site)
 
 
-def _measure(tree: FloatLeaves) -> tuple[GlobalNorm, jax.Array]:
+def _pick(condition: jax.Array, on_true: Any, on_false: Any) -> Any:
+    """``on_true`` where ``condition``, else ``on_false``, leaf by leaf (two scales)."""
+    return jax.tree_util.tree_map(lambda a, b: jnp.where(condition, a, b), on_true, on_false)
+
+
+def _finite(tree: FloatLeaves) -> jax.Array:
     """Whether a micro-batch's gradients are finite, from their largest magnitude and their
     sum of squares (exact: an inf reaches the maximum, a NaN the sum), without the second,
     scaled pass that tells an inf from a sum of squares that overflows: that pass sits in a
     ``lax.cond`` that holds the gradients, which cost the scan about a gradient buffer."""
-    n = tree_norm(tree, largest=True, exact_overflow=False)
-    return n, n.finite
-
-
-def _same(ok: jax.Array) -> jax.Array:
-    return ok
+    return tree_norm(tree, largest=True, exact_overflow=False).finite
 
 
 def _first(micro_batches: Any) -> Any:

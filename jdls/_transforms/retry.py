@@ -1,19 +1,14 @@
-"""The retry loop of ``jdls.accumulate`` (one micro-batch at lower scales) and the causes of a
-skipped step.
+"""The causes of a skipped step (:class:`SkipCause`) and how the wrap tells them apart.
 
-When a micro-batch's gradients are not finite but its loss is (the scaled backward
-overflowed), :func:`retry` recomputes them at the scale the rule backs off to, up to ``N``
-times, in a ``lax.while_loop``: each failed attempt counts for the rule as the overflows that
-lower the scale (``scale.back_off()``: one, or with hysteresis the ones it would forgive
-too). A whole train step is retried by :func:`jdls.retrying`
-(``jdls/_transforms/retrying.py``).
+A whole train step is retried at lower scales by :func:`jdls.retrying`
+(``jdls/_transforms/retrying.py``), one micro-batch by :func:`jdls.accumulate`
+(``jdls/_transforms/accumulate.py``).
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +17,6 @@ from jax import lax
 from jdls._numerics.norm import FloatLeaves, GlobalNorm, sharded_flags
 from jdls._numerics.scalars import pick
 from jdls._scales.scale import DynamicScale, LossScale
-from jdls._sites.measured import raw
 
 __all__ = [
     "SCALE_FLOOR",
@@ -33,8 +27,6 @@ __all__ = [
     "flushed",
     "mean_unsharded",
     "model_overflow",
-    "retry",
-    "value_and_grad_of",
 ]
 
 
@@ -103,7 +95,8 @@ SCALE_FLOOR = 2.0**-24
 
 
 class Attempt(NamedTuple):
-    """The state of the retry loop: the scale to adjust next and the current gradients."""
+    """A step as the wrap decides it: the scale it ran at, its gradients, their norm, whether
+    it is taken, whether its loss was finite, and its retries (none in the wrap itself)."""
 
     scale: LossScale
     leaves: list[Any]
@@ -111,52 +104,6 @@ class Attempt(NamedTuple):
     finite: jax.Array
     loss_finite: jax.Array
     tries: jax.Array
-
-
-def retry(
-    first: Attempt,
-    treedef: Any,
-    float_idx: tuple[int, ...],
-    recompute: Callable[[LossScale], tuple[jax.Array, Any]],
-    measure: Callable[[FloatLeaves], tuple[GlobalNorm, jax.Array]],
-    max_tries: int,
-    agree: Callable[[jax.Array], jax.Array],
-) -> Attempt:
-    """Recompute the gradients at lower scales while they overflow and the loss is finite.
-
-    Args:
-      first: the step as given (``tries`` 0).
-      treedef, float_idx: the structure of the given gradients.
-      recompute: ``scale -> (loss, grads)``, the unscaled loss and gradients of the batch.
-      measure: ``tree -> (norm, finite)``, as the wrap decides finiteness.
-      max_tries: the most attempts.
-      agree: makes a bool the same on every device (identity without ``axis_name``).
-    """
-    dtypes = [getattr(x, "dtype", None) for x in first.leaves]
-
-    def more(a: Attempt) -> jax.Array:  # ``tries`` counts attempts whose loss was finite
-        # At the rule's minimum the scale cannot go lower: a retry would recompute the same
-        # overflow, so the micro-batch is dropped instead.
-        scale = cast(DynamicScale, a.scale)
-        lower = scale.back_off().loss_scale < scale.loss_scale
-        return ~a.finite & a.loss_finite & (a.tries < max_tries) & lower
-
-    def attempt(a: Attempt) -> Attempt:
-        # this attempt's overflow, as the rule counts it, and those it would forgive
-        lower = cast(DynamicScale, a.scale).back_off()
-        loss, grads = recompute(lower)
-        leaves = jax.tree_util.tree_leaves(grads)
-        leaves = [
-            x if d is None else jnp.asarray(x, d) for x, d in zip(leaves, dtypes, strict=True)
-        ]
-        norm, finite = measure(FloatLeaves(leaves, treedef, float_idx))
-        loss_finite = agree(jnp.all(jnp.isfinite(loss)))
-        # A non-finite loss: keep the scale as before this attempt (the skip adjusts it once).
-        scale = jax.tree_util.tree_map(lambda new, old: pick(loss_finite, new, old), lower, a.scale)
-        tries = a.tries + loss_finite.astype(jnp.int32)  # a non-finite loss is no retry
-        return Attempt(scale, leaves, norm, finite & loss_finite, loss_finite, tries)
-
-    return lax.while_loop(more, attempt, first)
 
 
 def classify(a: Attempt, retrying: bool) -> jax.Array:
@@ -204,21 +151,6 @@ def mean_unsharded(grads: Any, axis_name: Any, sharded: Any) -> Any:
     leaves, treedef = jax.tree_util.tree_flatten(grads)
     leaves = [x if s else lax.pmean(x, axis_name) for x, s in zip(leaves, flags, strict=True)]
     return jax.tree_util.tree_unflatten(treedef, leaves)
-
-
-def value_and_grad_of(value_fn: Callable[..., Any], params: Any) -> Callable[[LossScale], Any]:
-    """``scale -> (loss, grads)`` of ``value_fn(params)``, which returns a loss or
-    ``(loss, aux)``; the aux is dropped (the forward pass does not depend on the scale)."""
-
-    def loss_only(p: Any) -> Any:
-        out = value_fn(p)
-        return out[0] if isinstance(out, tuple) else out
-
-    def recompute(scale: LossScale) -> tuple[jax.Array, Any]:
-        loss, grads = scale.value_and_grad(loss_only)(params)
-        return loss, raw(grads)  # measurements as floats, as the step's first attempt holds them
-
-    return recompute
 
 
 def first_attempt(
