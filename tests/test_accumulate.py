@@ -422,11 +422,12 @@ def test_a_probe_over_micro_batches_reads_as_the_step():
     np.testing.assert_allclose(t.zeros, [1.0 / 6.0], rtol=1e-6)  # one zero of the 6 values
 
 
-def test_accumulating_needs_at_most_half_a_gradient_buffer_more_than_a_plain_scan():
+def test_accumulating_needs_less_than_a_gradient_buffer_more_than_a_plain_scan():
     """Each micro-batch's check is a largest magnitude and a sum of squares beside the sum,
-    not a ``lax.cond`` holding the gradients: the compiled step holds at most half a gradient
-    buffer more than a plain ``lax.scan`` summing unchecked gradients (1.8 buffers more with
-    the exact-overflow branch in the scan, on the benchmark MLP)."""
+    not a ``lax.cond`` holding the gradients: the compiled step holds less than one gradient
+    buffer more than a plain ``lax.scan`` summing unchecked gradients (here 0.33 at jax
+    0.10.2 and 0.71 at the floors' jax 0.8.1; at 0.10.2, 1.50 with the exact-overflow branch in
+    the scan)."""
 
     def loss(params, x):
         h = x
@@ -463,4 +464,4 @@ def test_accumulating_needs_at_most_half_a_gradient_buffer_more_than_a_plain_sca
 
     gradient_buffer = 4 * 3 * 256 * 256
     extra = (temporaries(accumulated) - temporaries(plain)) / gradient_buffer
-    assert extra <= 0.5, f"{extra:.2f} gradient buffers more than the plain scan"
+    assert extra < 1.0, f"{extra:.2f} gradient buffers more than the plain scan"
