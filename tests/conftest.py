@@ -133,50 +133,7 @@ def _decorator(item: pytest.Item, name: str) -> tuple[str, ...]:
     return (name,)  # a parametrized fixture
 
 
-# The files that take longest on a fresh machine (CI's run of the rest of the full suite,
-# timed from an empty compilation cache), longest first. They run first: with ``--dist
-# loadfile`` a worker takes the next file as it frees, so the last files to start are short and
-# the two workers finish together. (pytest-xdist's own order puts the files with the most
-# tests first and these, which have few, last: one worker then ran a long file alone.)
-LONG_FILES = (
-    "integration/test_benchmarks_smoke.py",
-    "test_porting.py",
-    "integration/test_fp8_quality_bench.py",
-    "test_compositions.py",
-    "integration/test_examples.py",
-    "integration/test_docs.py",
-    "test_nvfp4.py",
-    "test_fp8_loss_scale_paths.py",
-    "test_fp8_blocks.py",
-    "test_fp8_adaptive.py",
-    "test_fp8_equinox.py",
-    "test_nvfp4_recipe.py",
-    "test_flax_layers.py",
-    "integration/test_quality_bench.py",
-    "integration/test_distributed.py",
-)
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist 3.6 and later
-        config.option.loadscopereorder = False  # keep LONG_FILES first (see above)
-
-
-def _long_first(items: list[pytest.Item]) -> None:
-    """Reorder ``items`` in place: the files of :data:`LONG_FILES` first, in its order, each
-    file's tests in their own order, then every other file as collected."""
-    rank = {name: k for k, name in enumerate(LONG_FILES)}
-
-    def key(item: pytest.Item) -> int:
-        path = Path(str(item.path)).resolve()
-        name = path.relative_to(_TESTS).as_posix() if path.is_relative_to(_TESTS) else ""
-        return rank.get(name, len(rank))
-
-    items.sort(key=key)  # stable
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    _long_first(items)
     full_only = bool(config.getoption("--full-only"))
     if full_suite(config) and not full_only:
         return
