@@ -8,22 +8,20 @@ A whole train step is retried at lower scales by :func:`jdls.retrying`
 from __future__ import annotations
 
 import enum
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jdls._numerics.norm import FloatLeaves, GlobalNorm, sharded_flags
+from jdls._numerics.norm import sharded_flags
 from jdls._numerics.scalars import pick
 from jdls._scales.scale import DynamicScale, LossScale
 
 __all__ = [
     "SCALE_FLOOR",
-    "Attempt",
     "SkipCause",
     "classify",
-    "first_attempt",
     "flushed",
     "mean_unsharded",
     "model_overflow",
@@ -94,23 +92,12 @@ class SkipCause(enum.IntEnum):
 SCALE_FLOOR = 2.0**-24
 
 
-class Attempt(NamedTuple):
-    """A step as the wrap decides it: the scale it ran at, its gradients, their norm, whether
-    it is taken, whether its loss was finite, and its retries (none in the wrap itself)."""
-
-    scale: LossScale
-    leaves: list[Any]
-    norm: GlobalNorm
-    finite: jax.Array
-    loss_finite: jax.Array
-    tries: jax.Array
-
-
-def classify(a: Attempt, retrying: bool) -> jax.Array:
-    """The :class:`SkipCause` of the step, an int32 scalar."""
-    unknown = SkipCause.BACKWARD if retrying else SkipCause.GRADIENTS
-    cause = pick(a.loss_finite, jnp.int32(unknown), jnp.int32(SkipCause.FORWARD))
-    return pick(a.finite, jnp.int32(SkipCause.NONE), cause)
+def classify(finite: jax.Array, loss_finite: jax.Array) -> jax.Array:
+    """The :class:`SkipCause` of a step the wrap decided, an int32 scalar: ``NONE`` when taken,
+    ``FORWARD`` when the loss was not finite, else ``GRADIENTS`` (``jdls.retrying`` reads
+    that as ``BACKWARD`` once its retries are spent)."""
+    cause = pick(loss_finite, jnp.int32(SkipCause.GRADIENTS), jnp.int32(SkipCause.FORWARD))
+    return pick(finite, jnp.int32(SkipCause.NONE), cause)
 
 
 def flushed(
@@ -151,10 +138,3 @@ def mean_unsharded(grads: Any, axis_name: Any, sharded: Any) -> Any:
     leaves, treedef = jax.tree_util.tree_flatten(grads)
     leaves = [x if s else lax.pmean(x, axis_name) for x, s in zip(leaves, flags, strict=True)]
     return jax.tree_util.tree_unflatten(treedef, leaves)
-
-
-def first_attempt(
-    scale: LossScale, tree: FloatLeaves, norm: GlobalNorm, finite: jax.Array, loss_finite: Any
-) -> Attempt:
-    """The step as given, before any retry."""
-    return Attempt(scale, tree.leaves, norm, finite, jnp.asarray(loss_finite), jnp.int32(0))

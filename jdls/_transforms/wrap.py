@@ -45,7 +45,7 @@ from jdls._scales.scale import (
     observes,
 )
 from jdls._sites.apart import sites_apart
-from jdls._transforms.retry import SkipCause, classify, first_attempt, flushed, model_overflow
+from jdls._transforms.retry import SkipCause, classify, flushed, model_overflow
 from jdls._transforms.skip import cond_branches, keep_dtypes, select
 from jdls._transforms.stats import Stats, WrapState, step_applied
 from jdls._transforms.wrap_arguments import check_inner, check_match, check_wrap_state, is_arrays
@@ -263,15 +263,14 @@ def wrap(
             nonzero_loss = loss_nonzero(state.scale, extra_args, axis_name)
             underflow = flushed(state.scale, finite, n.amax, nonzero_loss)
         taken = finite if underflow is None else finite & ~underflow
-        step = first_attempt(state.scale, tree, n, finite, loss_finite)
         new_updates, inner_state = update_or_skip(
             tree, state.inner_state, params, clipped, taken, extra_args
         )
-        scale = adjust_observed(step.scale, finite, lambda: n.amax)
-        cause = model_overflow(classify(step, retrying=False), step.scale, scale)
+        scale = adjust_observed(state.scale, finite, lambda: n.amax)
+        cause = model_overflow(classify(finite, loss_finite), state.scale, scale)
         if underflow is not None:
             cause = pick(underflow, jnp.int32(SkipCause.UNDERFLOW), cause)
-        stats = _record(state.stats, taken, n, tree, step.tries, cause)
+        stats = _record(state.stats, taken, n, tree, jnp.int32(0), cause)
         if max_consecutive_skips is not None:
             _fail_if_stuck(stats.consecutive_skips, max_consecutive_skips)
         return new_updates, WrapState(scale, inner_state, stats, state.sites)
