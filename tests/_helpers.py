@@ -90,6 +90,21 @@ def assert_bitwise_equal(a: Any, b: Any) -> None:
         assert x.tobytes() == y.tobytes(), f"{jax.tree_util.keystr(path)}: {x} != {y}"
 
 
+def tanh_stack(layers: int = 3, width: int = 256) -> tuple[Callable[..., jax.Array], Any, int]:
+    """``(loss, params, gradient_buffer)``: ``layers`` float16 tanh layers of ``width`` (the
+    model of the compiled-memory tests) and the bytes of one float32 gradient buffer."""
+
+    def loss(params: Any, x: jax.Array) -> jax.Array:
+        h = x
+        for w in params["w"]:
+            h = jnp.tanh(h.astype(jnp.float16) @ w.astype(jnp.float16))
+        return jnp.mean(h.astype(jnp.float32) ** 2)
+
+    keys = jax.random.split(jax.random.key(0), layers)
+    params = {"w": [jax.random.normal(k, (width, width)) / 16 for k in keys]}
+    return loss, params, 4 * layers * width * width
+
+
 def host_bytes(tree: Any) -> list[bytes]:
     """Every leaf of a pytree as raw bytes, for comparisons on the host."""
     return [np.asarray(x).tobytes() for x in jax.tree_util.tree_leaves(jax.device_get(tree))]

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _helpers import assert_bitwise_equal, maybe_jit, with_and_without_jit
+from _helpers import assert_bitwise_equal, maybe_jit, tanh_stack, with_and_without_jit
 
 import jdls
 
@@ -429,14 +429,7 @@ def test_accumulating_needs_less_than_a_gradient_buffer_more_than_a_plain_scan()
     0.10.2 and 0.71 at the floors' jax 0.8.1; at 0.10.2, 1.50 with the exact-overflow branch in
     the scan)."""
 
-    def loss(params, x):
-        h = x
-        for w in params["w"]:
-            h = jnp.tanh(h.astype(jnp.float16) @ w.astype(jnp.float16))
-        return jnp.mean(h.astype(jnp.float32) ** 2)
-
-    keys = jax.random.split(jax.random.key(0), 3)
-    params = {"w": [jax.random.normal(k, (256, 256)) / 16 for k in keys]}
+    loss, params, gradient_buffer = tanh_stack()
     tx = jdls.wrap(optax.adam(1e-3), jdls.DynamicScale(2.0**10))
     xs = jnp.ones((4, 64, 256))
 
@@ -462,6 +455,5 @@ def test_accumulating_needs_less_than_a_gradient_buffer_more_than_a_plain_scan()
         compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, tx.init(params), xs).compile()
         return compiled.memory_analysis().temp_size_in_bytes
 
-    gradient_buffer = 4 * 3 * 256 * 256
     extra = (temporaries(accumulated) - temporaries(plain)) / gradient_buffer
     assert extra < 1.0, f"{extra:.2f} gradient buffers more than the plain scan"

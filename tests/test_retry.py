@@ -14,7 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _helpers import assert_bitwise_equal, maybe_jit, pcast_varying, with_and_without_jit
+from _helpers import (
+    assert_bitwise_equal,
+    maybe_jit,
+    pcast_varying,
+    tanh_stack,
+    with_and_without_jit,
+)
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -684,14 +690,7 @@ def test_a_finite_step_needs_no_more_memory_than_the_step_without_retries():
     quarter of one gradient buffer (a loop around the backward pass alone held the gradients
     in its carry: 0.58 of a buffer more on this model)."""
 
-    def loss(params, x):
-        h = x
-        for w in params["w"]:
-            h = jnp.tanh(h.astype(jnp.float16) @ w.astype(jnp.float16))
-        return jnp.mean(h.astype(jnp.float32) ** 2)
-
-    keys = jax.random.split(jax.random.key(0), 3)
-    params = {"w": [jax.random.normal(k, (256, 256)) / 16 for k in keys]}
+    loss, params, gradient_buffer = tanh_stack()
     tx = jdls.wrap(optax.adam(1e-3), jdls.DynamicScale(HIGH))
     state = tx.init(params)
     x = jnp.ones((64, 256))
@@ -701,6 +700,5 @@ def test_a_finite_step_needs_no_more_memory_than_the_step_without_retries():
         compiled = step.lower(params, state, x).compile()
         return compiled.memory_analysis().temp_size_in_bytes
 
-    gradient_buffer = 4 * 3 * 256 * 256
     extra = (temporaries(2) - temporaries(0)) / gradient_buffer
     assert extra <= 0.25, f"{extra:.2f} gradient buffers more than without retries"
