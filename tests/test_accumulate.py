@@ -457,3 +457,24 @@ def test_accumulating_needs_less_than_a_gradient_buffer_more_than_a_plain_scan()
 
     extra = (temporaries(accumulated) - temporaries(plain)) / gradient_buffer
     assert extra < 1.0, f"{extra:.2f} gradient buffers more than the plain scan"
+
+
+@with_and_without_jit
+def test_an_inf_measurement_beside_finite_gradients_drops_nothing(jit):
+    """A measurement is never a gradient: a probe on the input, whose cotangent (``w`` times the
+    scale) overflows float32 while the gradient of ``w`` (``x`` times the scale) does not,
+    records inf; no micro-batch is dropped for it, and the step is taken, as the wrap
+    decides from the gradients alone."""
+    params = {"w": jnp.full(2, 1e37), "x": jdls.Site(jdls.Probe())}
+    xs = jnp.array([[1.0, 2.0], [3.0, 4.0]])
+
+    def loss(p, x):
+        return jnp.sum(p["w"] * jdls.apply_site(x, p["x"]))
+
+    def step(p):
+        return jdls.accumulate(loss, jdls.StaticScale(64.0), p, xs)
+
+    _, grads, info = maybe_jit(step, jit)(params)
+    assert int(info.kept) == 2 and not bool(info.skip)
+    assert grads["w"].tolist() == [2.0, 3.0]  # the mean of the two micro-batches' inputs
+    assert jdls.Telemetry.of({"x": grads["x"]}).amax.tolist() == [np.inf]

@@ -29,6 +29,7 @@ from jdls._scales.layer_site import layer_sites
 from jdls._scales.scale import DynamicScale, LossScale, check_scale
 from jdls._sites.measured import measured, raw
 from jdls._sites.site import Site, is_site
+from jdls._sites.update import split_sites
 
 __all__ = ["AccumulateInfo", "accumulate"]
 
@@ -171,7 +172,8 @@ def accumulate(
         else:
             (loss, grads), aux = fn(loss_only)(params, batch), None
         grads = raw(grads)
-        finite = agree(_finite(flatten_floats(grads)))
+        # a measurement is never a gradient: the sites' never decide (as in the wrap)
+        finite = agree(_finite(flatten_floats(split_sites(grads)[0])))
         loss_finite = agree(jnp.all(jnp.isfinite(loss)))
         return loss, aux, grads, finite & loss_finite, loss_finite
 
