@@ -4,6 +4,7 @@ across steps with ``jdls.wrap(optax.MultiSteps(...))``."""
 
 from __future__ import annotations
 
+import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -126,8 +127,10 @@ def test_tolerance_exceeded_skips_the_step(jit):
     assert int(info.dropped) == 2 and bool(info.skip)
     assert bool(jdls.stats(new_state).skipped)
     assert_bitwise_equal(new_params, PARAMS)
-    # Two dropped micro-batches, then the skipped step: three backoffs.
-    assert float(jdls.get_scale(new_state).loss_scale) == 2.0**12
+    # Two dropped micro-batches, the step skipped: two backoffs, one per overflow (the wrap's
+    # skip stands for the second), as jdls.wrap(optax.MultiSteps(...)) fed them one by one.
+    assert float(info.scale.loss_scale) == 2.0**14
+    assert float(jdls.get_scale(new_state).loss_scale) == 2.0**13
 
     new_params, new_state, info = step(PARAMS, state, (bad, ys), 2)  # within the tolerance
     assert not bool(info.skip) and not bool(jdls.stats(new_state).skipped)
@@ -478,3 +481,48 @@ def test_an_inf_measurement_beside_finite_gradients_drops_nothing(jit):
     assert int(info.kept) == 2 and not bool(info.skip)
     assert grads["w"].tolist() == [2.0, 3.0]  # the mean of the two micro-batches' inputs
     assert jdls.Telemetry.of({"x": grads["x"]}).amax.tolist() == [np.inf]
+
+
+@pytest.mark.parametrize(
+    "rule",
+    [
+        pytest.param(lambda: jdls.DynamicScale(2.0**10), id="dynamic"),
+        pytest.param(lambda: jdls.presets.pytorch(), id="pytorch", marks=pytest.mark.full),
+    ],
+)
+@pytest.mark.parametrize("retries", [0, pytest.param(2, marks=pytest.mark.full)])
+def test_a_skipped_step_backs_off_once_per_overflow_as_multisteps(rule, retries):
+    """Bad data in 1, 2 or all 4 micro-batches: the scale after the guide's step (accumulate,
+    set_scale, the wrap's skip) is the scale after feeding the same micro-batches one by one
+    to ``jdls.wrap(optax.MultiSteps(...))``, each bad one skipped: one back-off per overflow,
+    the wrap's skip standing for the last (with the defaults, one per skipped step, as
+    PyTorch's). Bad data is never retried: ``retries`` change nothing. (A rule that moves
+    on finite steps, ``AdaptiveScale``, moves on MultiSteps' finite micro-steps too.)"""
+    params = {"w": jnp.ones(2)}
+    loss = lambda p, x: jnp.sum(p["w"] * x)  # noqa: E731
+    clean = jnp.array([[1.0, 1.0], [2.0, 1.0], [3.0, 3.0], [1.0, 2.0]])
+
+    @functools.partial(jax.jit, static_argnums=1)
+    def accumulated(xs, max_dropped):
+        tx = jdls.wrap(optax.sgd(0.1), rule())
+        state = tx.init(params)
+        _, grads, info = jdls.accumulate(
+            loss, jdls.get_scale(state), params, xs, retries=retries, max_dropped=max_dropped
+        )
+        _, state = tx.update(grads, jdls.set_scale(state, info.scale), params)
+        return jdls.get_scale(state).loss_scale, jdls.stats(state).skipped
+
+    @jax.jit
+    def multisteps(xs):
+        tx = jdls.wrap(optax.MultiSteps(optax.sgd(0.1), every_k_schedule=4), rule())
+        state = tx.init(params)
+        for x in xs:  # the micro-batches at the scale each found, as accumulate's
+            _, grads = jdls.get_scale(state).value_and_grad(loss)(params, x)
+            _, state = tx.update(grads, state, params)
+        return jdls.get_scale(state).loss_scale
+
+    for bad, max_dropped in (([1], 0), ([0, 2], 1), ([0, 1, 2, 3], 4)):
+        xs = clean.at[jnp.array(bad), 0].set(jnp.inf)
+        got, skipped = accumulated(xs, max_dropped)
+        assert bool(skipped)
+        assert float(got) == float(multisteps(xs)) < float(rule().loss_scale), bad

@@ -10,7 +10,9 @@ lower the scale (``scale.back_off()``: one, or with hysteresis also those it wou
 and a dropped micro-batch as one overflow, so the scale backs off within the step as feeding
 the micro-batches one by one to ``jdls.wrap(optax.MultiSteps(...))`` would. When more than
 ``max_dropped`` micro-batches were dropped, the returned gradients are NaN, so that
-``jdls.wrap`` skips the step.
+``jdls.wrap`` skips the step; its back-off for the skip stands for the last dropped
+micro-batch's, so that a step backs off once per overflow, as with ``MultiSteps`` (and, with
+the defaults, once per skipped step, as PyTorch).
 """
 
 from __future__ import annotations
@@ -45,7 +47,9 @@ class AccumulateInfo(NamedTuple):
         gradients returned are then NaN, so that ``jdls.wrap`` skips the step).
       kept_mask: bool[micro-batches], which micro-batches were kept.
       scale: the loss scale after the micro-batches: backed off once per failed attempt
-        (``back_off()``) and once per dropped micro-batch (``adjust(False)``).
+        (``back_off()``) and once per dropped micro-batch (``adjust(False)``), except that
+        on a step the wrap will skip (``skip``, or no micro-batch kept) the last dropped
+        micro-batch's back-off is left to the wrap's skip, so that each overflow counts once.
         Put it back with ``jdls.set_scale(opt_state, info.scale)`` before ``tx.update``.
     """
 
@@ -178,10 +182,12 @@ def accumulate(
         return loss, aux, grads, finite & loss_finite, loss_finite
 
     def body(carry: tuple[Any, ...], batch: Any) -> tuple[tuple[Any, ...], Any]:
-        total, loss_sum, s, tries, first = carry
+        # ``held``: the scale as ``s`` but for the last dropped micro-batch's own back-off,
+        # which a skipped step leaves to the wrap's skip (one overflow counted once)
+        total, loss_sum, s, held, tries, first = carry
         if retries:
-            total, loss_sum, s, n, ok, aux = _retried(total, loss_sum, s, first, batch)
-            return (total, loss_sum, s, tries + n, jnp.array(False)), (ok, aux)
+            total, loss_sum, s, held, n, ok, aux = _retried(total, loss_sum, s, held, first, batch)
+            return (total, loss_sum, s, held, tries + n, jnp.array(False)), (ok, aux)
         loss, aux, grads, ok, _ = differentiate(s, batch)
         # A dropped micro-batch never enters the sum: ``where``, not a multiplication (0 * inf).
         # Where any dropped micro-batch skips the step (max_dropped=0), the sum is not
@@ -190,35 +196,43 @@ def accumulate(
         # gradient it adds.
         total = _add_kept(total, grads, ok if max_dropped else jnp.array(True), first)
         loss_sum = jnp.where(ok, loss_sum + loss.astype(jnp.float32), loss_sum)
+        held = _pick(ok, held, s)
         s = _pick(ok, s, s.adjust(False))  # a dropped micro-batch's own overflow
-        return (total, loss_sum, s, tries, jnp.array(False)), (ok, aux)
+        return (total, loss_sum, s, held, tries, jnp.array(False)), (ok, aux)
 
     def _retried(
-        total: Any, loss_sum: Any, s: LossScale, first: Any, batch: Any
-    ) -> tuple[Any, Any, LossScale, Any, Any, Any]:
+        total: Any, loss_sum: Any, s: LossScale, held: LossScale, first: Any, batch: Any
+    ) -> tuple[Any, Any, LossScale, LossScale, Any, Any, Any]:
         """The micro-batch's attempts in one ``lax.while_loop``, each the whole micro-step
         (differentiate, check, add where kept), so that the sum is updated in place and no
         gradients are held apart from it. While an attempt overflows with a finite loss, the
         next runs at ``back_off()`` of its scale, up to ``retries`` times, as long as that is
         lower. The scale that goes on is the last one whose loss was finite; backed off once
         more (``adjust(False)``) when the micro-batch is dropped. Only the last attempt's
-        measurements (sites) enter the sum."""
+        measurements (sites) enter the sum. ``held`` goes through the same back-offs; when
+        the micro-batch is dropped, it becomes ``base`` (without the drop's own back-off)."""
 
         def attempt(c: tuple[Any, ...]) -> tuple[Any, ...]:
-            total, loss_sum, cur, base, n, k, _, _, _ = c
+            total, loss_sum, (cur, base), (held_cur, held_base), n, k, _, _, _ = c
             loss, aux, grads, ok, loss_finite = differentiate(cur, batch)
-            base = _pick(loss_finite, cur, base)
+            base, held_base = _pick(loss_finite, (cur, held_cur), (base, held_base))
             n = n + (loss_finite & (k > 0)).astype(jnp.int32)  # a retry whose loss was finite
             lower = cast(DynamicScale, cur).back_off()
             again = ~ok & loss_finite & (n < retries) & (lower.loss_scale < cur.loss_scale)
             total = _add_kept(total, grads, ok, first, final=~again)
             loss_sum = jnp.where(ok, loss_sum + loss.astype(jnp.float32), loss_sum)
-            return (total, loss_sum, _pick(again, lower, cur), base, n, k + 1, again, ok, aux)
+            lowered = (lower, cast(DynamicScale, held_cur).back_off())
+            cur, held_cur = _pick(again, lowered, (cur, held_cur))
+            return (total, loss_sum, (cur, base), (held_cur, held_base), n, k + 1, again, ok, aux)
 
         zero = jnp.zeros((), jnp.int32)
-        init = (total, loss_sum, s, s, zero, zero, jnp.array(True), jnp.array(False), aux_zeros)
-        total, loss_sum, _, base, n, _, _, ok, aux = lax.while_loop(lambda c: c[6], attempt, init)
-        return total, loss_sum, _pick(ok, base, base.adjust(False)), n, ok, aux
+        no, yes = jnp.array(False), jnp.array(True)
+        init = (total, loss_sum, (s, s), (held, held), zero, zero, yes, no, aux_zeros)
+        total, loss_sum, (_, base), (_, held_base), n, _, _, ok, aux = lax.while_loop(
+            lambda c: c[6], attempt, init
+        )
+        held = _pick(ok, held_base, base)
+        return total, loss_sum, _pick(ok, base, base.adjust(False)), held, n, ok, aux
 
     # The aux's type for the retry loop's carry (the forward pass alone).
     aux_zeros = None
@@ -229,11 +243,14 @@ def accumulate(
         )
 
     loss_sum = vary_like(jnp.zeros((), jnp.float32), first_loss)
-    init = (zeros, loss_sum, scale, jnp.zeros((), jnp.int32), jnp.array(True))
-    (total, loss_sum, scale, tries, _), (mask, auxes) = lax.scan(body, init, micro_batches)
+    init = (zeros, loss_sum, scale, scale, jnp.zeros((), jnp.int32), jnp.array(True))
+    (total, loss_sum, scale, held, tries, _), (mask, auxes) = lax.scan(body, init, micro_batches)
     kept = jnp.sum(mask.astype(jnp.int32))
     dropped = jnp.int32(count) - kept
     skip = dropped > max_dropped
+    # The wrap skips the step (NaN gradients) and backs off for it: that back-off is the last
+    # dropped micro-batch's, counted once.
+    scale = _pick(skip | (kept == 0), held, scale)
     divisor = kept.astype(jnp.float32)
     grads = jax.tree_util.tree_map(
         lambda t: (
