@@ -5,6 +5,7 @@ across steps with ``jdls.wrap(optax.MultiSteps(...))``."""
 from __future__ import annotations
 
 import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
