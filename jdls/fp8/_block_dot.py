@@ -277,6 +277,9 @@ def _block_dot(recipe: BlockScaling, dn: DimensionNumbers, out_dtype: Any, lhs, 
     return y
 
 
+# The rules are compiled as one program each, also when called eagerly: op by op, one dot
+# dispatched some 600 small programs (18 s the first time on a 2-core CPU, about 1 s jitted).
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
 def _block_dot_fwd(recipe: BlockScaling, dn: DimensionNumbers, out_dtype: Any, lhs, rhs):
     perm_l, perm_r, s_l, s_r, out = _canonical(lhs.shape, rhs.shape, dn)
     l3 = _to3(lhs.astype(jnp.float32), perm_l, s_l)
@@ -287,6 +290,7 @@ def _block_dot_fwd(recipe: BlockScaling, dn: DimensionNumbers, out_dtype: Any, l
     return y, (l3, r3, lhs, rhs)
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
 def _block_dot_bwd(recipe: BlockScaling, dn: DimensionNumbers, out_dtype: Any, res, g):
     l3, r3, lhs, rhs = res
     perm_l, perm_r, s_l, s_r, _ = _canonical(lhs.shape, rhs.shape, dn)

@@ -36,6 +36,7 @@ through a narrow dtype (TransformerEngine's pure-JAX quantizer reports XLA remov
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -201,6 +202,15 @@ def quantize_parts(
     ``bits`` are the random bits of stochastic rounding, blocked like ``x``; ``amax``
     replaces the tensor amax (e.g. one reduced over devices).
     """
+    return Parts(*_parts(x, block_shape, bits, amax))
+
+
+# Compiled as one program, also when called eagerly: op by op it dispatched dozens of small
+# programs (2 s the first time on a 2-core CPU).
+@functools.partial(jax.jit, static_argnums=(1,))
+def _parts(
+    x: jax.Array, block_shape: tuple[int, ...], bits: jax.Array | None, amax: jax.Array | None
+) -> tuple[jax.Array, ...]:
     xb = ftz(blocked(x.astype(jnp.float32), block_shape))
     inner = tuple(range(1, xb.ndim, 2))
     mag = _abs_bits(xb)
@@ -228,7 +238,7 @@ def quantize_parts(
     finite = ~nonfinite
     clipped = finite & ~bad_b & (jnp.abs(y) > np.float32(E2M1_MAX))
     flushed = finite & (mag != 0) & (dequantized == 0)
-    return Parts(q, codes, tensor_amax, s_dec, dequantized, clipped, flushed, nonfinite)
+    return q, codes, tensor_amax, s_dec, dequantized, clipped, flushed, nonfinite
 
 
 def _check_bits(bits: Any, shape: tuple[int, ...]) -> jax.Array:
