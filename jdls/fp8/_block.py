@@ -309,7 +309,8 @@ def quantize_and_measure(
             f"rounding must be one of {ROUNDINGS} (how the shared exponent is rounded), "
             f"got {rounding!r}"
         )
-    return _quantize_and_measure(x, check_blocks(x.shape, block_shape), fmt, rounding)
+    array, stats = _quantize_and_measure(x, check_blocks(x.shape, block_shape), fmt, rounding)
+    return array, {k: stats[k] for k in ("clipped", "flushed", "nonfinite", "amax")}  # jit sorts
 
 
 # Compiled as one program, also when called eagerly: op by op it dispatched some 50 small
