@@ -277,8 +277,9 @@ def _block_dot(recipe: BlockScaling, dn: DimensionNumbers, out_dtype: Any, lhs, 
     return y
 
 
-# The rules are compiled as one program each, also when called eagerly: op by op, one dot
-# dispatched some 600 small programs (18 s the first time on a 2-core CPU, about 1 s jitted).
+# The rules are compiled as one program each, also when called eagerly: op by op, one dot's
+# value and gradients lowered 637 small programs (18.7 s the first time on a 2-core CPU,
+# 1.4 s as two).
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
 def _block_dot_fwd(recipe: BlockScaling, dn: DimensionNumbers, out_dtype: Any, lhs, rhs):
     perm_l, perm_r, s_l, s_r, out = _canonical(lhs.shape, rhs.shape, dn)

@@ -205,8 +205,8 @@ def quantize_parts(
     return Parts(*_parts(x, block_shape, bits, amax))
 
 
-# Compiled as one program, also when called eagerly: op by op it dispatched dozens of small
-# programs (2 s the first time on a 2-core CPU).
+# Compiled as one program, also when called eagerly: op by op quantize_nvfp4 lowered 73 small
+# programs (2.2 s the first time on a 2-core CPU, 0.35 s as one).
 @functools.partial(jax.jit, static_argnums=(1,))
 def _parts(
     x: jax.Array, block_shape: tuple[int, ...], bits: jax.Array | None, amax: jax.Array | None
