@@ -105,6 +105,21 @@ def tanh_stack(layers: int = 3, width: int = 256) -> tuple[Callable[..., jax.Arr
     return loss, params, 4 * layers * width * width
 
 
+def programs_lowered(fn: Callable[[], Any]) -> int:
+    """How many programs ``fn()`` lowers for XLA. Give it shapes no other test uses, so that
+    none is in JAX's in-memory caches; it counts whether or not the persistent cache then
+    holds the program, so a warm cache cannot hide a regression."""
+    seen: list[str] = []
+    event = "/jax/core/compile/jaxpr_to_mlir_module_duration"
+    listener = lambda e, _d, **_kw: seen.append(e) if e == event else None  # noqa: E731
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        jax.block_until_ready(fn())
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    return len(seen)
+
+
 def host_bytes(tree: Any) -> list[bytes]:
     """Every leaf of a pytree as raw bytes, for comparisons on the host."""
     return [np.asarray(x).tobytes() for x in jax.tree_util.tree_leaves(jax.device_get(tree))]

@@ -28,6 +28,7 @@ import ml_dtypes
 import numpy as np
 import optax
 import pytest
+from _helpers import programs_lowered
 
 import jdls
 from jdls import fp8
@@ -448,20 +449,6 @@ def test_gradients_equal_float32_dots_of_the_requantized_operands(recipe):
     np.testing.assert_allclose(np.asarray(dx), want64, rtol=1e-4, atol=1e-3)
 
 
-def _compiles(fn) -> int:
-    """How many programs ``fn()`` lowers for XLA (shapes no other test uses, so that none is in
-    JAX's in-memory caches; counted whether or not the persistent cache then holds it)."""
-    seen: list[str] = []
-    event = "/jax/core/compile/jaxpr_to_mlir_module_duration"
-    listener = lambda e, _d, **_kw: seen.append(e) if e == event else None  # noqa: E731
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        jax.block_until_ready(fn())
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
-    return len(seen)
-
-
 def test_an_eager_call_compiles_a_few_programs_not_one_per_operation():
     # Op by op, a block dot's value and gradients lowered 637 programs (18.7 s the first time
     # on a 2-core CPU), quantize_blocks 95 and quantize_nvfp4 73.
@@ -472,9 +459,13 @@ def test_an_eager_call_compiles_a_few_programs_not_one_per_operation():
         y, vjp = jax.vjp(lambda a, b: block_dot_general(a, b, dn, deepseek()), x, w)
         return y, vjp(g)
 
-    assert _compiles(dot_and_grads) <= 8
-    assert _compiles(lambda: fp8.quantize_blocks(jnp.ones((5, 160)), (1, 32), "e4m3")) <= 4
-    assert _compiles(lambda: fp8.quantize_nvfp4(jnp.ones((5, 176)))) <= 4
+    assert programs_lowered(dot_and_grads) <= 8
+    # Inside a user's jit the compiled rules are inlined: no inner call in the program.
+    jaxpr = jax.make_jaxpr(dot_and_grads)()
+    inner = {e.params["name"] for e in jaxpr.eqns if e.primitive.name == "jit"}
+    assert not inner & {"_block_dot_fwd", "_block_dot_bwd"}, inner
+    assert programs_lowered(lambda: fp8.quantize_blocks(jnp.ones((5, 160)), (1, 32), "e4m3")) <= 4
+    assert programs_lowered(lambda: fp8.quantize_nvfp4(jnp.ones((5, 176)))) <= 4
 
 
 @pytest.mark.full

@@ -206,8 +206,9 @@ def quantize_parts(
 
 
 # Compiled as one program, also when called eagerly: op by op quantize_nvfp4 lowered 73 small
-# programs (2.2 s the first time on a 2-core CPU, 0.35 s as one).
-@functools.partial(jax.jit, static_argnums=(1,))
+# programs (2.2 s the first time on a 2-core CPU, 0.35 s as one). Inside a user's jit it is
+# inlined (``inline=True``): the program is the operations'.
+@functools.partial(jax.jit, static_argnums=(1,), inline=True)
 def _parts(
     x: jax.Array, block_shape: tuple[int, ...], bits: jax.Array | None, amax: jax.Array | None
 ) -> tuple[jax.Array, ...]:
