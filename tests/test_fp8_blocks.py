@@ -451,7 +451,7 @@ def test_gradients_equal_float32_dots_of_the_requantized_operands(recipe):
 
 def test_an_eager_call_compiles_a_few_programs_not_one_per_operation():
     # Op by op, a block dot's value and gradients lowered 637 programs (18.7 s the first time
-    # on a 2-core CPU), quantize_blocks 95 and quantize_nvfp4 73.
+    # on a 2-core CPU), quantize_blocks 95, quantize_nvfp4 73 and hadamard 70.
     x, w, g = jnp.ones((3, 80)), jnp.ones((80, 7)), jnp.ones((3, 7))
 
     def dot_and_grads():
@@ -466,6 +466,7 @@ def test_an_eager_call_compiles_a_few_programs_not_one_per_operation():
     assert not inner & {"_block_dot_fwd", "_block_dot_bwd"}, inner
     assert programs_lowered(lambda: fp8.quantize_blocks(jnp.ones((5, 160)), (1, 32), "e4m3")) <= 4
     assert programs_lowered(lambda: fp8.quantize_nvfp4(jnp.ones((5, 176)))) <= 4
+    assert programs_lowered(lambda: fp8.hadamard(jnp.ones((37, 24)), 0)) <= 4  # 70 op by op
 
 
 @pytest.mark.full
