@@ -26,7 +26,8 @@ from jax import lax
 
 from jdls._numerics.axes import agree, vary_like
 from jdls._numerics.checks import check_int
-from jdls._numerics.norm import FloatLeaves, flatten_floats, tree_norm
+from jdls._numerics.leaves import FloatLeaves, flatten_floats
+from jdls._numerics.norm import tree_norm
 from jdls._scales.layer_site import layer_sites
 from jdls._scales.scale import DynamicScale, LossScale, check_scale
 from jdls._sites.measured import measured, raw

@@ -14,7 +14,8 @@ import optax
 
 from jdls._numerics.checks import check_limit
 from jdls._numerics.handoff import remember
-from jdls._numerics.norm import AxisName, check_sharded, clip_by_norm, flatten_floats, tree_norm
+from jdls._numerics.leaves import check_sharded, flatten_floats
+from jdls._numerics.norm import AxisName, clip_by_norm, tree_norm
 from jdls._sites.apart import sites_apart
 
 __all__ = ["clip"]

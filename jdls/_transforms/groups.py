@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import optax
 
 from jdls._numerics.handoff import backward_amax
-from jdls._numerics.norm import flatten_floats, tree_amax
+from jdls._numerics.leaves import flatten_floats
+from jdls._numerics.norm import tree_amax
 from jdls._numerics.scalars import one_kernel, pick
 from jdls._scales.scale import (
     AdaptiveScale,

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jdls._numerics.norm import sharded_flags
+from jdls._numerics.leaves import sharded_flags
 from jdls._numerics.scalars import pick
 from jdls._scales.scale import DynamicScale, LossScale
 

@@ -26,15 +26,8 @@ from jax import lax
 
 from jdls._numerics.checks import all_finite, check_int, check_limit
 from jdls._numerics.handoff import backward_amax, backward_loss_nonzero, nonzero, recall
-from jdls._numerics.norm import (
-    AxisName,
-    FloatLeaves,
-    GlobalNorm,
-    check_sharded,
-    clip_by_norm,
-    flatten_floats,
-    tree_norm,
-)
+from jdls._numerics.leaves import FloatLeaves, check_sharded, flatten_floats
+from jdls._numerics.norm import AxisName, GlobalNorm, clip_by_norm, tree_norm
 from jdls._numerics.scalars import one_kernel, pick
 from jdls._scales.filter import non_array_hint
 from jdls._scales.scale import (
