@@ -11,7 +11,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
-from _helpers import assert_bitwise_equal, fp8_mlp
+from _helpers import assert_bitwise_equal, fp8_mlp, maybe_jit, with_and_without_jit
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -59,6 +59,32 @@ def test_shard_map_reduces_every_amax_over_the_data_axis():
     assert_bitwise_equal(
         jdls.update_sites(variables["jdls"], got), jdls.update_sites(variables["jdls"], expected)
     )
+
+
+@with_and_without_jit
+@pytest.mark.parametrize("across", ["shard_map", "pmap"])
+def test_a_forward_pass_alone_runs_inside_shard_map_and_pmap(across, jit):
+    """An evaluation step: the FP8 model and a probe, not differentiated, per device. JAX
+    cannot run the sites' undifferentiated watch there (custom_vjp with symbolic zeros), so
+    they pass unwatched; each device's output is the model's on its part of the batch."""
+    n_dev, model = 4, _Mlp()
+    x, _ = _data(0)
+    variables = model.init(jax.random.key(0), x)
+    probe = jdls.Site(jdls.Probe())
+
+    def evaluate(variables, x):
+        return jdls.apply_site(model.apply(variables, x), probe)
+
+    if across == "pmap":
+        fn = jax.pmap(evaluate, in_axes=(None, 0), devices=jax.devices()[:n_dev])
+        got = maybe_jit(fn, jit)(variables, x.reshape(n_dev, -1, 8)).reshape(-1, 2)
+    else:
+        mesh = jax.make_mesh((n_dev,), ("data",), devices=jax.devices()[:n_dev])
+        fn = jax.shard_map(evaluate, mesh=mesh, in_specs=(P(), P("data")), out_specs=P("data"))
+        placed = jax.device_put(variables, NamedSharding(mesh, P()))
+        got = maybe_jit(fn, jit)(placed, jax.device_put(x, NamedSharding(mesh, P("data"))))
+    want = jnp.concatenate([evaluate(variables, part) for part in jnp.split(x, n_dev)])
+    assert_bitwise_equal(got, want)
 
 
 @pytest.mark.full

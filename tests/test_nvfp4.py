@@ -705,6 +705,17 @@ def test_hadamard_bit_for_bit(jit, dtype):
     assert np.sum(R.hadamard(x, order=(8, 4, 2, 1)) != R.hadamard(x)) > 0
 
 
+def test_hadamard_refuses_an_axis_out_of_bounds_and_traced_signs():
+    with pytest.raises(ValueError, match=r"axis 2 is out of bounds .* from -2 to 1"):
+        fp8.hadamard(jnp.ones((16, 2)), 2)
+    with pytest.raises(ValueError, match="out of bounds"):
+        fp8.hadamard(jnp.ones((16, 2)), -3)
+    with pytest.raises(ValueError, match="signs must be 16 values"):
+        fp8.hadamard(jnp.ones((16, 2)), 0, signs=(1, -1))
+    with pytest.raises(TypeError, match="known while tracing.*static argument"):
+        jax.jit(lambda x, s: fp8.hadamard(x, 0, s))(jnp.ones((16, 2)), jnp.ones(16))
+
+
 @with_and_without_jit
 def test_hadamard_is_orthogonal(jit):
     """hadamard(a, 0).T @ hadamard(b, 0) equals a.T @ b to float32 rounding of the transform

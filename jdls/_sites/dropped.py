@@ -2,7 +2,8 @@
 without a word (``nnx.grad`` with the default ``wrt=nnx.Param``, ``jax.grad`` of the params
 alone with the sites closed over). :func:`watched` is an identity on the site's input whose
 forward rule sees, while tracing, which of its arguments JAX differentiates, and warns once
-where the input is differentiated and the site's state is not.
+where the input is differentiated and the site's state is not (not inside ``shard_map`` or
+``pmap``: see :func:`watched`).
 """
 
 from __future__ import annotations
@@ -82,5 +83,12 @@ _watch.defvjp(_watch_fwd, _watch_bwd, symbolic_zeros=True)
 def watched(what: str, xs: list[Any], value: Any) -> list[Any]:
     """``xs`` (the float inputs of a site), unchanged; while tracing a differentiation of
     ``xs`` that leaves ``value`` (the site's state) constant, a :class:`SiteNotDifferentiated`
-    warning naming ``what`` (``"a Probe site"``) and the fix."""
+    warning naming ``what`` (``"a Probe site"``) and the fix.
+
+    Inside ``shard_map`` (and ``pmap``, which JAX builds on it) the inputs pass unwatched: JAX
+    cannot run such an identity there when nothing differentiates it ("custom_vjp
+    symbolic_zeros support with shard_map is not implemented"), so a forward pass alone (an
+    evaluation step) would fail. There the warning is not given."""
+    if getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()):
+        return list(xs)
     return list(_watch(what, list(xs), _floats(value)))

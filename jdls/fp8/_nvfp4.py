@@ -315,6 +315,12 @@ def dequantize_nvfp4(q: NVFP4Array) -> jax.Array:
 
 
 def _signs(signs: Any) -> np.ndarray:
+    if isinstance(signs, jax.core.Tracer):
+        raise TypeError(
+            "signs must be known while tracing (they are part of the compiled transform): give "
+            f"{BLOCK} values of +1 or -1 as a tuple or a NumPy array, not a traced array (a "
+            "jitted function's argument: close over them, or pass a tuple as a static argument)"
+        )
     s = np.asarray(TE_SIGNS if signs is None else signs)
     if s.shape != (BLOCK,) or not np.all(np.abs(s) == 1):
         raise ValueError(
@@ -347,6 +353,11 @@ def hadamard(x: jax.Array, axis: int = -1, signs: Any = None) -> jax.Array:
       (496.0, 496.0)
     """
     x = jnp.asarray(x)
+    if not -x.ndim <= axis < x.ndim:
+        raise ValueError(
+            f"axis {axis} is out of bounds for an array of {x.ndim} dimensions: give an axis "
+            f"from {-x.ndim} to {x.ndim - 1}"
+        )
     return _hadamard(x, axis % x.ndim, tuple(float(v) for v in _signs(signs)))
 
 
