@@ -120,6 +120,12 @@ def programs_lowered(fn: Callable[[], Any]) -> int:
     return len(seen)
 
 
+def inner_jits(fn: Callable[..., Any], *args: Any) -> set[str]:
+    """The names of the ``jax.jit`` calls left in ``fn``'s jaxpr (those not inlined)."""
+    jaxpr = jax.make_jaxpr(fn)(*args)
+    return {e.params["name"] for e in jaxpr.eqns if e.primitive.name == "jit"}
+
+
 def host_bytes(tree: Any) -> list[bytes]:
     """Every leaf of a pytree as raw bytes, for comparisons on the host."""
     return [np.asarray(x).tobytes() for x in jax.tree_util.tree_leaves(jax.device_get(tree))]

@@ -11,7 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _helpers import assert_bitwise_equal, maybe_jit, programs_lowered, with_and_without_jit
+from _helpers import (
+    assert_bitwise_equal,
+    inner_jits,
+    maybe_jit,
+    programs_lowered,
+    with_and_without_jit,
+)
 from flax.linen import fp8_ops
 from flax.training import train_state
 
@@ -408,8 +414,7 @@ def test_an_eager_dot_compiles_a_few_programs_and_a_jitted_one_inlines_them(reci
     assert programs_lowered(lambda: dot_and_grads(x, w, site)) <= 6
     # Inside a user's jit, the rules are inlined: the program holds the operations, as it
     # did before they were compiled apart, and no inner call.
-    jaxpr = jax.make_jaxpr(dot_and_grads)(x, w, site)
-    inner = {e.params["name"] for e in jaxpr.eqns if e.primitive.name == "jit"}
+    inner = inner_jits(dot_and_grads, x, w, site)
     assert inner and not inner & {"_forward", "_backward"}  # jax.numpy's own stay (clip, ...)
     eager, jitted = dot_and_grads(x, w, site), jax.jit(dot_and_grads)(x, w, site)
     assert_bitwise_equal(eager, jitted)

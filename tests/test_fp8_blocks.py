@@ -28,7 +28,7 @@ import ml_dtypes
 import numpy as np
 import optax
 import pytest
-from _helpers import programs_lowered
+from _helpers import inner_jits, programs_lowered
 
 import jdls
 from jdls import fp8
@@ -461,8 +461,7 @@ def test_an_eager_call_compiles_a_few_programs_not_one_per_operation():
 
     assert programs_lowered(dot_and_grads) <= 8
     # Inside a user's jit the compiled rules are inlined: no inner call in the program.
-    jaxpr = jax.make_jaxpr(dot_and_grads)()
-    inner = {e.params["name"] for e in jaxpr.eqns if e.primitive.name == "jit"}
+    inner = inner_jits(dot_and_grads)
     assert not inner & {"_block_dot_fwd", "_block_dot_bwd"}, inner
     assert programs_lowered(lambda: fp8.quantize_blocks(jnp.ones((5, 160)), (1, 32), "e4m3")) <= 4
     assert programs_lowered(lambda: fp8.quantize_nvfp4(jnp.ones((5, 176)))) <= 4

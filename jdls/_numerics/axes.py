@@ -13,6 +13,7 @@ from jax import lax
 __all__ = [
     "agree",
     "bound_axes",
+    "manual_axes",
     "sum_like",
     "tracked_axes",
     "vary_like",
@@ -46,6 +47,12 @@ def bound_axes() -> tuple[Any, ...]:
             unsafe_get_axis_names_DO_NOT_USE as names,
         )
     return tuple(names())
+
+
+def manual_axes() -> tuple[Any, ...]:
+    """The manual mesh axes of the ``shard_map`` (or ``pmap``, which JAX builds on it) this runs
+    inside; empty elsewhere, a ``vmap`` with an ``axis_name`` included."""
+    return tuple(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
 
 
 def vary_like(x: Any, like: Any) -> Any:

@@ -21,7 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jdls._numerics.axes import vary_over
+from jdls._numerics.axes import manual_axes, vary_over
 from jdls._numerics.checks import all_finite, is_float
 from jdls._numerics.norm import tree_amax
 from jdls._scales.filter import Split, is_jax_type, split_arguments
@@ -441,7 +441,7 @@ def _one_pass(
         for x, v, told in zip(flat, closed.jaxpr.invars, _factor_leaves(primals), strict=True)
     ]
     sinks = [jnp.zeros((len(sets),), _F32)] * 2 + [jnp.zeros((len(keys),), _F32)] * 2
-    manual = tuple(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
+    manual = manual_axes()
     if manual:  # inside shard_map: each device blames its own overflows
         sinks = [vary_over(x, manual) for x in sinks]
     loss_values, vjp_fn, traced_aux = jax.vjp(interpreted, *flat, *sinks, has_aux=True)

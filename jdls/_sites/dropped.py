@@ -15,6 +15,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jdls._numerics.axes import manual_axes
+
 __all__ = ["SiteNotDifferentiated", "watched"]
 
 
@@ -89,6 +91,6 @@ def watched(what: str, xs: list[Any], value: Any) -> list[Any]:
     cannot run such an identity there when nothing differentiates it ("custom_vjp
     symbolic_zeros support with shard_map is not implemented"), so a forward pass alone (an
     evaluation step) would fail. There the warning is not given."""
-    if getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()):
+    if manual_axes():
         return list(xs)
     return list(_watch(what, list(xs), _floats(value)))

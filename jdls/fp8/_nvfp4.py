@@ -314,7 +314,8 @@ def dequantize_nvfp4(q: NVFP4Array) -> jax.Array:
     return unblocked(out, q.values.shape)
 
 
-def _signs(signs: Any) -> np.ndarray:
+def _signs(signs: Any) -> tuple[float, ...]:
+    """The 16 signs, checked, as the static argument of the compiled transform."""
     if isinstance(signs, jax.core.Tracer):
         raise TypeError(
             "signs must be known while tracing (they are part of the compiled transform): give "
@@ -327,7 +328,7 @@ def _signs(signs: Any) -> np.ndarray:
             f"signs must be {BLOCK} values, each +1 or -1 (the default is TransformerEngine's "
             f"jdls.fp8.TE_SIGNS), got {signs!r}"
         )
-    return s.astype(np.float32)
+    return tuple(float(v) for v in s)
 
 
 def hadamard(x: jax.Array, axis: int = -1, signs: Any = None) -> jax.Array:
@@ -358,7 +359,7 @@ def hadamard(x: jax.Array, axis: int = -1, signs: Any = None) -> jax.Array:
             f"axis {axis} is out of bounds for an array of {x.ndim} dimensions: give an axis "
             f"from {-x.ndim} to {x.ndim - 1}"
         )
-    return _hadamard(x, axis % x.ndim, tuple(float(v) for v in _signs(signs)))
+    return _hadamard(x, axis % x.ndim, _signs(signs))
 
 
 # Compiled as one program, also when called eagerly (op by op it lowered 70 programs for one
