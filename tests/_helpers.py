@@ -90,6 +90,35 @@ def assert_bitwise_equal(a: Any, b: Any) -> None:
         assert x.tobytes() == y.tobytes(), f"{jax.tree_util.keystr(path)}: {x} != {y}"
 
 
+def assert_equal_within_ulps(a: Any, b: Any, ulps: int = 4) -> None:
+    """Same tree structure, dtypes and shapes; integer and boolean leaves equal; float leaves
+    non-finite at the same places and otherwise within ``ulps`` units in the last place of
+    the larger magnitude. For two different programs of the same arithmetic (one device
+    against ``pmap``, operands swapped), which XLA may sum in different orders or fuse
+    differently, depending on the CPU's vector width: an error of jdls (an average where a
+    maximum belongs, a measurement counted as a gradient) is many ulps off."""
+    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
+    for (path, x), y in zip(
+        jax.tree_util.tree_flatten_with_path(a)[0], jax.tree_util.tree_leaves(b), strict=True
+    ):
+        x, y = np.asarray(x), np.asarray(y)
+        where = jax.tree_util.keystr(path)
+        assert x.dtype == y.dtype and x.shape == y.shape, where
+        if not np.issubdtype(x.dtype, np.floating):
+            assert x.tobytes() == y.tobytes(), f"{where}: {x} != {y}"
+            continue
+        x64, y64 = x.astype(np.float64), y.astype(np.float64)
+        finite = np.isfinite(x64)
+        assert np.array_equal(finite, np.isfinite(y64)), f"{where}: {x} != {y}"
+        assert np.array_equal(x64[~finite], y64[~finite], equal_nan=True), f"{where}: {x} != {y}"
+        big = np.maximum(np.abs(x64[finite]), np.abs(y64[finite]))
+        info = jnp.finfo(x.dtype)
+        exponent = np.floor(np.log2(np.maximum(big, float(info.smallest_normal))))
+        spacing = 2.0 ** (exponent - info.nmant)
+        off = np.abs(x64[finite] - y64[finite])
+        assert np.all(off <= ulps * spacing), f"{where}: {x} != {y} (more than {ulps} ulps)"
+
+
 def tanh_stack(layers: int = 3, width: int = 256) -> tuple[Callable[..., jax.Array], Any, int]:
     """``(loss, params, gradient_buffer)``: ``layers`` float16 tanh layers of ``width`` (the
     model of the compiled-memory tests) and the bytes of one float32 gradient buffer."""

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _helpers import assert_bitwise_equal
+from _helpers import assert_bitwise_equal, assert_equal_within_ulps
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax import lax
@@ -172,7 +172,10 @@ def _comparable(p, layout):
 def _check(sites, framework, chain, form, layout):
     got = _run(sites, framework, chain, form, layout)
     ref = _reference(sites, framework)
-    assert_bitwise_equal(_comparable(got, layout), _comparable(ref, layout))
+    if layout == "one device":
+        assert_bitwise_equal(_comparable(got, layout), _comparable(ref, layout))
+    else:  # each device computes its part of the cotangents: XLA may round one differently
+        assert_equal_within_ulps(_comparable(got, layout), _comparable(ref, layout))
     np.testing.assert_allclose(
         np.asarray(_get(got, "w")), np.asarray(_get(ref, "w")), rtol=2e-5, atol=1e-6
     )

