@@ -431,3 +431,42 @@ def test_measuring_the_layers_copies_no_gradient():
         layered.memory_analysis().temp_size_in_bytes - plain.memory_analysis().temp_size_in_bytes
     ) / gradient_buffer
     assert extra <= 0.25, f"{extra:.2f} gradient buffers more than the step at one scale"
+
+
+@pytest.mark.parametrize("x", [1e30, 3.0, float("inf"), float("nan")])
+@with_and_without_jit
+def test_the_wrap_decides_from_the_layers_measurement_as_from_its_own(jit, x) -> None:
+    """The wrap behind per-layer scales takes the largest gradient their layers measured:
+    it decides as when it measures the gradients itself (copies of them, which it does not
+    recognise), a finite gradient whose float32 sum of squares overflows (1e30) taken, an
+    inf or a NaN skipped, and it compiles no second pass over an overflowing sum."""
+    tx = jdls.wrap(optax.sgd(1.0), jdls.NoOpScale())
+    params = {"a": jnp.full(4, 2.0), "b": jnp.full(3, 0.5)}
+    sites = sites_of({"a": jdls.StaticScale(1.0), "b": jdls.StaticScale(1.0)})
+
+    def loss(p, s, w):
+        h = jdls.apply_site(jnp.sum(p["a"] * w), s["a"])
+        return jdls.apply_site(jnp.sum(h * p["b"]), s["b"])
+
+    def step(params, sites, state, w, copy):
+        _, (grads, _) = jdls.layer_scaled_value_and_grad(loss)(params, sites, w)
+        if copy:
+            grads = jax.tree.map(jnp.copy, grads)
+        updates, state = tx.update(grads, state, params)
+        return updates, state
+
+    state = tx.init(params)
+    w = jnp.full(4, x, jnp.float32)
+    run = jax.jit(step, static_argnums=4) if jit else step
+    handed = run(params, sites, state, w, False)
+    measured = run(params, sites, state, w, True)
+    assert_bitwise_equal(handed[0], measured[0])
+    assert_bitwise_equal(jdls.stats(handed[1]).finite, measured[1].stats.finite)
+    assert bool(jdls.stats(handed[1]).finite) == (x == 1e30 or x == 3.0)
+    if x == 3.0:
+        assert_bitwise_equal(jdls.stats(handed[1]).grad_norm, measured[1].stats.grad_norm)
+    conds = [
+        str(jax.make_jaxpr(step, static_argnums=4)(params, sites, state, w, c)).count("cond[")
+        for c in (False, True)
+    ]
+    assert conds[0] == conds[1] - 1, conds  # the measured step's second pass

@@ -1,8 +1,8 @@
-"""What the gradients measured before a transformation changed them, handed to ``jdls.wrap``.
+"""What was measured of the gradients before they reach ``jdls.wrap``, handed to it.
 
-Two handoffs, one idea: the rule sets the scale for the next backward pass, so it must
-measure what the backward pass computed, not what a transformation in front of the wrap made
-of it.
+The first two handoffs share one idea: the rule sets the scale for the next backward pass, so
+it must measure what the backward pass computed, not what a transformation in front of the
+wrap made of it. The third saves the wrap a reduction the differentiation already made.
 
 **From ``jdls.clip``.**
 ``optax.chain(jdls.clip(c), jdls.wrap(inner))`` gives the wrap only the clipped gradients. A
@@ -33,6 +33,13 @@ gradients computed again and again with one scale (eagerly, an accumulation loop
 micro-batches) are never all held at once. The record holds the loss of the last call too
 (and whether an earlier one was nonzero): gradients all zero where the loss was not are taken
 for gradients that flushed before the rule's first measurement (``SkipCause.UNDERFLOW``).
+
+**From per-layer scales.** Their differentiation measures each layer's largest gradient (inf
+where the layer is not finite), which with the sum of squares the wrap makes anyway decides
+finiteness exactly. It records their largest for the float gradient leaves it returns
+(:func:`remember_largest`), and a wrap given those very leaves, in order, reads its first
+pass's sums alone (:func:`recall_largest`): no reduction of its own for the largest magnitude,
+and no second pass compiled for an overflowing sum of squares.
 """
 
 from __future__ import annotations
@@ -53,8 +60,10 @@ __all__ = [
     "nonzero",
     "recall",
     "recall_backward",
+    "recall_largest",
     "remember",
     "remember_backward",
+    "remember_largest",
 ]
 
 
@@ -78,6 +87,21 @@ def recall(leaves: Sequence[Any], axis_name: Hashable | None) -> GlobalNorm | No
     if record is None or record.axis_name != axis_name:
         return None
     return record.norm
+
+
+_largest: ByIdentity[jax.Array] = ByIdentity()
+
+
+def remember_largest(leaves: Sequence[Any], largest: jax.Array) -> None:
+    """Record ``largest``, the largest magnitude of the float ``leaves`` on this device (a
+    float32 scalar, inf where an element is not finite), for those leaves."""
+    _largest.put(leaves, largest)
+
+
+def recall_largest(leaves: Sequence[Any]) -> jax.Array | None:
+    """The largest magnitude recorded for exactly these ``leaves`` (the same objects, in
+    order), or None."""
+    return _largest.get(leaves)
 
 
 # --------------------------------------------------------------------------------------------

@@ -210,6 +210,7 @@ def global_norm(
     per_leaf: bool = False,
     largest: bool = False,
     exact_overflow: bool = True,
+    known_largest: jax.Array | None = None,
 ) -> GlobalNorm:
     """Finiteness and global norm of float ``leaves`` from one sum of squares.
 
@@ -230,6 +231,9 @@ def global_norm(
         for bit: inf once the float32 sum of squares overflows (a norm past ``2**64``).
         Leaves of float64 or complex keep the second pass (their magnitude may overflow
         float32).
+      known_largest: with ``largest``, the largest magnitude of ``leaves`` on this device
+        (float32; inf where an element is not finite), already measured by whoever computed
+        them (per-layer scales measure each layer): the first pass then reads the sums alone.
     """
     n = len(leaves)
     keep = [i for i, x in enumerate(leaves) if x.size > 0]
@@ -243,9 +247,10 @@ def global_norm(
     xs = [leaves[i] for i in keep]
     is_sharded = (False,) * len(xs) if sharded is None else tuple(sharded[i] for i in keep)
     reduce, usual, careful = _branches(axis_name, is_sharded, largest)
-    first = first_pass(xs, largest=largest)
+    first = first_pass(xs, largest=largest and known_largest is None)
     total = reduce(list(first.sums))
-    fast = [first.largest] if largest and first.largest is not None else []
+    top = first.largest if known_largest is None else known_largest
+    fast = [top] if largest and top is not None else []
     if not exact_overflow:
         if not largest or per_leaf:
             raise ValueError("exact_overflow=False needs largest=True and per_leaf=False")
@@ -327,6 +332,7 @@ def tree_norm(
     per_leaf: bool = False,
     largest: bool = False,
     exact_overflow: bool = True,
+    known_largest: jax.Array | None = None,
 ) -> GlobalNorm:
     """:func:`global_norm` of the float leaves of ``tree``, with ``sharded`` given per subtree
     (a bool, a pytree prefix of bools, or a function of the tree returning one)."""
@@ -338,6 +344,7 @@ def tree_norm(
         per_leaf=per_leaf,
         largest=largest,
         exact_overflow=exact_overflow,
+        known_largest=known_largest,
     )
 
 

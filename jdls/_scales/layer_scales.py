@@ -22,6 +22,7 @@ from typing import Any, cast
 import jax
 import jax.numpy as jnp
 
+from jdls._numerics.handoff import remember_largest
 from jdls._numerics.paths import path_key
 from jdls._numerics.scalars import pick
 from jdls._scales.filter import filtered_value_and_grad
@@ -192,6 +193,7 @@ def scale_layers(
     if seed is not None:  # every layer computed at its scale times seed / last (ratios kept)
         levels = [level * (seed / last_scale) for level in levels]
     members: list[list[jax.Array]] = [[] for _ in linked]
+    in_order: list[jax.Array] = []  # every unscaled gradient, in the tree's order
     outside: list[str] = []
 
     def unscale(path: Any, g: Any) -> Any:
@@ -204,6 +206,7 @@ def scale_layers(
             return g
         u = _unscale(g, levels[layer])
         members[layer].append(u)
+        in_order.append(u)
         return u
 
     grads = jax.tree_util.tree_map_with_path(unscale, tuple(grads), is_leaf=is_site)
@@ -213,14 +216,20 @@ def scale_layers(
             "parameter belongs to the layer whose site is next to it (by hand: the site's "
             "key in the sites is the layer's key in the parameters); give their layer a site"
         )
-    measured = {}
+    measured, largest = {}, []
     for layer, (path, site) in enumerate(sites):
         stack = site.kind.stack_shape(site.value)
         amax, finite = _layer_measure(members[layer], stack)
+        largest.append(jnp.ravel(amax))
         measured[path] = Site(
             site.kind,
             {"scale": None, "ratio": jnp.zeros(stack, _F32), "amax": amax, "finite": finite},
         )
+    every = jnp.concatenate(largest)
+    if every.size:
+        # the largest gradient of all (inf where a layer is not finite), for the wrap that
+        # receives these very gradients: it then needs no reduction of its own for it
+        remember_largest(in_order, jnp.max(every))
 
     def measure(path: Any, g: Any) -> Any:
         if not is_site(g):

@@ -25,7 +25,13 @@ import optax
 from jax import lax
 
 from jdls._numerics.checks import all_finite, check_int, check_limit
-from jdls._numerics.handoff import backward_amax, backward_loss_nonzero, nonzero, recall
+from jdls._numerics.handoff import (
+    backward_amax,
+    backward_loss_nonzero,
+    nonzero,
+    recall,
+    recall_largest,
+)
 from jdls._numerics.leaves import FloatLeaves, check_sharded, flatten_floats
 from jdls._numerics.norm import AxisName, GlobalNorm, clip_by_norm, tree_norm
 from jdls._numerics.scalars import one_kernel, pick
@@ -292,17 +298,22 @@ def _measure(
     and for a rule that observes the largest magnitude. A ``jdls.clip`` right in front hands
     over what it measured before clipping; else, for a rule that observes, the largest
     magnitude is that of the gradients ``scale.value_and_grad`` returned
-    (jdls/_numerics/handoff.py): the rule and the statistics see the backward pass."""
+    (jdls/_numerics/handoff.py): the rule and the statistics see the backward pass. Given the
+    gradients of per-layer scales, the largest magnitude their layers measured decides
+    finiteness with the sum of squares: no reduction for it, no second pass compiled."""
     largest = observes(scale)
+    # per-layer scales measured the largest magnitude of these very gradients already
+    known = recall_largest(tree.floats)
     given = tree_norm(
         tree,
         axis_name=axis_name,
         sharded=sharded,
         per_leaf=per_leaf,
-        largest=largest,
+        largest=largest or known is not None,
         # the largest magnitude decides finiteness on its own; only clipping needs the norm
         # of an overflowing sum of squares
-        exact_overflow=clipping or per_leaf or not largest,
+        exact_overflow=clipping or per_leaf or not (largest or known is not None),
+        known_largest=known,
     )
     handed = recall(tree.floats, axis_name)
     if handed is not None:
@@ -313,6 +324,7 @@ def _measure(
     if largest:
         amax = backward_amax(scale.loss_scale, tree.floats, given.amax, axis_name)
         return given._replace(amax=amax), given
+    given = given._replace(amax=None)  # it decided finiteness; the rule observes nothing
     return given, given
 
 
