@@ -304,15 +304,16 @@ def _measure(
     largest = observes(scale)
     # per-layer scales measured the largest magnitude of these very gradients already
     known = recall_largest(tree.floats)
+    decides = largest or known is not None  # a largest magnitude beside the sum of squares
     given = tree_norm(
         tree,
         axis_name=axis_name,
         sharded=sharded,
         per_leaf=per_leaf,
-        largest=largest or known is not None,
+        largest=decides,
         # the largest magnitude decides finiteness on its own; only clipping needs the norm
         # of an overflowing sum of squares
-        exact_overflow=clipping or per_leaf or not (largest or known is not None),
+        exact_overflow=clipping or per_leaf or not decides,
         known_largest=known,
     )
     handed = recall(tree.floats, axis_name)
