@@ -13,6 +13,10 @@ run leaves out
 * the combinations of a test parametrized over several axes beyond a covering sample: every
   value of every axis runs at least once (``covering_items``); a test with one axis runs every
   case.
+
+``--pairs`` (CI's run of the rest) keeps, of the full suite's combinations, the quick run's and
+then those that hold every pair of values of two axes (``pairwise_items``): a test with one or
+two axes runs every case.
 """
 
 import os
@@ -25,7 +29,13 @@ import pytest
 
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
-    os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
+    _flags += " --xla_force_host_platform_device_count=8"
+# LLVM's optimisations off in XLA:CPU's code generation: the suite's programs are small and run
+# a few times each, so compiling them is most of their cost, and the HLO (fusions, what runs)
+# is the same. XLA_FLAGS=--xla_backend_optimization_level=3 runs the suite optimised.
+if "xla_backend_optimization_level" not in _flags:
+    _flags += " --xla_backend_optimization_level=0"
+os.environ["XLA_FLAGS"] = _flags.strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 _TESTS = str(Path(__file__).resolve().parent)
@@ -65,7 +75,15 @@ def pytest_addoption(parser):
         "--full-only",
         action="store_true",
         default=False,
-        help="the full suite less the quick run (CI runs the quick run, then this)",
+        help="the full suite less the quick run",
+    )
+    parser.addoption(
+        "--pairs",
+        action="store_true",
+        default=False,
+        help="with --full or --full-only: of a test parametrized over three axes or more, only "
+        "the combinations that hold every pair of values of two axes (CI runs the quick run, "
+        "then --full-only --pairs)",
     )
 
 
@@ -79,10 +97,11 @@ def full_suite(config: pytest.Config) -> bool:
 
 
 def pytest_report_header(config: pytest.Config) -> str:
+    pairs = ", every pair of values (--pairs)" if config.getoption("--pairs") else ""
     if config.getoption("--full-only"):
-        return "jdls: the full suite less the quick run"
+        return f"jdls: the full suite less the quick run{pairs}"
     if full_suite(config):
-        return "jdls: the full suite"
+        return f"jdls: the full suite{pairs}"
     return "jdls: the quick run (--full or JDLS_FULL=1 runs the full suite)"
 
 
@@ -99,6 +118,31 @@ def covering_items(items: list[pytest.Item]) -> list[pytest.Item]:
             chosen.append(item)
             seen |= values
     return [item for item in items if item in chosen]
+
+
+def pairwise_items(items: list[pytest.Item], first: list[pytest.Item]) -> list[pytest.Item]:
+    """Of the cases of one parametrized test, ``first`` and then, greedily, the cases that add
+    the most pairs of values (of two axes) not yet held, until every pair that some case holds
+    is held: all of them when the test has one or two axes."""
+
+    def pairs(item: pytest.Item) -> set[tuple]:
+        values = sorted(_indices(item).items())
+        return {(a, b) for i, a in enumerate(values) for b in values[i:]}
+
+    chosen = {id(item) for item in first}
+    held = set().union(*(pairs(item) for item in first))
+    rest = sorted(
+        (item for item in items if id(item) not in chosen),
+        key=lambda i: zlib.crc32(i.nodeid.encode()),
+    )
+    while rest:
+        best = max(rest, key=lambda item: len(pairs(item) - held))  # the first of the best
+        if not pairs(best) - held:
+            break
+        chosen.add(id(best))
+        held |= pairs(best)
+        rest.remove(best)
+    return [item for item in items if id(item) in chosen]
 
 
 def _quick_cases(items: list[pytest.Item]) -> list[pytest.Item]:
@@ -135,14 +179,21 @@ def _decorator(item: pytest.Item, name: str) -> tuple[str, ...]:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     full_only = bool(config.getoption("--full-only"))
-    if full_suite(config) and not full_only:
+    pairs = bool(config.getoption("--pairs")) and full_suite(config)
+    if full_suite(config) and not full_only and not pairs:
         return
     tests: dict[str, list[pytest.Item]] = defaultdict(list)
     for item in items:
         tests[item.nodeid.split("[")[0]].append(item)
-    quick = {id(i) for group in tests.values() for i in _quick_cases(group)}
-    # --full-only: the complement
-    keep = {id(i) for i in items if id(i) not in quick} if full_only else quick
+    quick_cases = {name: _quick_cases(group) for name, group in tests.items()}
+    quick = {id(i) for cases in quick_cases.values() for i in cases}
+    if pairs:  # the quick run's cases, then every pair of values
+        full = {id(i) for n, g in tests.items() for i in pairwise_items(g, quick_cases[n])}
+    else:
+        full = {id(i) for i in items}
+    keep = quick
+    if full_suite(config):
+        keep = full - quick if full_only else full  # --full-only: less the quick run
     deselected = [item for item in items if id(item) not in keep]
     if deselected:
         config.hook.pytest_deselected(items=deselected)

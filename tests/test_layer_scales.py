@@ -97,7 +97,7 @@ def test_per_layer_scaled_gradients_equal_float32_gradients(jit: bool) -> None:
     loss = lambda p, s, x: deep_loss(p, s, x, jnp.float32)  # noqa: E731
     fn = maybe_jit(jdls.layer_scaled_value_and_grad(loss), jit)
     value, (grads, measurements) = fn(params, sites, x)
-    expected_value, expected = jax.value_and_grad(loss)(params, None, x)
+    expected_value, expected = maybe_jit(jax.value_and_grad(loss), jit)(params, None, x)
     assert float(value) == float(expected_value)
     for name in params:
         atol = 1e-6 * float(jnp.max(jnp.abs(expected[name])))
