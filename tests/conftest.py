@@ -29,13 +29,7 @@ import pytest
 
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
-    _flags += " --xla_force_host_platform_device_count=8"
-# LLVM's optimisations off in XLA:CPU's code generation: the suite's programs are small and run
-# a few times each, so compiling them is most of their cost, and the HLO (fusions, what runs)
-# is the same. XLA_FLAGS=--xla_backend_optimization_level=3 runs the suite optimised.
-if "xla_backend_optimization_level" not in _flags:
-    _flags += " --xla_backend_optimization_level=0"
-os.environ["XLA_FLAGS"] = _flags.strip()
+    os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 _TESTS = str(Path(__file__).resolve().parent)
