@@ -13,10 +13,6 @@ run leaves out
 * the combinations of a test parametrized over several axes beyond a covering sample: every
   value of every axis runs at least once (``covering_items``); a test with one axis runs every
   case.
-
-``--pairs`` (CI's run of the rest) keeps, of the full suite's combinations, the quick run's and
-then those that hold every pair of values of two axes (``pairwise_items``): a test with one or
-two axes runs every case.
 """
 
 import os
@@ -69,15 +65,7 @@ def pytest_addoption(parser):
         "--full-only",
         action="store_true",
         default=False,
-        help="the full suite less the quick run",
-    )
-    parser.addoption(
-        "--pairs",
-        action="store_true",
-        default=False,
-        help="with --full or --full-only: of a test parametrized over three axes or more, only "
-        "the combinations that hold every pair of values of two axes (CI runs the quick run, "
-        "then --full-only --pairs)",
+        help="the full suite less the quick run (CI runs the quick run, then this)",
     )
 
 
@@ -91,11 +79,10 @@ def full_suite(config: pytest.Config) -> bool:
 
 
 def pytest_report_header(config: pytest.Config) -> str:
-    pairs = ", every pair of values (--pairs)" if config.getoption("--pairs") else ""
     if config.getoption("--full-only"):
-        return f"jdls: the full suite less the quick run{pairs}"
+        return "jdls: the full suite less the quick run"
     if full_suite(config):
-        return f"jdls: the full suite{pairs}"
+        return "jdls: the full suite"
     return "jdls: the quick run (--full or JDLS_FULL=1 runs the full suite)"
 
 
@@ -112,31 +99,6 @@ def covering_items(items: list[pytest.Item]) -> list[pytest.Item]:
             chosen.append(item)
             seen |= values
     return [item for item in items if item in chosen]
-
-
-def pairwise_items(items: list[pytest.Item], first: list[pytest.Item]) -> list[pytest.Item]:
-    """Of the cases of one parametrized test, ``first`` and then, greedily, the cases that add
-    the most pairs of values (of two axes) not yet held, until every pair that some case holds
-    is held: all of them when the test has one or two axes."""
-
-    def pairs(item: pytest.Item) -> set[tuple]:
-        values = sorted(_indices(item).items())
-        return {(a, b) for i, a in enumerate(values) for b in values[i:]}
-
-    chosen = {id(item) for item in first}
-    held = set().union(*(pairs(item) for item in first))
-    rest = sorted(
-        (item for item in items if id(item) not in chosen),
-        key=lambda i: zlib.crc32(i.nodeid.encode()),
-    )
-    while rest:
-        best = max(rest, key=lambda item: len(pairs(item) - held))  # the first of the best
-        if not pairs(best) - held:
-            break
-        chosen.add(id(best))
-        held |= pairs(best)
-        rest.remove(best)
-    return [item for item in items if id(item) in chosen]
 
 
 def _quick_cases(items: list[pytest.Item]) -> list[pytest.Item]:
@@ -173,21 +135,14 @@ def _decorator(item: pytest.Item, name: str) -> tuple[str, ...]:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     full_only = bool(config.getoption("--full-only"))
-    pairs = bool(config.getoption("--pairs")) and full_suite(config)
-    if full_suite(config) and not full_only and not pairs:
+    if full_suite(config) and not full_only:
         return
     tests: dict[str, list[pytest.Item]] = defaultdict(list)
     for item in items:
         tests[item.nodeid.split("[")[0]].append(item)
-    quick_cases = {name: _quick_cases(group) for name, group in tests.items()}
-    quick = {id(i) for cases in quick_cases.values() for i in cases}
-    if pairs:  # the quick run's cases, then every pair of values
-        full = {id(i) for n, g in tests.items() for i in pairwise_items(g, quick_cases[n])}
-    else:
-        full = {id(i) for i in items}
-    keep = quick
-    if full_suite(config):
-        keep = full - quick if full_only else full  # --full-only: less the quick run
+    quick = {id(i) for group in tests.values() for i in _quick_cases(group)}
+    # --full-only: the complement
+    keep = {id(i) for i in items if id(i) not in quick} if full_only else quick
     deselected = [item for item in items if id(item) not in keep]
     if deselected:
         config.hook.pytest_deselected(items=deselected)
