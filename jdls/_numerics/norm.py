@@ -291,7 +291,13 @@ def _finite_from(nan: jax.Array, top: jax.Array) -> jax.Array:
 
 def first_pass(leaves: Sequence[jax.Array], *, largest: bool) -> FirstPass:
     """The one read of the non-empty float ``leaves`` that :func:`global_norm` makes."""
-    xs = [x for x in leaves if x.size > 0]
+    return _first_pass(tuple(x for x in leaves if x.size > 0), largest)
+
+
+# One program per leaves' shapes: inlined inside a user's jit with its trace kept, one
+# compiled program when called eagerly (not one per operation and leaf).
+@functools.partial(jax.jit, static_argnums=(1,), inline=True)
+def _first_pass(xs: tuple[jax.Array, ...], largest: bool) -> FirstPass:
     sums = tuple(_square_sum(x) for x in xs)
     if not largest:
         return FirstPass(sums, None)

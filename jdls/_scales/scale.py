@@ -7,6 +7,7 @@ scale, the rule's int32 counters) are children; its configuration (the rule) is 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any, TypeGuard, TypeVar
 
@@ -222,14 +223,16 @@ class DynamicScale(LossScale):
         if grad_amax is None:
             if self.rule.observes and not _known_overflow(grads_finite):
                 raise ValueError(missing_measurement(self.rule))
-            loss_scale, state = self.rule.adjust(self.loss_scale, self.state, finite)
+            loss_scale, state = _ruled(self.rule, "adjust", self.loss_scale, self.state, finite)
         else:
             amax = jnp.asarray(grad_amax, _F32)
             if amax.shape != ():
                 raise ValueError(
                     f"grad_amax must be a scalar (the largest |gradient|), got shape {amax.shape}"
                 )
-            loss_scale, state = self.rule.observe(self.loss_scale, self.state, finite, amax)
+            loss_scale, state = _ruled(
+                self.rule, "observe", self.loss_scale, self.state, finite, amax
+            )
         return self.replace(loss_scale=loss_scale, state=state)
 
     def back_off(self) -> DynamicScale:
@@ -249,7 +252,7 @@ class DynamicScale(LossScale):
           >>> scale.back_off() == scale.adjust(False).adjust(False)
           True
         """
-        loss_scale, state = self.rule.back_off(self.loss_scale, self.state)
+        loss_scale, state = _ruled(self.rule, "back_off", self.loss_scale, self.state)
         return self.replace(loss_scale=loss_scale, state=state)
 
     def check(self) -> DynamicScale:
@@ -277,6 +280,26 @@ class DynamicScale(LossScale):
         fields = getattr(self.state, "_asdict", lambda: {"state": self.state})()
         counters = ", ".join(f"{k}={show(v)}" for k, v in fields.items())
         return f"DynamicScale(loss_scale={show(self.loss_scale)}, {counters}, rule={self.rule!r})"
+
+
+# A rule's arithmetic (the adaptive rule's is about 170 scalar operations) is one program per
+# rule and shapes. Inside a user's jit it is inlined (``inline=True``: the same operations, no
+# inner call) and its trace is kept, so a second program with the same rule (the evaluation
+# step, a retrace, another test) does not trace it again; called eagerly it is one compiled
+# program, not one per operation.
+@functools.partial(jax.jit, static_argnums=(0, 1), inline=True)
+def _compiled_rule(rule: Rule, method: str, *args: Any) -> tuple[jax.Array, Any]:
+    return getattr(rule, method)(*args)
+
+
+def _ruled(rule: Rule, method: str, *args: Any) -> tuple[jax.Array, Any]:
+    """``rule.method(*args)``, compiled once per rule and shapes (a rule that does not hash,
+    which a user's own may not, runs as written)."""
+    try:
+        hash(rule)
+    except TypeError:
+        return getattr(rule, method)(*args)
+    return _compiled_rule(rule, method, *args)
 
 
 def _known_overflow(grads_finite: Any) -> bool:

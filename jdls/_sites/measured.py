@@ -32,6 +32,7 @@ hand) is per device; ``jdls.update_sites(..., axis_name=...)`` reduces it, and l
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -144,6 +145,9 @@ def _shifts(dtype: Any, ndim: int) -> Any:
     return _along(np.arange(8 * (dtype.itemsize - 1), -1, -8, dtype=np.uint32), ndim)
 
 
+# Coding and decoding are one program per dtype and shape: inlined inside a user's jit with
+# their traces kept, one compiled program each when called eagerly (see _scales/scale.py).
+@functools.partial(jax.jit, inline=True)
 def _decode(part: _Bytes, count: jax.Array) -> jax.Array:
     coded = jnp.asarray(part.coded, _F32)
     c = jnp.reshape(count, jnp.shape(count) + (1,) * (coded.ndim - jnp.ndim(count)))
@@ -186,13 +190,19 @@ def _encode(leaf: Any) -> Any:
     dtype = jnp.dtype(leaf.dtype)
     if dtype not in _PACKED:
         return None if not jnp.issubdtype(dtype, jnp.inexact) else leaf
+    return _Bytes(_coded(leaf), dtype)
+
+
+@functools.partial(jax.jit, inline=True)
+def _coded(leaf: jax.Array) -> jax.Array:
+    dtype = jnp.dtype(leaf.dtype)
     if dtype.itemsize == 2:
         bits = lax.bitcast_convert_type(leaf, jnp.uint16).astype(jnp.uint32)
     else:
         bits = lax.bitcast_convert_type(leaf, jnp.uint32)
     data = (bits[None] >> _shifts(dtype, bits.ndim + 1)) & 0xFF
     coded = jnp.concatenate([data, _check_of(data)[None]], axis=0)
-    return _Bytes(coded.astype(_F32) * _UNIT, dtype)
+    return coded.astype(_F32) * _UNIT
 
 
 def _global(site: Site, axes: tuple[Any, ...], tracked: frozenset[Any]) -> Site:

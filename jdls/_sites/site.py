@@ -94,7 +94,10 @@ class SiteKind:
 
     def update(self, value: Any, measurement: Any, finite: jax.Array) -> Any:
         """The site's value for the next step, from this step's ``measurement`` and whether
-        the step was taken (``finite``; a skipped step is ``False``). Default: unchanged."""
+        the step was taken (``finite``; a skipped step is ``False``). Default: unchanged.
+
+        Pure and traceable: jdls traces it once per kind and shapes and keeps the trace
+        (inlined in a jitted step; called eagerly, one compiled program)."""
         del measurement, finite
         return value
 

@@ -4,6 +4,7 @@ gradients), merged back, and updated by their kinds from their measurements.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -66,14 +67,26 @@ def _update_one(
             f"update_sites: the measurement of a {type(site.kind).__name__} site is "
             f"{type(measured).__name__}; pass the sites' gradients as the measurements"
         )
-    update: Callable[..., Any] = site.kind.update
+    update: Callable[..., Any] = functools.partial(_kind_update, site.kind)
     for _ in site.kind.stack_shape(site.value):
         update = jax.vmap(update, in_axes=(0, 0, None))
     value = measured.value
     if axis_name is not None and not isinstance(measured, Measured):  # global already
         value = site.kind.reduce(value, axis_name)
     # the measurement's integer leaves are None (held fixed) or float0: the kind ignores them
+    value = jax.tree_util.tree_map(lambda x: None if _is_float0(x) else x, value)
     return Site(site.kind, update(site.value, value, finite))
+
+
+def _is_float0(x: Any) -> bool:
+    return getattr(x, "dtype", None) == jax.dtypes.float0
+
+
+# A kind's update is one program per kind and shapes: inlined inside a user's jit with its
+# trace kept (a probe per module updates alike), one compiled program when called eagerly.
+@functools.partial(jax.jit, static_argnums=(0,), inline=True)
+def _kind_update(kind: Any, value: Any, measured: Any, finite: jax.Array) -> Any:
+    return kind.update(value, measured, finite)
 
 
 def update_sites(sites: Any, measurements: Any, finite: Any = True, axis_name: Any = None) -> Any:

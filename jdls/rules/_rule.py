@@ -3,7 +3,9 @@
 A rule is static configuration (a frozen dataclass: changing it recompiles). The changing part,
 its counters, is a small pytree of arrays that :class:`jdls.DynamicScale` carries beside the
 loss scale. ``adjust`` maps (loss scale, counters, was the step finite?) to the next pair, and
-must be pure and traceable (it runs inside ``jit``, ``vmap`` and ``lax.cond``).
+must be pure and traceable (it runs inside ``jit``, ``vmap`` and ``lax.cond``). jdls traces
+it once per rule and shapes and keeps the trace: inlined in a jitted step, one compiled
+program when called eagerly (a rule that does not hash runs as written, every call).
 """
 
 from __future__ import annotations
