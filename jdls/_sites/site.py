@@ -97,7 +97,8 @@ class SiteKind:
         the step was taken (``finite``; a skipped step is ``False``). Default: unchanged.
 
         Pure and traceable: jdls traces it once per kind and shapes and keeps the trace
-        (inlined in a jitted step; called eagerly, one compiled program)."""
+        (inlined in a jitted step; called eagerly, one compiled program). Kinds that compare
+        equal share it: every field it reads takes part in the dataclass's equality."""
         del measurement, finite
         return value
 

@@ -5,7 +5,9 @@ its counters, is a small pytree of arrays that :class:`jdls.DynamicScale` carrie
 loss scale. ``adjust`` maps (loss scale, counters, was the step finite?) to the next pair, and
 must be pure and traceable (it runs inside ``jit``, ``vmap`` and ``lax.cond``). jdls traces
 it once per rule and shapes and keeps the trace: inlined in a jitted step, one compiled
-program when called eagerly (a rule that does not hash runs as written, every call).
+program when called eagerly (a rule that does not hash runs as written, every call). Rules
+that compare equal share the trace, so every field the arithmetic reads takes part in the
+dataclass's equality (no ``compare=False``).
 """
 
 from __future__ import annotations
