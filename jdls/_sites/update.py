@@ -74,12 +74,7 @@ def _update_one(
     if axis_name is not None and not isinstance(measured, Measured):  # global already
         value = site.kind.reduce(value, axis_name)
     # the measurement's integer leaves are None (held fixed) or float0: the kind ignores them
-    value = jax.tree_util.tree_map(lambda x: None if _is_float0(x) else x, value)
     return Site(site.kind, update(site.value, value, finite))
-
-
-def _is_float0(x: Any) -> bool:
-    return getattr(x, "dtype", None) == jax.dtypes.float0
 
 
 # A kind's update is one program per kind and shapes: inlined inside a user's jit with its
