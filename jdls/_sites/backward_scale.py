@@ -18,7 +18,7 @@ applies it (:func:`seeded`).
 
 Where the cotangent's scale differs from place to place, one context cannot say it: per-layer
 scales (``jdls/_scales/layer_scales.py``: inside layer ``k`` the cotangent carries layer
-``k``'s scale) and per-loss scales with one backward pass (``jdls/_scales/multi_loss.py``:
+``k``'s scale) and per-loss scales with one backward pass (``jdls/_scales/multi_loss_passes.py``:
 each region of the backward pass runs at its own level). There the differentiation *tells*
 each site that reads the loss scale (a kind with ``reads_loss_scale``, the FP8 dot's) the
 factor between its cotangent and the loss's scale: :func:`tell_sites` replaces such a site of
