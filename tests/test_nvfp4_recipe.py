@@ -451,3 +451,23 @@ def test_keep_high_precision_names_a_wrong_layer():
         fp8.nvfp4(stochastic_rounding="yes")
     with pytest.raises(ValueError, match="amax must be"):
         fp8.quantize_nvfp4(jnp.ones((2, 16)), amax=-1.0)
+
+
+def test_signs_are_refused_not_rounded_as_the_transform_refuses_them():
+    te = list(fp8.TE_SIGNS)
+    # a float or NumPy vector of exact signs is taken, kept as the ints TE_SIGNS holds
+    assert fp8.NVFP4Scaling(signs=np.asarray(te, np.float32)).signs == fp8.TE_SIGNS
+    assert fp8.NVFP4Scaling(signs=[float(s) for s in te]) == fp8.nvfp4()
+    assert fp8.NVFP4Scaling(signs=(1,) * 16).signs == (1,) * 16
+    bad = [
+        [1.5, *te[1:]],  # int(1.5) would be 1
+        [True, *[s == 1 for s in te[1:]]],  # bools are not signs
+        ["1", *te[1:]],
+        te[:15],
+        [0, *te[1:]],
+    ]
+    for signs in bad:
+        with pytest.raises(ValueError, match="signs must be 16 values, each \\+1 or -1"):
+            fp8.NVFP4Scaling(signs=signs)
+        with pytest.raises(ValueError, match="signs must be 16 values, each \\+1 or -1"):
+            fp8.hadamard(jnp.ones((16, 2)), 0, signs=signs)

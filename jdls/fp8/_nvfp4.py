@@ -51,6 +51,7 @@ __all__ = [
     "BLOCK",
     "TE_SIGNS",
     "NVFP4Array",
+    "checked_signs",
     "dequantize_nvfp4",
     "hadamard",
     "quantize_nvfp4",
@@ -314,8 +315,10 @@ def dequantize_nvfp4(q: NVFP4Array) -> jax.Array:
     return unblocked(out, q.values.shape)
 
 
-def _signs(signs: Any) -> tuple[float, ...]:
-    """The 16 signs, checked, as the static argument of the compiled transform."""
+def checked_signs(signs: Any) -> tuple[float, ...]:
+    """The 16 signs, checked, as the static argument of the compiled transform (``None``:
+    TransformerEngine's). Numbers only, each exactly +1 or -1: a bool, a string or 1.5 is
+    refused, not rounded."""
     if isinstance(signs, jax.core.Tracer):
         raise TypeError(
             "signs must be known while tracing (they are part of the compiled transform): give "
@@ -323,7 +326,7 @@ def _signs(signs: Any) -> tuple[float, ...]:
             "jitted function's argument: close over them, or pass a tuple as a static argument)"
         )
     s = np.asarray(TE_SIGNS if signs is None else signs)
-    if s.shape != (BLOCK,) or not np.all(np.abs(s) == 1):
+    if s.shape != (BLOCK,) or s.dtype.kind not in "iuf" or not np.all(np.abs(s) == 1):
         raise ValueError(
             f"signs must be {BLOCK} values, each +1 or -1 (the default is TransformerEngine's "
             f"jdls.fp8.TE_SIGNS), got {signs!r}"
@@ -359,7 +362,7 @@ def hadamard(x: jax.Array, axis: int = -1, signs: Any = None) -> jax.Array:
             f"axis {axis} is out of bounds for an array of {x.ndim} dimensions: give an axis "
             f"from {-x.ndim} to {x.ndim - 1}"
         )
-    return _hadamard(x, axis % x.ndim, _signs(signs))
+    return _hadamard(x, axis % x.ndim, checked_signs(signs))
 
 
 # Compiled as one program, also when called eagerly (op by op it lowered 70 programs for one

@@ -35,7 +35,14 @@ from jdls._numerics.axes import bound_axes, tracked_axes, varying_axes
 from jdls.fp8._block import blocked, unblocked
 from jdls.fp8._block_dot import BlockScaling
 from jdls.fp8._formats import Formats, format_max
-from jdls.fp8._nvfp4 import BLOCK, TE_SIGNS, hadamard, padded_length, quantize_parts
+from jdls.fp8._nvfp4 import (
+    BLOCK,
+    TE_SIGNS,
+    checked_signs,
+    hadamard,
+    padded_length,
+    quantize_parts,
+)
 from jdls.fp8._recipe import (
     Measurement,
     Quantized,
@@ -117,13 +124,8 @@ class NVFP4Scaling:
                 f"high_precision must be one of {_HIGH} (the format of the dots kept out of "
                 f"NVFP4), got {self.high_precision!r}"
             )
-        signs = tuple(int(s) for s in self.signs)
-        if len(signs) != BLOCK or any(s not in (1, -1) for s in signs):
-            raise ValueError(
-                f"signs must be {BLOCK} values of +1 or -1 (default: jdls.fp8.TE_SIGNS), "
-                f"got {self.signs!r}"
-            )
-        object.__setattr__(self, "signs", signs)
+        # the check hadamard makes (1.5, True or "1" refused, not rounded), kept as ints
+        object.__setattr__(self, "signs", tuple(int(v) for v in checked_signs(self.signs)))
         if not (isinstance(self.seed, int) and not isinstance(self.seed, bool)) or not (
             0 <= self.seed < _SEEDS
         ):
