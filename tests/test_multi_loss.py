@@ -574,6 +574,38 @@ def test_errors_say_what_to_pass(backward: str) -> None:
         fn(jnp.ones(2))
 
 
+@both_backwards
+def test_a_loss_that_is_not_a_scalar_or_a_wrong_has_aux_names_the_fix(backward: str) -> None:
+    scales = {"a": jdls.StaticScale(8.0), "b": jdls.StaticScale(2.0**10)}
+    w = jnp.arange(1.0, 4.0)
+    vg = lambda f, **k: jdls.multi_loss_value_and_grad(f, scales, **k, backward=backward)  # noqa: E731
+
+    def losses(w):
+        return {"a": jnp.sum(w**2), "b": jnp.sum(w)}
+
+    # not summed silently: jax.grad refuses a loss that is not a scalar, and so does jdls
+    with pytest.raises(TypeError, match=r"loss 'a' has shape \(3,\): reduce it"):
+        vg(lambda w: {"a": w**2, "b": jnp.sum(w)})(w)
+    with pytest.raises(
+        TypeError, match=r"has_aux=True, fun must return \(losses, aux\), got a dict"
+    ):
+        vg(losses, has_aux=True)(w)
+    with pytest.raises(ValueError, match="needs has_aux=True"):
+        vg(lambda w: (losses(w), 1.0))(w)
+    with pytest.raises(TypeError, match=r"got an array: with has_aux=True, fun returns"):
+        jdls.multi_loss_value_and_grad(
+            lambda w: (jnp.sum(w), jnp.sum(w**2)),
+            (scales["a"], scales["b"]),
+            has_aux=True,
+            backward=backward,
+        )(w)
+    with pytest.raises(TypeError, match="argnums=3 requires at least 4 positional arguments"):
+        vg(losses, argnums=3)(w)
+    (_, aux), grads, _ = jax.jit(vg(lambda w: (losses(w), 1.0), has_aux=True))(w)
+    assert float(aux) == 1.0 and grads.tolist() == [3.0, 5.0, 7.0]  # 2w + 1
+    assert vg(losses, argnums=-1)(w)[1].tolist() == [3.0, 5.0, 7.0]
+
+
 def test_backward_must_be_one_or_per_loss() -> None:
     with pytest.raises(ValueError, match="'one'.*'per_loss'.*got 'both'"):
         jdls.multi_loss_value_and_grad(lambda w: (w,), (jdls.NoOpScale(),), backward="both")

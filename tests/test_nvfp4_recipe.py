@@ -462,6 +462,8 @@ def test_signs_are_refused_not_rounded_as_the_transform_refuses_them():
     bad = [
         [1.5, *te[1:]],  # int(1.5) would be 1
         [True, *[s == 1 for s in te[1:]]],  # bools are not signs
+        [True, *te[1:]],  # nor is one among ints (it would become 1 in an array)
+        [*te[:3], np.bool_(True), *te[4:]],  # which would turn this -1 into +1
         ["1", *te[1:]],
         te[:15],
         [0, *te[1:]],

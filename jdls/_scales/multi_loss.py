@@ -158,6 +158,14 @@ def multi_loss_value_and_grad(
     run = one_pass if backward == "one" else per_loss
 
     def value_and_grad_fn(*args: Any, **kwargs: Any) -> tuple[Any, ...]:
+        if any(not -len(args) <= n < len(args) for n in nums):
+            raise TypeError(
+                f"differentiating with respect to argnums={argnums} requires at least "
+                f"{max(n + 1 if n >= 0 else -n for n in nums)} positional arguments to be "
+                f"passed by the caller, got {len(args)}: pass them positionally, or change "
+                "argnums"
+            )
+
         def forward(*diff: Any) -> Any:
             full = list(args)
             for n, value in zip(nums, diff, strict=True):

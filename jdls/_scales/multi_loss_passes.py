@@ -11,7 +11,7 @@ summed), and per loss its finite flag and largest unscaled magnitude.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -37,13 +37,38 @@ __all__ = ["one_pass", "per_loss"]
 _F32 = jnp.float32
 
 
+def _split_aux(out: Any, has_aux: bool) -> tuple[Any, Any]:
+    """``fun``'s output as ``(losses, aux)``, checked against ``has_aux``."""
+    if not has_aux:
+        return out, None
+    if not (isinstance(out, tuple | list) and len(out) == 2):
+        raise TypeError(
+            f"with has_aux=True, fun must return (losses, aux), got a {type(out).__name__}: "
+            "return the losses and the aux as a pair, or pass has_aux=False"
+        )
+    return out[0], out[1]
+
+
 def _loss_order(losses: Any, keys: list[Any]) -> tuple[list[Any], list[int]]:
-    """The keys of ``fun``'s losses, and for each the index of its scale."""
-    loss_keys, _ = keyed_items(losses, "fun's losses")
+    """The keys of ``fun``'s losses, and for each the index of its scale; each a scalar."""
+    if not isinstance(losses, Mapping | tuple | list):
+        raise TypeError(
+            "fun's losses must be a dict, tuple or list (one entry per loss), got "
+            f"{'an array' if hasattr(losses, 'shape') else type(losses).__name__}: with "
+            "has_aux=True, fun returns (losses, aux)"
+        )
+    loss_keys, values = keyed_items(losses, "fun's losses")
     if len(loss_keys) != len(keys) or set(loss_keys) != set(keys):
         raise ValueError(
-            f"fun must return one loss per scale, with the keys of scales {keys}; got {loss_keys}"
+            f"fun must return one loss per scale, with the keys of scales {keys}; got "
+            f"{loss_keys} (a fun that also returns an aux, (losses, aux), needs has_aux=True)"
         )
+    for key, value in zip(loss_keys, values, strict=True):
+        if jnp.shape(value) != ():
+            raise TypeError(
+                f"each loss must be a scalar, as jax.grad's; loss {key!r} has shape "
+                f"{jnp.shape(value)}: reduce it (jnp.mean or jnp.sum) before returning it"
+            )
     return loss_keys, [keys.index(k) for k in loss_keys]
 
 
@@ -124,7 +149,7 @@ def _dependence(
 
     def traced(*leaves: Any) -> list[Any]:
         out = forward(*jax.tree_util.tree_unflatten(in_tree, leaves))
-        losses = out[0] if has_aux else out
+        losses, _ = _split_aux(out, has_aux)
         loss_keys, found = _loss_order(losses, keys)
         order[:] = found
         return [losses[k] for k in loss_keys]
@@ -146,7 +171,8 @@ def per_loss(
     """One forward pass, one backward pass per loss, summed after unscaling."""
     _refuse_told_sites(primals)
     if has_aux:
-        losses, vjp_fn, aux = jax.vjp(forward, *primals, has_aux=True)
+        checked = lambda *p: _split_aux(forward(*p), True)  # noqa: E731
+        losses, vjp_fn, aux = jax.vjp(checked, *primals, has_aux=True)
     else:
         (losses, vjp_fn), aux = jax.vjp(forward, *primals), None
     loss_keys, _ = _loss_order(losses, keys)
@@ -238,7 +264,7 @@ def one_pass(
 
     def traced(*leaves: Any) -> list[Any]:
         out = forward(*jax.tree_util.tree_unflatten(in_tree, leaves))
-        losses, aux = out if has_aux else (out, None)
+        losses, aux = _split_aux(out, has_aux)
         loss_keys, order = _loss_order(losses, keys)
         aux_leaves, aux_tree = jax.tree_util.tree_flatten(aux)
         is_traced = [isinstance(a, jax.core.Tracer) for a in aux_leaves]

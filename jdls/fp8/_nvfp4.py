@@ -315,6 +315,17 @@ def dequantize_nvfp4(q: NVFP4Array) -> jax.Array:
     return unblocked(out, q.values.shape)
 
 
+def _holds_bool(signs: Any) -> bool:
+    """Whether a sequence of signs holds a bool (``True`` among ints becomes 1 in an array;
+    an array's own dtype already says it)."""
+    if signs is None or isinstance(signs, np.ndarray | jax.Array | str):
+        return False
+    try:
+        return any(isinstance(v, bool | np.bool_) for v in signs)
+    except TypeError:  # not a sequence: the shape check refuses it
+        return False
+
+
 def checked_signs(signs: Any) -> tuple[float, ...]:
     """The 16 signs, checked, as the static argument of the compiled transform (``None``:
     TransformerEngine's). Numbers only, each exactly +1 or -1: a bool, a string or 1.5 is
@@ -326,7 +337,12 @@ def checked_signs(signs: Any) -> tuple[float, ...]:
             "jitted function's argument: close over them, or pass a tuple as a static argument)"
         )
     s = np.asarray(TE_SIGNS if signs is None else signs)
-    if s.shape != (BLOCK,) or s.dtype.kind not in "iuf" or not np.all(np.abs(s) == 1):
+    if (
+        s.shape != (BLOCK,)
+        or s.dtype.kind not in "iuf"
+        or _holds_bool(signs)
+        or not np.all(np.abs(s) == 1)
+    ):
         raise ValueError(
             f"signs must be {BLOCK} values, each +1 or -1 (the default is TransformerEngine's "
             f"jdls.fp8.TE_SIGNS), got {signs!r}"

@@ -93,7 +93,8 @@ class NVFP4Scaling:
       high_precision: the format of a dot whose ``keep`` state is set: ``"bf16"`` (operands
         rounded to bfloat16) or ``"fp8"`` (per-tensor current scaling, e4m3 operands and
         e5m2 output gradient).
-      signs: the Hadamard transform's 16 signs (default: TransformerEngine's).
+      signs: the Hadamard transform's 16 signs, each +1 or -1 (ints, floats or a NumPy
+        array, kept as ints; default: TransformerEngine's).
       seed: the stochastic rounding's seed of a site made without a key (``jdls.fp8.init``
         with ``key=`` and the framework layers, given their random keys, draw one per site).
       measure_error: measure each dot's weight-gradient error (``Measurement.error`` of the
